@@ -1,0 +1,30 @@
+# Delta weight sync for slime + SGLang. `make demo` and `make test` work on a fresh CPU machine.
+PINS      ?= 0.5.15.post1 0.5.23
+BUILD     ?= build
+PYTEST_ARGS ?=
+PIN       ?= 0.5.15.post1
+SLIME_DIR ?=
+
+.PHONY: venvs test demo check-image-tree clean
+
+venvs:
+	@for p in $(PINS); do scripts/build_venv.sh $$p $(BUILD) || exit 1; done
+
+# One pytest run per SGLang pin: the same tests against both patched versions.
+test: venvs
+	@rc=0; for p in $(PINS); do \
+	  echo "=== tests against patched sglang $$p ==="; \
+	  $(BUILD)/venv-$$p/bin/python -m pytest tests $(PYTEST_ARGS) || rc=1; \
+	done; exit $$rc
+
+demo:
+	@scripts/build_venv.sh $(PIN) $(BUILD)
+	$(BUILD)/venv-$(PIN)/bin/python scripts/demo.py --workdir $(BUILD)/demo
+
+# Rebuild the image's SGLang tree (0.5.15.post1 wheel + slime's `latest` patches) and check ours on top.
+check-image-tree:
+	@test -n "$(SLIME_DIR)" || { echo "usage: make check-image-tree SLIME_DIR=/path/to/slime"; exit 2; }
+	scripts/check_image_tree.sh "$(SLIME_DIR)" $(BUILD)/image-tree
+
+clean:
+	rm -rf $(BUILD)

@@ -1,0 +1,376 @@
+"""Receiver of delta weight sync: sparse positions+values -> bit-exact overwrite of model weights.
+
+Contract (see the wire module for the format):
+
+* Both transports end in :func:`_apply_delta_payload`. A request (one NCCL flush, or the files of
+  one disk publish) is validated *whole* before the first write: checksum, offsets, positions,
+  NaN among values, names/shapes/dtypes against the manifest of the first full sync, and the
+  version rules below. A refused request leaves every weight untouched.
+* Sparse params are densified into a full-shape NaN tensor and fed, in chunks capped by
+  ``--update-weight-delta-chunk-bytes``, to the model's **own** ``load_weights`` inside
+  :func:`_delta_apply_context`, where ``Tensor.copy_`` into model storage keeps the old value
+  wherever the source is NaN and ``Tensor.fill_(nan)`` into model storage is ignored. Reusing the
+  loader inherits every model's name mapping, QKV/gate-up fusion and TP/EP sharding.
+* Versions: an engine accepts a request iff its committed version lies in
+  ``[base_version, version)`` (or it is mid-way through this same version and this is the next
+  flush), and commits ``version`` on the ``final`` request. Full syncs (every param dense) are
+  the only thing a fresh or dirty engine accepts. An engine that wrote part of a sync and then
+  failed is *dirty* until a full sync.
+
+Not supported, refused loudly: quantized engines, sparse fp8/integer params (they travel dense).
+Writes that bypass ``copy_``/``fill_`` (``__setitem__``, ``param.data = ...``, kernels) are not
+masked; the loaders of unquantized dense and MoE models do not use them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+import weakref
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from sglang.srt.weight_sync.delta.wire import (
+    POSITIONS,
+    VALUES,
+    DeltaError,
+    DeltaParam,
+    DeltaPayload,
+    DeltaSpec,
+    decode_positions,
+    dtype_from_str,
+    dtype_to_str,
+    maybe_zstd_decompress,
+    read_safetensors,
+    validate_payload,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_BYTES = 512 << 20
+DEFAULT_READ_WORKERS = 4
+
+
+# ---------------------------------------------------------------- receiver state
+
+
+@dataclasses.dataclass
+class ReceiverState:
+    """What an engine knows about its own weights; lives beside the model, not on the runner.
+
+    (v0.5.23's ``WeightUpdater`` is a frozen slots dataclass and cannot hold new attributes.)
+    """
+
+    version: Optional[int] = None  # committed version; None until the first full sync
+    pending: Optional[int] = None  # version whose flushes are being applied
+    next_flush: int = 0
+    dirty: bool = False
+    manifest: Optional[Dict[str, Tuple[List[int], str]]] = None
+    pending_manifest: Dict[str, Tuple[List[int], str]] = dataclasses.field(default_factory=dict)
+
+
+_STATES: "weakref.WeakKeyDictionary[torch.nn.Module, ReceiverState]" = weakref.WeakKeyDictionary()
+
+
+def receiver_state(model: torch.nn.Module) -> ReceiverState:
+    return _STATES.setdefault(model, ReceiverState())
+
+
+def _runner(host):
+    """The ModelRunner behind a hook site (v0.5.23 hooks sit on its WeightUpdater)."""
+    return getattr(host, "model_runner", host)
+
+
+def _server_arg(host, name: str, default):
+    args = getattr(_runner(host), "server_args", None)
+    value = getattr(args, name, None)
+    return default if value is None else value
+
+
+# ---------------------------------------------------------------- storage index + apply context
+
+
+def _param_storage_index(model: torch.nn.Module) -> Callable[[torch.Tensor], Optional[str]]:
+    """Map a tensor to the name of the param/buffer whose storage holds it (views included), else None.
+
+    Sorted ``[data_ptr, data_ptr + nbytes)`` ranges and a bisect: a ``narrow``ed shard of a fused
+    QKV weight lands inside its owner, a loader's scratch tensor falls in a gap.
+    """
+    ranges = []
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
+        if t.numel():
+            ranges.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name))
+    ranges.sort()
+    starts, ends, names = [], [], []
+    for s, e, n in ranges:
+        if ends and s < ends[-1]:  # aliases or nested views: merge into the enclosing range
+            ends[-1] = max(ends[-1], e)
+            continue
+        starts.append(s)
+        ends.append(e)
+        names.append(n)
+
+    def owner(t: torch.Tensor) -> Optional[str]:
+        if not isinstance(t, torch.Tensor) or t.numel() == 0:
+            return None
+        ptr = t.data_ptr()
+        i = bisect.bisect_right(starts, ptr) - 1
+        return names[i] if i >= 0 and ptr < ends[i] else None
+
+    return owner
+
+
+def _is_nan_scalar(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and value.is_floating_point() and bool(torch.isnan(value))
+    return isinstance(value, float) and math.isnan(value)
+
+
+@contextlib.contextmanager
+def _delta_apply_context(model: torch.nn.Module):
+    """Within: ``copy_`` into model storage writes only where the source is not NaN; ``fill_(nan)`` into it is a no-op.
+
+    The masked write is ``torch.where(isnan(src), dst, src)`` — no host sync, no boolean
+    indexing. ``post_load_weights`` (arithmetic post-processing) runs with the original ops.
+    """
+    owner = _param_storage_index(model)
+    orig_copy, orig_fill = torch.Tensor.copy_, torch.Tensor.fill_
+
+    def copy_(dst, src, non_blocking=False):
+        if (isinstance(src, torch.Tensor) and src.is_floating_point() and dst.is_floating_point()
+                and owner(dst) is not None):
+            src = src.to(device=dst.device, dtype=dst.dtype, non_blocking=non_blocking)
+            src = torch.where(torch.isnan(src), dst, src)
+        return orig_copy(dst, src, non_blocking)
+
+    def fill_(dst, value):
+        if _is_nan_scalar(value) and owner(dst) is not None:
+            return dst
+        return orig_fill(dst, value)
+
+    post = getattr(model, "post_load_weights", None)
+    if post is not None:
+        def post_with_native_ops(*a, **kw):
+            torch.Tensor.copy_, torch.Tensor.fill_ = orig_copy, orig_fill
+            try:
+                return post(*a, **kw)
+            finally:
+                torch.Tensor.copy_, torch.Tensor.fill_ = copy_, fill_
+
+        model.post_load_weights = post_with_native_ops
+    torch.Tensor.copy_, torch.Tensor.fill_ = copy_, fill_
+    try:
+        yield
+    finally:
+        torch.Tensor.copy_, torch.Tensor.fill_ = orig_copy, orig_fill
+        if post is not None:
+            del model.post_load_weights
+
+
+def _decode_delta_one_param(p: DeltaParam, idx: Optional[torch.Tensor], values: torch.Tensor,
+                            device) -> torch.Tensor:
+    """Full-shape source tensor for the loader: NaN where unchanged, the trainer's bytes elsewhere."""
+    vals = values[p.val_start:p.val_end]
+    if idx is None:
+        return vals.to(device).view(p.shape)
+    flat = torch.full((p.numel,), float("nan"), dtype=vals.dtype, device=device)
+    flat.index_copy_(0, idx.to(device), vals.to(device))
+    return flat.view(p.shape)
+
+
+# ---------------------------------------------------------------- the shared apply path
+
+
+def _check_version(state: ReceiverState, specs: Sequence[DeltaSpec], weight_version: Optional[str]) -> DeltaSpec:
+    """One request = one (version, flush); refuse anything the version chain does not allow."""
+    head = specs[0]
+    key = (head.version, head.base_version, head.flush, head.full)
+    for s in specs[1:]:
+        if (s.version, s.base_version, s.flush, s.full) != key:
+            raise DeltaError(f"files of one request disagree on (version, base_version, flush, full): "
+                             f"{key} vs {(s.version, s.base_version, s.flush, s.full)}")
+    if weight_version is not None and str(weight_version) != str(head.version):
+        raise DeltaError(f"weight_version {weight_version!r} differs from the delta's version {head.version}")
+    v, committed = head.version, state.version
+    if head.full:
+        if committed is not None and v <= committed:
+            raise DeltaError(f"full sync version {v} is not newer than the committed version {committed} (replayed?)")
+    else:
+        if state.manifest is None:
+            raise DeltaError("no full sync has been applied yet: the first sync must be full")
+        if state.dirty:
+            raise DeltaError("engine is dirty (a sync failed after part of it was written): it needs a full sync")
+    if state.pending == v and head.flush > 0:
+        if head.flush != state.next_flush:
+            raise DeltaError(f"flush {head.flush} of version {v} is out of order (expected flush {state.next_flush})")
+    elif head.flush != 0:
+        raise DeltaError(f"flush {head.flush} of version {v} arrived without flush 0 (engine at version {committed})")
+    elif not head.full and not (head.base_version <= committed < v):
+        raise DeltaError(f"delta for versions [{head.base_version}, {v}] cannot apply to an engine at committed "
+                         f"version {committed} (duplicate, replayed or out-of-order)")
+    return head
+
+
+def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version: Optional[str] = None) -> Tuple[bool, str]:
+    """Validate a whole request, then write it; ``(False, message)`` leaves weights untouched."""
+    runner = _runner(self)
+    model = runner.model
+    state = receiver_state(model)
+    if not payloads:
+        return False, "delta request holds no payload"
+    head = payloads[0].spec
+    continuing = state.pending == head.version and head.flush > 0
+    try:
+        _refuse_unsupported(runner)
+        head = _check_version(state, [p.spec for p in payloads], weight_version)
+        manifest = state.manifest
+        decoded = [validate_payload(p, manifest) for p in payloads]
+        names = [q.name for p in payloads for q in p.spec.params]
+        if len(set(names)) != len(names):
+            raise DeltaError(f"param {next(n for n in names if names.count(n) > 1)!r} appears in two files of one request")
+    except DeltaError as e:
+        if continuing:
+            state.dirty = True
+        logger.error("delta refused: %s", e)
+        return False, f"delta refused: {e}"
+
+    chunk_cap = int(_server_arg(self, "update_weight_delta_chunk_bytes", DEFAULT_CHUNK_BYTES))
+    device = torch.device(runner.device) if isinstance(runner.device, str) else runner.device
+    if head.flush == 0:
+        state.pending_manifest = {}
+    state.pending, state.next_flush = head.version, head.flush + 1
+    try:
+        with torch.no_grad(), (contextlib.nullcontext() if head.full else _delta_apply_context(model)):
+            chunk, chunk_bytes = [], 0
+            for payload, idxs in zip(payloads, decoded):
+                values = payload.values.to(device, non_blocking=True)
+                for p, idx in zip(payload.spec.params, idxs):
+                    size = p.numel * values.element_size()
+                    if chunk and chunk_bytes + size > chunk_cap:
+                        model.load_weights(chunk)
+                        chunk, chunk_bytes = [], 0
+                    chunk.append((p.name, _decode_delta_one_param(p, idx, values, device)))
+                    chunk_bytes += size
+                    if head.full:
+                        state.pending_manifest[p.name] = (list(p.shape), p.dtype)
+            if chunk:
+                model.load_weights(chunk)
+                del chunk
+    except Exception as e:  # a loader failed mid-way: some weights are written
+        state.dirty = True
+        state.pending = None
+        logger.exception("delta apply failed after writing")
+        return False, f"delta apply failed after a partial write, engine is dirty and needs a full sync: {e!r}"
+
+    nnz = sum(p.nnz for pl in payloads for p in pl.spec.params)
+    if any(p.spec.final for p in payloads):
+        state.version, state.pending, state.next_flush = head.version, None, 0
+        if head.full:
+            state.manifest, state.dirty = state.pending_manifest, False
+            state.pending_manifest = {}
+    kind = "full sync" if head.full else "delta"
+    return True, (f"Succeeded to apply {kind} version {head.version} flush {head.flush} "
+                  f"({len(names)} params, {nnz} values){' (final)' if state.pending is None else ''}.")
+
+
+def _refuse_unsupported(runner) -> None:
+    quant = getattr(getattr(runner, "model_config", None), "quantization", None)
+    if quant:
+        raise DeltaError(f"quantized engines ({quant}) are not supported by delta weight sync")
+
+
+# ---------------------------------------------------------------- transports
+
+
+def _max_file_bytes(model: torch.nn.Module) -> int:
+    """Bound on one decompressed flush file: every element of the model dense, plus positions and header."""
+    from sglang.srt.weight_sync.delta.wire import HEADER_CAP
+
+    elems = sum(p.numel() for p in model.parameters())
+    return 8 + HEADER_CAP + 8 * elems
+
+
+def _read_delta_file(model_path: str, name: str, max_bytes: int) -> DeltaPayload:
+    if not isinstance(name, str) or not name or os.path.basename(name) != name or name in (".", ".."):
+        raise DeltaError(f"file {name!r}: must be a plain file name inside model_path")
+    root = os.path.realpath(model_path)
+    path = os.path.realpath(os.path.join(root, name))
+    if os.path.dirname(path) != root:
+        raise DeltaError(f"file {name!r}: resolves outside model_path (symlink escape)")
+    try:
+        size = os.path.getsize(path)
+        if size > max_bytes:
+            raise DeltaError(f"file {name!r}: {size} bytes exceeds the {max_bytes}-byte bound")
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise DeltaError(f"file {name!r}: cannot read ({e.strerror})") from None
+    return read_safetensors(maybe_zstd_decompress(data, max_bytes, name), name)
+
+
+def _apply_delta(self, model_path: str, files: Optional[List[str]], weight_version: Optional[str] = None) -> Tuple[bool, str]:
+    """Disk transport: read the announced files of one publish in parallel, then apply them as one request."""
+    runner = _runner(self)
+    if not files:
+        return False, "delta refused: load_format 'delta' needs 'files' (the flush files of this publish)"
+    if not os.path.isdir(model_path):
+        return False, f"delta refused: model_path {model_path!r} is not a directory"
+    workers = int(_server_arg(self, "update_weight_delta_read_workers", DEFAULT_READ_WORKERS))
+    max_bytes = _max_file_bytes(runner.model)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            payloads = list(pool.map(lambda n: _read_delta_file(model_path, n, max_bytes), files))
+    except DeltaError as e:
+        return False, f"delta refused: {e}"
+    return _apply_delta_payload(self, payloads, weight_version)
+
+
+def _apply_delta_from_distributed(self, delta: Optional[str], names, dtypes, shapes, group_name: str,
+                                  weight_version: Optional[str] = None) -> Tuple[bool, str]:
+    """NCCL transport: receive both broadcasts first (the sender never hangs on a refusal), then validate."""
+    runner = _runner(self)
+    groups = runner._model_update_group
+    if group_name not in groups:
+        return False, f"delta refused: group {group_name!r} not in {list(groups)}; call init_weights_update_group first"
+    try:
+        if list(names) != [POSITIONS, VALUES] or len(dtypes) != 2 or len(shapes) != 2:
+            raise DeltaError(f"names must be {[POSITIONS, VALUES]} with two dtypes and shapes, got {list(names)}")
+        pos_dtype, val_dtype = dtype_from_str(dtypes[0]), dtype_from_str(dtypes[1])
+        if pos_dtype != torch.uint8:
+            raise DeltaError(f"{POSITIONS} must be uint8, got {dtypes[0]}")
+        n_pos, n_val = (int(math.prod(s)) for s in shapes)
+        bound = _max_file_bytes(runner.model)
+        if n_pos * 1 + n_val * torch.empty((), dtype=val_dtype).element_size() > bound:
+            raise DeltaError(f"broadcast of {n_pos} position bytes and {n_val} values exceeds the model-size bound")
+    except (DeltaError, TypeError, ValueError) as e:
+        return False, f"delta refused (nothing received; the sender's broadcast will time out): {e}"
+    group = groups[group_name]
+    device = torch.device(runner.device) if isinstance(runner.device, str) else runner.device
+    positions = torch.empty(n_pos, dtype=torch.uint8, device=device)
+    values = torch.empty(n_val, dtype=val_dtype, device=device)
+    try:
+        handles = [torch.distributed.broadcast(t, src=0, group=group, async_op=True) for t in (positions, values)]
+        for h in handles:
+            h.wait()
+    except Exception as e:
+        return False, f"delta refused: broadcast on group {group_name!r} failed: {e!r}"
+    try:
+        if not delta:
+            raise DeltaError("load_format 'delta' needs the 'delta' field (a DeltaSpec as JSON)")
+        spec = DeltaSpec.from_json(delta)
+    except DeltaError as e:
+        return False, f"delta refused: {e}"
+    return _apply_delta_payload(self, [DeltaPayload(spec, positions, values, source="broadcast")], weight_version)
+
+
+def update_group_timeout(self):
+    """Explicit, short timeout for weight-update groups: a missing peer fails a sync instead of hanging it."""
+    import datetime
+
+    return datetime.timedelta(seconds=float(_server_arg(self, "update_weight_group_timeout", 120.0)))

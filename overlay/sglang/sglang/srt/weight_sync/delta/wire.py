@@ -1,0 +1,550 @@
+"""Wire format of delta weight sync — the one module both sender and receiver import.
+
+One flush is three things: ``__positions__`` (uint8 blob, little-endian position ints of all
+params concatenated), ``__values__`` (1-D tensor of the flush's single values dtype) and a
+:class:`DeltaSpec` (encoding, per-param offsets, ``wsum64`` checksum, versions). Over NCCL the
+spec travels as JSON in the request's ``delta`` field; on disk it is the safetensors
+``__metadata__`` (string values) of a file holding the two tensors, optionally zstd-compressed
+as a whole (detected by magic, not by name).
+
+Position encodings (``pos_width`` is per param):
+
+* ``indices``: uint32 absolute flat positions into ``param.view(-1)``;
+* ``deltas``/``deltas_zstd``: uint16 gaps ``idx[k] - idx[k-1] - 1`` (``idx[-1] = -1``), or uint32
+  for a param whose largest gap exceeds 65535; decode is ``cumsum(gap + 1) - 1``;
+* dense (``pos_width = 0``): no positions, values hold all ``numel`` elements (full syncs,
+  integer params).
+
+Everything here is integer tensor ops that run unchanged on CPU and CUDA; decoding and
+validation never write model weights, so a request is checked whole before any write.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+import struct
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = [
+    "DeltaEncoding",
+    "DeltaParam",
+    "DeltaSpec",
+    "DeltaPayload",
+    "DeltaError",
+    "wsum64",
+    "encode_positions",
+    "decode_positions",
+    "validate_payload",
+    "write_safetensors",
+    "read_safetensors",
+    "maybe_zstd_decompress",
+    "changed_positions",
+    "encode_flush",
+    "HEADER_CAP",
+]
+
+POSITIONS, VALUES = "__positions__", "__values__"
+CHECKSUM_ALGO = "wsum64"
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+# A flush's header holds one small JSON entry per param; 64 MiB is far above any real one
+# and keeps a forged length from allocating the host away.
+HEADER_CAP = 64 << 20
+_U16_MAX = 0xFFFF
+_U32_MAX = 0xFFFFFFFF
+
+_DTYPES: Dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "bool": torch.bool,
+}
+_ST_NAMES = {
+    torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int8: "I8",
+    torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64", torch.bool: "BOOL",
+}
+_ST_DTYPES = {v: k for k, v in _ST_NAMES.items()}
+_SPARSE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+class DeltaError(ValueError):
+    """A request that must be refused; the message names the param and the cause."""
+
+
+class DeltaEncoding(str, enum.Enum):
+    INDICES = "indices"
+    DELTAS = "deltas"
+    DELTAS_ZSTD = "deltas_zstd"
+
+
+def dtype_from_str(name: str) -> torch.dtype:
+    """``"bfloat16"`` / ``"torch.bfloat16"`` -> dtype; unknown names are refused, not guessed."""
+    key = str(name).removeprefix("torch.")
+    if key not in _DTYPES:
+        raise DeltaError(f"unknown dtype {name!r}")
+    return _DTYPES[key]
+
+
+def dtype_to_str(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def sparse_allowed(dtype: torch.dtype) -> bool:
+    """Only float dtypes with a NaN that the receiver can use as 'unchanged' travel sparse.
+
+    Integer params have no NaN sentinel and fp8 NaN is not reliably preserved by loaders'
+    casts, so both always travel dense.
+    """
+    return dtype in _SPARSE_DTYPES
+
+
+@dataclasses.dataclass
+class DeltaParam:
+    """Address book entry of one param in a flush (no data).
+
+    ``pos_start``/``pos_end`` are byte offsets into ``__positions__``; ``val_start``/``val_end``
+    element offsets into ``__values__``; the k-th decoded position pairs with the k-th value.
+    """
+
+    name: str
+    dtype: str
+    shape: List[int]
+    pos_start: int
+    pos_end: int
+    pos_width: int
+    val_start: int
+    val_end: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nnz(self) -> int:
+        return self.val_end - self.val_start
+
+    @property
+    def dense(self) -> bool:
+        return self.pos_width == 0
+
+    def width_fits(self, encoding: str) -> bool:
+        """``indices`` positions are always 4 bytes; gaps are 2, or 4 for a param's fallback."""
+        return self.pos_width == 4 if DeltaEncoding(encoding) is DeltaEncoding.INDICES else self.pos_width in (2, 4)
+
+
+@dataclasses.dataclass
+class DeltaSpec:
+    """Metadata of one flush: how to read the blobs, how to check them, where they sit in time.
+
+    ``base_version``..``version``: the request is correct for an engine whose committed version
+    lies in that range (overwrite semantics); ``flush`` is the request's index within the sync,
+    ``final`` marks its last request (the engine commits ``version`` then); ``full`` marks a
+    full sync (every param dense), the only thing a dirty or fresh engine accepts.
+    """
+
+    encoding: str
+    params: List[DeltaParam]
+    checksum: str = ""
+    checksum_algo: str = CHECKSUM_ALGO
+    full: bool = False
+    base_version: int = 0
+    version: int = 0
+    flush: int = 0
+    final: bool = True
+
+    _INT_FIELDS = ("base_version", "version", "flush")
+    _BOOL_FIELDS = ("full", "final")
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["encoding"] = DeltaEncoding(self.encoding).value
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    def to_metadata(self) -> Dict[str, str]:
+        """safetensors ``__metadata__`` is ``dict[str, str]``: scalars as text, params as JSON."""
+        d = self.to_dict()
+        md = {k: (json.dumps(v, separators=(",", ":")) if k == "params" else str(v).lower() if isinstance(v, bool) else str(v))
+              for k, v in d.items()}
+        return md
+
+    @classmethod
+    def from_json(cls, text: str) -> "DeltaSpec":
+        try:
+            d = json.loads(text)
+        except (TypeError, ValueError) as e:
+            raise DeltaError(f"delta spec is not valid JSON: {e}") from None
+        return cls.from_dict(d)
+
+    @classmethod
+    def from_metadata(cls, md: Dict[str, str]) -> "DeltaSpec":
+        if not isinstance(md, dict) or "params" not in md or "encoding" not in md:
+            raise DeltaError("file metadata lacks a delta spec (need 'encoding' and 'params')")
+        d = dict(md)
+        try:
+            d["params"] = json.loads(md["params"])
+        except ValueError as e:
+            raise DeltaError(f"metadata 'params' is not valid JSON: {e}") from None
+        for k in cls._INT_FIELDS:
+            if k in d:
+                d[k] = _parse_int(k, d[k])
+        for k in cls._BOOL_FIELDS:
+            if k in d:
+                if d[k] not in ("true", "false"):
+                    raise DeltaError(f"metadata {k!r} must be 'true' or 'false', got {d[k]!r}")
+                d[k] = d[k] == "true"
+        return cls.from_dict(d)
+
+    @classmethod
+    def from_dict(cls, d) -> "DeltaSpec":
+        if not isinstance(d, dict):
+            raise DeltaError("delta spec must be a JSON object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise DeltaError(f"delta spec has unknown fields {sorted(unknown)}")
+        try:
+            DeltaEncoding(d.get("encoding"))
+        except ValueError:
+            raise DeltaError(f"unknown encoding {d.get('encoding')!r} (have: {[e.value for e in DeltaEncoding]})") from None
+        if not isinstance(d.get("params"), list):
+            raise DeltaError("delta spec 'params' must be a list")
+        params = [_param_from_dict(p) for p in d["params"]]
+        out = cls(**{**d, "params": params})
+        for k in cls._INT_FIELDS:
+            if type(getattr(out, k)) is not int or getattr(out, k) < 0:
+                raise DeltaError(f"delta spec {k!r} must be a non-negative integer")
+        for k in cls._BOOL_FIELDS:
+            if type(getattr(out, k)) is not bool:
+                raise DeltaError(f"delta spec {k!r} must be a boolean")
+        if out.checksum_algo != CHECKSUM_ALGO:
+            raise DeltaError(f"unsupported checksum_algo {out.checksum_algo!r} (have: {CHECKSUM_ALGO})")
+        if out.base_version > out.version:
+            raise DeltaError(f"base_version {out.base_version} is above version {out.version}")
+        return out
+
+
+def _parse_int(key, text) -> int:
+    try:
+        return int(text)
+    except (TypeError, ValueError):
+        raise DeltaError(f"metadata {key!r} must be an integer, got {text!r}") from None
+
+
+def _param_from_dict(p) -> DeltaParam:
+    if not isinstance(p, dict):
+        raise DeltaError("every entry of 'params' must be an object")
+    fields = [f.name for f in dataclasses.fields(DeltaParam)]
+    if set(p) != set(fields):
+        raise DeltaError(f"param entry {p.get('name', '?')!r} must have exactly the fields {fields}")
+    name = p["name"]
+    if not isinstance(name, str) or not name:
+        raise DeltaError("param name must be a non-empty string")
+    for k in ("pos_start", "pos_end", "pos_width", "val_start", "val_end"):
+        if type(p[k]) is not int or p[k] < 0:
+            raise DeltaError(f"param {name!r}: {k} must be a non-negative integer")
+    if not isinstance(p["shape"], list) or any(type(s) is not int or s < 0 for s in p["shape"]):
+        raise DeltaError(f"param {name!r}: shape must be a list of non-negative integers")
+    dtype_from_str(p["dtype"])
+    if p["pos_width"] not in (0, 2, 4):
+        raise DeltaError(f"param {name!r}: pos_width must be 0, 2 or 4, got {p['pos_width']}")
+    return DeltaParam(**{k: p[k] for k in fields})
+
+
+@dataclasses.dataclass
+class DeltaPayload:
+    """One flush as it arrived: its spec and the two blobs (any device)."""
+
+    spec: DeltaSpec
+    positions: torch.Tensor
+    values: torch.Tensor
+    source: str = ""  # a file name or "broadcast", for error messages
+
+
+# ---------------------------------------------------------------- checksum
+
+_BLOCK_WORDS = 1 << 22  # bounds the checksum's scratch memory to a few 32 MiB tensors
+
+
+def _wsum(blob: torch.Tensor) -> int:
+    """sum_i w_i * (2i+1) mod 2**64 over the blob read as little-endian u64 words (zero-padded)."""
+    b = blob.reshape(-1).view(torch.uint8) if blob.dtype != torch.uint8 else blob.reshape(-1)
+    pad = (-b.numel()) % 8
+    if pad:
+        b = torch.cat([b, torch.zeros(pad, dtype=torch.uint8, device=b.device)])
+    words = b.view(torch.int64)  # int64 arithmetic wraps mod 2**64 on CPU and CUDA alike
+    total = torch.zeros((), dtype=torch.int64, device=b.device)
+    for start in range(0, words.numel(), _BLOCK_WORDS):
+        w = words[start:start + _BLOCK_WORDS]
+        mult = torch.arange(start, start + w.numel(), dtype=torch.int64, device=b.device).mul_(2).add_(1)
+        total += (w * mult).sum()
+    return int(total.item()) & 0xFFFFFFFFFFFFFFFF
+
+
+def wsum64(positions: torch.Tensor, values: torch.Tensor) -> str:
+    """Order-sensitive checksum of a flush: any bit flip and (all but a 2**-63 share of) swaps change it.
+
+    An XOR-reduce would miss swapped values; weighting word i by the odd number 2i+1 makes
+    every single-word change visible (odd numbers are invertible mod 2**64).
+    """
+    p, v = _wsum(positions.contiguous()), _wsum(values.contiguous())
+    rot = ((v << 1) | (v >> 63)) & 0xFFFFFFFFFFFFFFFF
+    return f"{p ^ rot:016x}"
+
+
+# ---------------------------------------------------------------- positions
+
+
+def encode_positions(idx: torch.Tensor, encoding: str) -> Tuple[torch.Tensor, int]:
+    """Sorted int64 flat positions -> (uint8 little-endian bytes, pos_width)."""
+    enc = DeltaEncoding(encoding)
+    idx = idx.reshape(-1).to(torch.int64)
+    if enc is DeltaEncoding.INDICES:
+        ints, width = idx, 4
+        if idx.numel() and int(idx[-1]) > _U32_MAX:
+            raise DeltaError(f"position {int(idx[-1])} does not fit the 4-byte 'indices' encoding")
+    else:
+        ints = torch.diff(idx, prepend=idx.new_full((1,), -1)) - 1 if idx.numel() else idx
+        width = 2 if not ints.numel() or int(ints.max()) <= _U16_MAX else 4
+        if width == 4 and int(ints.max()) > _U32_MAX:
+            raise DeltaError(f"gap {int(ints.max())} does not fit 4 bytes")
+    shifts = torch.arange(0, 8 * width, 8, dtype=torch.int64, device=idx.device)
+    out = ((ints.unsqueeze(1) >> shifts) & 0xFF).to(torch.uint8)
+    return out.reshape(-1), width
+
+
+def decode_positions(blob: torch.Tensor, width: int, encoding: str) -> torch.Tensor:
+    """uint8 little-endian bytes -> int64 flat positions (bitwise unpack: no alignment needed)."""
+    n = blob.numel() // width
+    b = blob.reshape(n, width).to(torch.int64)
+    ints = b[:, 0].clone()
+    for k in range(1, width):
+        ints |= b[:, k] << (8 * k)
+    if DeltaEncoding(encoding) is DeltaEncoding.INDICES:
+        return ints
+    return torch.cumsum(ints + 1, 0) - 1
+
+
+# ---------------------------------------------------------------- validation
+
+
+def validate_payload(payload: DeltaPayload, manifest: Optional[Dict[str, Tuple[List[int], str]]]) -> List[Optional[torch.Tensor]]:
+    """Check a whole flush before any write; return each param's decoded positions (None = dense).
+
+    Checks: checksum, offsets tiling both blobs exactly, one values dtype, dense/sparse rules,
+    positions in range and unique, no NaN among values, names/shapes/dtypes against the
+    ``manifest`` of the first full sync (skipped when ``manifest`` is None).
+    """
+    spec, pos, val = payload.spec, payload.positions, payload.values
+    where = f" in {payload.source}" if payload.source else ""
+    if pos.dtype != torch.uint8 or pos.dim() != 1:
+        raise DeltaError(f"{POSITIONS}{where} must be a 1-D uint8 tensor, got {pos.dtype} {list(pos.shape)}")
+    if val.dim() != 1:
+        raise DeltaError(f"{VALUES}{where} must be 1-D, got shape {list(val.shape)}")
+    actual = wsum64(pos, val)
+    if actual != spec.checksum:
+        raise DeltaError(f"checksum mismatch{where}: expected {spec.checksum or '<none>'}, got {actual} "
+                         f"(positions or values corrupted)")
+    pos_at = val_at = 0
+    seen = set()
+    decoded: List[Optional[torch.Tensor]] = []
+    for p in spec.params:
+        tag = f"param {p.name!r}{where}"
+        if p.name in seen:
+            raise DeltaError(f"{tag}: named twice in one flush")
+        seen.add(p.name)
+        dtype = dtype_from_str(p.dtype)
+        if dtype != val.dtype:
+            raise DeltaError(f"{tag}: dtype {p.dtype} differs from the flush's values dtype {dtype_to_str(val.dtype)}")
+        if manifest is not None:
+            if p.name not in manifest:
+                raise DeltaError(f"{tag}: unknown parameter name (not in the manifest of the first full sync)")
+            shape, mdtype = manifest[p.name]
+            if list(shape) != list(p.shape) or mdtype != dtype_to_str(dtype):
+                raise DeltaError(f"{tag}: shape/dtype {p.shape} {dtype_to_str(dtype)} differ from the manifest's "
+                                 f"{list(shape)} {mdtype}")
+        if (p.pos_start, p.val_start) != (pos_at, val_at) or p.pos_end < p.pos_start or p.val_end < p.val_start:
+            raise DeltaError(f"{tag}: offsets pos [{p.pos_start},{p.pos_end}) val [{p.val_start},{p.val_end}) do not "
+                             f"tile the blobs (expected to start at pos {pos_at}, val {val_at})")
+        pos_at, val_at = p.pos_end, p.val_end
+        if pos_at > pos.numel() or val_at > val.numel():
+            raise DeltaError(f"{tag}: offsets run past the blobs ({pos.numel()} position bytes, {val.numel()} values)")
+        numel = p.numel
+        if p.dense:
+            if p.pos_end != p.pos_start or p.nnz != numel:
+                raise DeltaError(f"{tag}: dense param needs no positions and exactly {numel} values, got "
+                                 f"{p.pos_end - p.pos_start} position bytes and {p.nnz} values")
+            decoded.append(None)
+        else:
+            if spec.full:
+                raise DeltaError(f"{tag}: a full sync must send every param dense")
+            if not sparse_allowed(dtype):
+                raise DeltaError(f"{tag}: {p.dtype} params cannot travel sparse (no NaN sentinel); send them dense")
+            if not p.width_fits(spec.encoding):
+                raise DeltaError(f"{tag}: pos_width {p.pos_width} is not valid for encoding {spec.encoding}")
+            if p.pos_end - p.pos_start != p.nnz * p.pos_width:
+                raise DeltaError(f"{tag}: {p.pos_end - p.pos_start} position bytes for {p.nnz} values of width {p.pos_width}")
+            if p.nnz > numel:
+                raise DeltaError(f"{tag}: {p.nnz} positions for {numel} elements")
+            idx = decode_positions(pos[p.pos_start:p.pos_end], p.pos_width, spec.encoding)
+            if idx.numel():
+                if int(idx.min()) < 0 or int(idx.max()) >= numel:
+                    raise DeltaError(f"{tag}: position {int(idx.max())} out of range for {numel} elements")
+                if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
+                    s = torch.sort(idx).values
+                    dup = (s[1:] == s[:-1]).nonzero()
+                    if dup.numel():
+                        raise DeltaError(f"{tag}: duplicate position {int(s[int(dup[0])])}")
+            decoded.append(idx)
+    if (pos_at, val_at) != (pos.numel(), val.numel()):
+        raise DeltaError(f"offsets{where} cover {pos_at} of {pos.numel()} position bytes and {val_at} of "
+                         f"{val.numel()} values: blobs must be tiled exactly")
+    if val.is_floating_point() and val.numel() and bool(torch.isnan(val).any()):
+        bad = next(p.name for p in spec.params if bool(torch.isnan(val[p.val_start:p.val_end]).any()))
+        raise DeltaError(f"param {bad!r}{where}: NaN among values (NaN is reserved to mean 'unchanged', "
+                         f"so it cannot also be sent as a value)")
+    return decoded
+
+
+# ---------------------------------------------------------------- safetensors + zstd
+
+
+def write_safetensors(payload_spec: DeltaSpec, positions: torch.Tensor, values: torch.Tensor) -> bytes:
+    """Serialize one flush as a safetensors file (two tensors + the spec as ``__metadata__``)."""
+    pos = positions.detach().reshape(-1).to("cpu").contiguous()
+    val = values.detach().reshape(-1).to("cpu").contiguous()
+    pos_b = pos.numpy().tobytes()
+    val_b = val.view(torch.uint8).numpy().tobytes() if val.numel() else b""
+    header = {
+        "__metadata__": payload_spec.to_metadata(),
+        POSITIONS: {"dtype": "U8", "shape": [len(pos_b)], "data_offsets": [0, len(pos_b)]},
+        VALUES: {"dtype": _ST_NAMES[val.dtype], "shape": [val.numel()],
+                 "data_offsets": [len(pos_b), len(pos_b) + len(val_b)]},
+    }
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * ((-len(h)) % 8)
+    return struct.pack("<Q", len(h)) + h + pos_b + val_b
+
+
+def maybe_zstd_decompress(data: bytes, max_bytes: int, name: str = "") -> bytes:
+    """Decompress if the bytes start with the zstd magic; refuse output above ``max_bytes``."""
+    if data[:4] != ZSTD_MAGIC:
+        return data
+    import zstandard
+
+    out = bytearray()
+    try:
+        reader = zstandard.ZstdDecompressor().stream_reader(data)
+        while len(out) <= max_bytes:
+            chunk = reader.read(min(max_bytes + 1 - len(out), 64 << 20))
+            if not chunk:
+                break
+            out += chunk
+    except zstandard.ZstdError as e:
+        raise DeltaError(f"file {name!r}: bad zstd frame ({e})") from None
+    if len(out) > max_bytes:
+        raise DeltaError(f"file {name!r}: zstd output exceeds the {max_bytes}-byte bound")
+    return bytes(out)
+
+
+def read_safetensors(data: bytes, name: str = "") -> DeltaPayload:
+    """Parse one (already decompressed) flush file by hand, with every length checked."""
+    tag = f"file {name!r}"
+    if len(data) < 8:
+        raise DeltaError(f"{tag}: truncated ({len(data)} bytes, no safetensors header)")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > HEADER_CAP or n > len(data) - 8:
+        raise DeltaError(f"{tag}: safetensors header length {n} exceeds "
+                         f"{'the file' if n <= HEADER_CAP else f'the {HEADER_CAP}-byte cap'}")
+    try:
+        header = json.loads(data[8:8 + n])
+    except ValueError as e:
+        raise DeltaError(f"{tag}: safetensors header is not valid JSON ({e})") from None
+    if not isinstance(header, dict) or set(header) != {"__metadata__", POSITIONS, VALUES}:
+        raise DeltaError(f"{tag}: must hold exactly {POSITIONS}, {VALUES} and __metadata__")
+    spec = DeltaSpec.from_metadata(header["__metadata__"])
+    body = memoryview(data)[8 + n:]
+    tensors = {}
+    for key in (POSITIONS, VALUES):
+        t = header[key]
+        try:
+            dtype = _ST_DTYPES[t["dtype"]]
+            (start, end), shape = t["data_offsets"], t["shape"]
+        except (KeyError, TypeError, ValueError):
+            raise DeltaError(f"{tag}: malformed entry for {key}") from None
+        if (not isinstance(shape, list) or len(shape) != 1 or type(shape[0]) is not int
+                or not (0 <= start <= end <= len(body)) or (end - start) != shape[0] * torch.empty((), dtype=dtype).element_size()):
+            raise DeltaError(f"{tag}: {key} offsets [{start},{end}) / shape {shape} do not fit the "
+                             f"{len(body)}-byte body (truncated file?)")
+        raw = torch.frombuffer(bytearray(body[start:end]), dtype=torch.uint8) if end > start else torch.empty(0, dtype=torch.uint8)
+        tensors[key] = raw.view(dtype) if dtype != torch.uint8 else raw
+    return DeltaPayload(spec, tensors[POSITIONS], tensors[VALUES], source=name)
+
+
+# ---------------------------------------------------------------- encoding a flush
+
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def changed_positions(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """Flat positions whose bytes differ (dtype-agnostic, no arithmetic: -0.0 vs 0.0 and NaN payloads count)."""
+    if old.shape != new.shape or old.dtype != new.dtype:
+        raise DeltaError(f"cannot diff {old.dtype} {list(old.shape)} against {new.dtype} {list(new.shape)}")
+    iv = _INT_VIEW[new.element_size()]
+    a, b = old.reshape(-1).view(iv), new.reshape(-1).view(iv)
+    if new.device.type == "cpu":  # numpy's flatnonzero is ~5x torch.nonzero on CPU
+        import numpy as np
+
+        return torch.from_numpy(np.flatnonzero(a.numpy() != b.numpy()))
+    return torch.nonzero(a != b).reshape(-1)
+
+
+def encode_flush(entries: Sequence[Tuple[str, torch.Tensor, Optional[torch.Tensor]]], encoding: str,
+                 **spec_fields) -> DeltaPayload:
+    """``[(hf_name, new_tensor, changed_positions or None for dense)]`` -> one flush.
+
+    All tensors must share one dtype (the sender groups by dtype); values are gathered in the
+    tensor's own dtype, raw, so the receiver writes the trainer's exact bytes.
+    """
+    dtypes = {t.dtype for _, t, _ in entries}
+    if len(dtypes) > 1:
+        raise DeltaError(f"one flush holds one values dtype, got {sorted(map(dtype_to_str, dtypes))}")
+    dtype = dtypes.pop() if dtypes else torch.bfloat16
+    device = entries[0][1].device if entries else torch.device("cpu")
+    params, pos_parts, val_parts = [], [], []
+    pos_at = val_at = 0
+    for name, t, idx in entries:
+        flat = t.detach().reshape(-1)
+        if idx is None:
+            pb, width, vals = torch.empty(0, dtype=torch.uint8, device=device), 0, flat
+        else:
+            if not sparse_allowed(t.dtype):
+                raise DeltaError(f"param {name!r}: {dtype_to_str(t.dtype)} params travel dense")
+            pb, width = encode_positions(idx, encoding)
+            vals = flat[idx]
+        params.append(DeltaParam(name, dtype_to_str(t.dtype), list(t.shape), pos_at, pos_at + pb.numel(), width,
+                                 val_at, val_at + vals.numel()))
+        pos_at += pb.numel()
+        val_at += vals.numel()
+        pos_parts.append(pb)
+        val_parts.append(vals)
+    positions = torch.cat(pos_parts) if pos_parts else torch.empty(0, dtype=torch.uint8, device=device)
+    values = torch.cat(val_parts) if val_parts else torch.empty(0, dtype=dtype, device=device)
+    spec = DeltaSpec(encoding=DeltaEncoding(encoding).value, params=params, **spec_fields)
+    spec.checksum = wsum64(positions, values)
+    return DeltaPayload(spec, positions, values)

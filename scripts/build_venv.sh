@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Build (or reuse) the CPU venv for one SGLang pin and patch its installed sglang package.
+#   scripts/build_venv.sh 0.5.15.post1 [BUILD_DIR]
+# Two stamps keep it incremental: the venv is rebuilt only when requirements or shims change;
+# sglang is reinstalled pristine and re-patched only when patches, overlay or the apply script change.
+set -euo pipefail
+PIN=${1:?usage: build_venv.sh <sglang-version> [build-dir]}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+BUILD=${2:-$ROOT/build}
+V=$BUILD/venv-$PIN
+PY=${PYTHON:-python3}
+req=$ROOT/requirements
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+pip() { "$V/bin/pip" "$@" 2>&1 | { grep -vE "Location .* is ignored" || true; }; return "${PIPESTATUS[0]}"; }
+
+hash_of() { (cd "$ROOT" && cat "$@" | sha256sum | cut -c1-16); }
+venv_hash=$(hash_of scripts/build_venv.sh requirements/common.txt "requirements/sglang-$PIN.txt" \
+  "requirements/sglang-$PIN.nodeps.txt" tests/cpu_shims/*.py)
+patch_hash=$(cd "$ROOT" && find scripts/apply_patches.sh patches overlay -type f ! -name '*.pyc' \
+  ! -path '*/__pycache__/*' | sort | xargs cat | sha256sum | cut -c1-16)
+
+[ -f "$req/sglang-$PIN.txt" ] || { echo "unknown pin $PIN (have: $(ls "$req" | sed -n 's/^sglang-\(.*\)\.nodeps\.txt$/\1/p' | xargs))" >&2; exit 2; }
+
+if [ "$(cat "$V/.venv-stamp" 2>/dev/null)" != "$venv_hash" ]; then
+  echo "[venv $PIN] building $V"
+  rm -rf "$V"
+  "$PY" -m venv "$V"
+  pip install -q torch==2.13.0
+  pip install -q -r "$req/common.txt" -r "$req/sglang-$PIN.txt"
+  pip install -q --no-deps -r "$req/sglang-$PIN.nodeps.txt"
+  SP=$("$V/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  cp "$ROOT"/tests/cpu_shims/*.py "$SP/"
+  for m in "$ROOT"/tests/cpu_shims/*.py; do n=$(basename "$m" .py); echo "import $n" > "$SP/$n.pth"; done
+  echo "$venv_hash" > "$V/.venv-stamp"
+  rm -f "$V/.patch-stamp"
+else
+  echo "[venv $PIN] up to date"
+fi
+
+if [ "$(cat "$V/.patch-stamp" 2>/dev/null)" != "$patch_hash" ]; then
+  SP=$("$V/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  if [ -f "$V/.patch-stamp" ] || [ -d "$SP/sglang/srt/weight_sync/delta" ]; then
+    echo "[venv $PIN] reinstalling pristine sglang"
+    pip install -q --no-deps --force-reinstall "sglang==$PIN"
+    rm -rf "$SP/sglang/srt/weight_sync/delta"
+  fi
+  "$ROOT/scripts/apply_patches.sh" "$SP/sglang"
+  echo "$patch_hash" > "$V/.patch-stamp"
+else
+  echo "[venv $PIN] patches up to date"
+fi

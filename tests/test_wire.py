@@ -1,0 +1,214 @@
+"""Codec properties of the wire module: encode -> decode is exact, and the checksum catches corruption."""
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from sglang.srt.weight_sync.delta.wire import (
+    DeltaError,
+    DeltaPayload,
+    DeltaSpec,
+    changed_positions,
+    decode_positions,
+    encode_flush,
+    encode_positions,
+    maybe_zstd_decompress,
+    read_safetensors,
+    validate_payload,
+    write_safetensors,
+    wsum64,
+)
+
+ENCODINGS = ["indices", "deltas", "deltas_zstd"]
+FLOATS = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _reference_wsum(blob: bytes) -> int:
+    blob += b"\0" * (-len(blob) % 8)
+    return sum(int.from_bytes(blob[i:i + 8], "little") * (2 * (i // 8) + 1) for i in range(0, len(blob), 8)) % 2**64
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _roundtrip(payload: DeltaPayload, encoding: str) -> DeltaPayload:
+    data = write_safetensors(payload.spec, payload.positions, payload.values)
+    if encoding == "deltas_zstd":
+        import zstandard
+
+        data = zstandard.ZstdCompressor(level=1).compress(data)
+    return read_safetensors(maybe_zstd_decompress(data, 1 << 30, "f"), "f")
+
+
+def _rebuild(payload, decoded, olds):
+    out = []
+    for p, idx, old in zip(payload.spec.params, decoded, olds):
+        vals = payload.values[p.val_start:p.val_end]
+        flat = old.clone().reshape(-1)
+        if idx is None:
+            flat.copy_(vals)
+        else:
+            flat[idx] = vals
+        out.append(flat.view(p.shape))
+    return out
+
+
+@st.composite
+def updates(draw):
+    dtype = draw(st.sampled_from(FLOATS))
+    n = draw(st.integers(0, 4))
+    shapes = [draw(st.sampled_from([(), (0,), (1,), (7,), (3, 5), (2, 3, 4), (70000,)])) for _ in range(n)]
+    pairs = []
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    for s in shapes:
+        old = torch.randn(s, generator=g).to(dtype)
+        new = old.clone()
+        numel = new.numel()
+        mode = draw(st.sampled_from(["none", "all", "some", "one"]))
+        if numel and mode != "none":
+            if mode == "all":
+                idx = torch.arange(numel)
+            elif mode == "one":
+                idx = torch.tensor([draw(st.integers(0, numel - 1))])
+            else:
+                idx = torch.randperm(numel, generator=g)[: max(1, numel // 50)]
+            new.view(-1)[idx] = (new.view(-1)[idx].float() + 1).to(dtype)
+        pairs.append((old, new))
+    return dtype, pairs
+
+
+@settings(max_examples=60, deadline=None)
+@given(updates(), st.sampled_from(ENCODINGS), st.booleans())
+def test_encode_decode_exact(update, encoding, transposed):
+    dtype, pairs = update
+    entries, olds, news = [], [], []
+    for i, (old, new) in enumerate(pairs):
+        if transposed and new.dim() == 2:  # non-contiguous inputs encode like their contiguous copies
+            old, new = old.t(), new.t()
+        entries.append((f"p{i}", new, changed_positions(old, new)))
+        olds.append(old)
+        news.append(new)
+    payload = _roundtrip(encode_flush(entries, encoding, version=1), encoding)
+    decoded = validate_payload(payload, None)
+    for got, want in zip(_rebuild(payload, decoded, olds), news):
+        assert got.shape == want.shape and torch.equal(_bits(got), _bits(want))
+
+
+@pytest.mark.parametrize("gap", [65534, 65535, 65536, 70000])
+def test_gap_boundaries(gap):
+    idx = torch.tensor([0, 1 + gap, 2 + 2 * gap])
+    blob, width = encode_positions(idx, "deltas")
+    assert width == (2 if gap <= 65535 else 4)
+    assert torch.equal(decode_positions(blob, width, "deltas"), idx)
+    blob, width = encode_positions(idx, "indices")
+    assert width == 4 and torch.equal(decode_positions(blob, width, "indices"), idx)
+
+
+def test_per_param_u32_fallback():
+    old = torch.zeros(200000, dtype=torch.bfloat16)
+    a, b = old.clone(), old.clone()
+    a[[0, 1, 2]] = 1
+    b[[0, 100000]] = 1  # gap 99999 > 65535
+    payload = encode_flush([("a", a, changed_positions(old, a)), ("b", b, changed_positions(old, b))], "deltas")
+    assert [p.pos_width for p in payload.spec.params] == [2, 4]
+    got = _rebuild(payload, validate_payload(payload, None), [old, old])
+    assert torch.equal(got[0], a) and torch.equal(got[1], b)
+
+
+def test_dense_int_params():
+    t = torch.arange(12, dtype=torch.int64).view(3, 4)
+    payload = _roundtrip(encode_flush([("steps", t, None)], "deltas_zstd", full=True), "deltas_zstd")
+    assert payload.spec.params[0].pos_width == 0 and payload.spec.full
+    assert torch.equal(_rebuild(payload, validate_payload(payload, None), [torch.zeros_like(t)])[0], t)
+    with pytest.raises(DeltaError, match="travel dense"):
+        encode_flush([("steps", t, torch.tensor([1]))], "indices")
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.binary(min_size=0, max_size=300))
+def test_wsum_matches_reference(blob):
+    t = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
+    p = _reference_wsum(blob)
+    rot = ((p << 1) | (p >> 63)) & (2**64 - 1)
+    assert wsum64(t, torch.empty(0, dtype=torch.uint8)) == f"{p:016x}"
+    assert wsum64(torch.empty(0, dtype=torch.uint8), t) == f"{rot:016x}"
+
+
+def _flush(seed=0, n=3000, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    old = torch.randn(n, generator=g).to(dtype)
+    new = old.clone()
+    idx = torch.randperm(n, generator=g)[:200].sort().values
+    new[idx] = (new[idx].float() * 1.5 + 0.25).to(dtype)
+    return encode_flush([("w", new, changed_positions(old, new))], "deltas")
+
+
+def test_checksum_catches_every_single_bit_flip():
+    payload = _flush()
+    for blob in (payload.positions, payload.values.view(torch.uint8)):
+        for byte in range(0, blob.numel(), max(1, blob.numel() // 64)):
+            for bit in range(8):
+                blob[byte] ^= 1 << bit
+                assert wsum64(payload.positions, payload.values) != payload.spec.checksum
+                blob[byte] ^= 1 << bit
+    assert wsum64(payload.positions, payload.values) == payload.spec.checksum
+
+
+def test_checksum_catches_swaps():
+    payload = _flush()
+    vals = payload.values
+    rng = random.Random(0)
+    for _ in range(200):
+        i, j = rng.sample(range(vals.numel()), 2)
+        if vals[i].view(torch.int16) == vals[j].view(torch.int16):
+            continue
+        vals[[i, j]] = vals[[j, i]]
+        with pytest.raises(DeltaError, match="checksum mismatch"):
+            validate_payload(payload, None)
+        vals[[i, j]] = vals[[j, i]]
+    validate_payload(payload, None)
+
+
+def test_spec_json_and_metadata_roundtrip():
+    spec = _flush().spec
+    spec.base_version, spec.version, spec.flush, spec.final = 3, 5, 2, False
+    assert DeltaSpec.from_json(spec.to_json()) == spec
+    assert DeltaSpec.from_metadata(spec.to_metadata()) == spec
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d.update(encoding="xor"), "unknown encoding 'xor'"),
+    (lambda d: d.update(version=-1), "'version' must be a non-negative integer"),
+    (lambda d: d.update(base_version=9, version=2), "base_version 9 is above version 2"),
+    (lambda d: d.update(checksum_algo="xxh3"), "unsupported checksum_algo 'xxh3'"),
+    (lambda d: d["params"][0].update(pos_width=3), "param 'w': pos_width must be 0, 2 or 4"),
+    (lambda d: d["params"][0].update(dtype="complex32"), "unknown dtype 'complex32'"),
+    (lambda d: d.update(extra=1), r"unknown fields \['extra'\]"),
+])
+def test_spec_refuses_malformed(mutate, message):
+    d = _flush().spec.to_dict()
+    mutate(d)
+    with pytest.raises(DeltaError, match=message):
+        DeltaSpec.from_dict(d)
+
+
+def test_zstd_bomb_and_bad_frame():
+    import zstandard
+
+    bomb = zstandard.ZstdCompressor(level=19).compress(b"\0" * (8 << 20))
+    with pytest.raises(DeltaError, match="zstd output exceeds the 1048576-byte bound"):
+        maybe_zstd_decompress(bomb, 1 << 20, "bomb")
+    with pytest.raises(DeltaError, match="bad zstd frame"):
+        maybe_zstd_decompress(b"\x28\xb5\x2f\xfd" + b"\xff" * 32, 1 << 20, "bad")
+
+
+def test_header_length_overflow_and_truncation():
+    payload = _flush()
+    data = write_safetensors(payload.spec, payload.positions, payload.values)
+    forged = (2**62).to_bytes(8, "little") + data[8:]
+    with pytest.raises(DeltaError, match="header length 4611686018427387904 exceeds the 67108864-byte cap"):
+        read_safetensors(forged, "f")
+    with pytest.raises(DeltaError, match="do not fit the .*truncated"):
+        read_safetensors(data[:-10], "f")
