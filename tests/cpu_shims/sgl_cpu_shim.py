@@ -31,6 +31,8 @@ def _native_rope(module):
 
 
 def _define_torchvision_ops():
+    if "_TV_LIB" in globals():  # find_spec may be asked about torchvision more than once
+        return
     import torch
 
     try:

@@ -84,7 +84,17 @@ def receiver_state(model: torch.nn.Module) -> ReceiverState:
 
 def _runner(host):
     """The ModelRunner behind a hook site (v0.5.23 hooks sit on its WeightUpdater)."""
-    return getattr(host, "model_runner", host)
+    get = getattr(host, "get_model_runner", None)
+    return get() if get is not None else host
+
+
+def _model(host) -> torch.nn.Module:
+    get = getattr(host, "get_model", None)
+    return get() if get is not None else host.model
+
+
+def _device(host) -> torch.device:
+    return torch.device(host.device) if isinstance(host.device, str) else host.device
 
 
 def _server_arg(host, name: str, default):
@@ -219,15 +229,14 @@ def _check_version(state: ReceiverState, specs: Sequence[DeltaSpec], weight_vers
 
 def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version: Optional[str] = None) -> Tuple[bool, str]:
     """Validate a whole request, then write it; ``(False, message)`` leaves weights untouched."""
-    runner = _runner(self)
-    model = runner.model
+    model = _model(self)
     state = receiver_state(model)
     if not payloads:
         return False, "delta request holds no payload"
     head = payloads[0].spec
     continuing = state.pending == head.version and head.flush > 0
     try:
-        _refuse_unsupported(runner)
+        _refuse_unsupported(self)
         head = _check_version(state, [p.spec for p in payloads], weight_version)
         manifest = state.manifest
         decoded = [validate_payload(p, manifest) for p in payloads]
@@ -241,7 +250,7 @@ def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version:
         return False, f"delta refused: {e}"
 
     chunk_cap = int(_server_arg(self, "update_weight_delta_chunk_bytes", DEFAULT_CHUNK_BYTES))
-    device = torch.device(runner.device) if isinstance(runner.device, str) else runner.device
+    device = _device(self)
     if head.flush == 0:
         state.pending_manifest = {}
     state.pending, state.next_flush = head.version, head.flush + 1
@@ -279,8 +288,8 @@ def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version:
                   f"({len(names)} params, {nnz} values){' (final)' if state.pending is None else ''}.")
 
 
-def _refuse_unsupported(runner) -> None:
-    quant = getattr(getattr(runner, "model_config", None), "quantization", None)
+def _refuse_unsupported(host) -> None:
+    quant = getattr(getattr(host, "model_config", None), "quantization", None)
     if quant:
         raise DeltaError(f"quantized engines ({quant}) are not supported by delta weight sync")
 
@@ -316,13 +325,12 @@ def _read_delta_file(model_path: str, name: str, max_bytes: int) -> DeltaPayload
 
 def _apply_delta(self, model_path: str, files: Optional[List[str]], weight_version: Optional[str] = None) -> Tuple[bool, str]:
     """Disk transport: read the announced files of one publish in parallel, then apply them as one request."""
-    runner = _runner(self)
     if not files:
         return False, "delta refused: load_format 'delta' needs 'files' (the flush files of this publish)"
     if not os.path.isdir(model_path):
         return False, f"delta refused: model_path {model_path!r} is not a directory"
     workers = int(_server_arg(self, "update_weight_delta_read_workers", DEFAULT_READ_WORKERS))
-    max_bytes = _max_file_bytes(runner.model)
+    max_bytes = _max_file_bytes(_model(self))
     try:
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
             payloads = list(pool.map(lambda n: _read_delta_file(model_path, n, max_bytes), files))
@@ -334,39 +342,43 @@ def _apply_delta(self, model_path: str, files: Optional[List[str]], weight_versi
 def _apply_delta_from_distributed(self, delta: Optional[str], names, dtypes, shapes, group_name: str,
                                   weight_version: Optional[str] = None) -> Tuple[bool, str]:
     """NCCL transport: receive both broadcasts first (the sender never hangs on a refusal), then validate."""
-    runner = _runner(self)
-    groups = runner._model_update_group
+    groups = self._model_update_group
     if group_name not in groups:
         return False, f"delta refused: group {group_name!r} not in {list(groups)}; call init_weights_update_group first"
     try:
         if list(names) != [POSITIONS, VALUES] or len(dtypes) != 2 or len(shapes) != 2:
             raise DeltaError(f"names must be {[POSITIONS, VALUES]} with two dtypes and shapes, got {list(names)}")
         pos_dtype, val_dtype = dtype_from_str(dtypes[0]), dtype_from_str(dtypes[1])
-        if pos_dtype != torch.uint8:
-            raise DeltaError(f"{POSITIONS} must be uint8, got {dtypes[0]}")
         n_pos, n_val = (int(math.prod(s)) for s in shapes)
-        bound = _max_file_bytes(runner.model)
-        if n_pos * 1 + n_val * torch.empty((), dtype=val_dtype).element_size() > bound:
+        if n_pos + n_val * torch.empty((), dtype=val_dtype).element_size() > _max_file_bytes(_model(self)):
             raise DeltaError(f"broadcast of {n_pos} position bytes and {n_val} values exceeds the model-size bound")
     except (DeltaError, TypeError, ValueError) as e:
         return False, f"delta refused (nothing received; the sender's broadcast will time out): {e}"
-    group = groups[group_name]
-    device = torch.device(runner.device) if isinstance(runner.device, str) else runner.device
-    positions = torch.empty(n_pos, dtype=torch.uint8, device=device)
-    values = torch.empty(n_val, dtype=val_dtype, device=device)
+    device = _device(self)
+    received = [(POSITIONS, torch.empty(n_pos, dtype=pos_dtype, device=device)),
+                (VALUES, torch.empty(n_val, dtype=val_dtype, device=device))]
     try:
-        handles = [torch.distributed.broadcast(t, src=0, group=group, async_op=True) for t in (positions, values)]
+        handles = [torch.distributed.broadcast(t, src=0, group=groups[group_name], async_op=True) for _, t in received]
         for h in handles:
             h.wait()
     except Exception as e:
         return False, f"delta refused: broadcast on group {group_name!r} failed: {e!r}"
+    return _apply_received_delta(self, delta, received, weight_version)
+
+
+def _apply_received_delta(self, delta: Optional[str], named_tensors, weight_version: Optional[str] = None) -> Tuple[bool, str]:
+    """Apply the two received blobs of one flush (v0.5.23 receives them with its own upstream code)."""
     try:
+        tensors = dict(named_tensors)
+        if list(tensors) != [POSITIONS, VALUES]:
+            raise DeltaError(f"names must be {[POSITIONS, VALUES]}, got {list(tensors)}")
         if not delta:
             raise DeltaError("load_format 'delta' needs the 'delta' field (a DeltaSpec as JSON)")
         spec = DeltaSpec.from_json(delta)
     except DeltaError as e:
         return False, f"delta refused: {e}"
-    return _apply_delta_payload(self, [DeltaPayload(spec, positions, values, source="broadcast")], weight_version)
+    payload = DeltaPayload(spec, tensors[POSITIONS].reshape(-1), tensors[VALUES].reshape(-1), source="broadcast")
+    return _apply_delta_payload(self, [payload], weight_version)
 
 
 def update_group_timeout(self):
