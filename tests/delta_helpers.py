@@ -254,3 +254,93 @@ class GlooSender:
         self.proc.join(10)
         if self.proc.is_alive():
             self.proc.kill()
+
+
+# ---------------------------------------------------------------- a real server on CPU
+
+
+def write_hf_checkpoint(out_dir: str, cfg, state: Dict[str, torch.Tensor]) -> str:
+    """A loadable HF model dir: config, an offline byte-level BPE tokenizer, bf16 safetensors."""
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    os.makedirs(out_dir, exist_ok=True)
+    if not os.path.exists(os.path.join(out_dir, "tokenizer.json")):
+        tok = Tokenizer(models.BPE(unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=cfg.vocab_size - 4, special_tokens=["<unk>", "<|endoftext|>"],
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator(["the quick brown fox jumps over the lazy dog", "one two three four five"] * 20, trainer)
+        PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|endoftext|>",
+                                pad_token="<|endoftext|>").save_pretrained(out_dir)
+    cfg = cfg.__class__.from_dict(cfg.to_dict())
+    cfg.torch_dtype = "bfloat16"
+    cfg.architectures = [type(cfg).__name__.replace("Config", "ForCausalLM")]
+    cfg.save_pretrained(out_dir)
+    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out_dir, "model.safetensors"),
+              metadata={"format": "pt"})
+    return out_dir
+
+
+class Server:
+    """``python -m sglang.launch_server`` on CPU; stopped by PID (children included)."""
+
+    def __init__(self, model_dir: str, log_path: str, extra: Optional[List[str]] = None):
+        import subprocess
+        import sys
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_dir, "--device", "cpu",
+               "--attention-backend", "torch_native", "--host", "127.0.0.1", "--port", str(self.port),
+               "--disable-cuda-graph", "--mem-fraction-static", "0.1", "--skip-server-warmup", "--tp", "1",
+               "--max-total-tokens", "2048", "--sampling-backend", "pytorch", "--grammar-backend", "none",
+               "--log-level", "warning"] + (extra or [])
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def wait_healthy(self, timeout: float = 300) -> "Server":
+        import time
+
+        import requests
+
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited rc={self.proc.returncode}; see {self.log.name}")
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"server not healthy after {timeout}s; see {self.log.name}")
+
+    def post(self, path: str, body: dict, timeout: float = 120):
+        import requests
+
+        return requests.post(self.url + path, json=body, timeout=timeout)
+
+    def stop(self) -> None:
+        import signal
+        import subprocess
+
+        import psutil
+
+        try:
+            kids = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            kids = []
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        for k in kids:
+            if k.is_running():
+                k.kill()
+        self.log.close()

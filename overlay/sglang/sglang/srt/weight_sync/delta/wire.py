@@ -371,6 +371,12 @@ def validate_payload(payload: DeltaPayload, manifest: Optional[Dict[str, Tuple[L
         dtype = dtype_from_str(p.dtype)
         if dtype != val.dtype:
             raise DeltaError(f"{tag}: dtype {p.dtype} differs from the flush's values dtype {dtype_to_str(val.dtype)}")
+        if (p.pos_start, p.val_start) != (pos_at, val_at) or p.pos_end < p.pos_start or p.val_end < p.val_start:
+            raise DeltaError(f"{tag}: offsets pos [{p.pos_start},{p.pos_end}) val [{p.val_start},{p.val_end}) do not "
+                             f"tile the blobs (expected to start at pos {pos_at}, val {val_at})")
+        pos_at, val_at = p.pos_end, p.val_end
+        if not p.dense and not sparse_allowed(dtype):
+            raise DeltaError(f"{tag}: {p.dtype} params cannot travel sparse (no NaN sentinel); send them dense")
         if manifest is not None:
             if p.name not in manifest:
                 raise DeltaError(f"{tag}: unknown parameter name (not in the manifest of the first full sync)")
@@ -378,10 +384,6 @@ def validate_payload(payload: DeltaPayload, manifest: Optional[Dict[str, Tuple[L
             if list(shape) != list(p.shape) or mdtype != dtype_to_str(dtype):
                 raise DeltaError(f"{tag}: shape/dtype {p.shape} {dtype_to_str(dtype)} differ from the manifest's "
                                  f"{list(shape)} {mdtype}")
-        if (p.pos_start, p.val_start) != (pos_at, val_at) or p.pos_end < p.pos_start or p.val_end < p.val_start:
-            raise DeltaError(f"{tag}: offsets pos [{p.pos_start},{p.pos_end}) val [{p.val_start},{p.val_end}) do not "
-                             f"tile the blobs (expected to start at pos {pos_at}, val {val_at})")
-        pos_at, val_at = p.pos_end, p.val_end
         if pos_at > pos.numel() or val_at > val.numel():
             raise DeltaError(f"{tag}: offsets run past the blobs ({pos.numel()} position bytes, {val.numel()} values)")
         numel = p.numel
@@ -393,8 +395,6 @@ def validate_payload(payload: DeltaPayload, manifest: Optional[Dict[str, Tuple[L
         else:
             if spec.full:
                 raise DeltaError(f"{tag}: a full sync must send every param dense")
-            if not sparse_allowed(dtype):
-                raise DeltaError(f"{tag}: {p.dtype} params cannot travel sparse (no NaN sentinel); send them dense")
             if not p.width_fits(spec.encoding):
                 raise DeltaError(f"{tag}: pos_width {p.pos_width} is not valid for encoding {spec.encoding}")
             if p.pos_end - p.pos_start != p.nnz * p.pos_width:

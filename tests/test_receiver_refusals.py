@@ -1,0 +1,221 @@
+"""Every bad input is refused whole, with an error naming the cause, and leaves the weights untouched."""
+import os
+
+import pytest
+import torch
+import zstandard
+
+from delta_helpers import Host, bf16_state, delta_flushes, full_flushes, hf_config, hf_model, rl_steps, sglang_model
+from sglang.srt.weight_sync.delta.receiver import receiver_state
+from sglang.srt.weight_sync.delta.wire import DeltaParam, encode_flush, write_safetensors, wsum64
+
+_STATES = {}
+
+
+def states():
+    if not _STATES:
+        cfg = hf_config("qwen2")
+        m = hf_model(cfg)
+        _STATES["cfg"], _STATES["s"] = cfg, [bf16_state(m)] + list(rl_steps(m, 2))
+    return _STATES["cfg"], _STATES["s"]
+
+
+@pytest.fixture
+def engine(tmp_path):
+    """A real SGLang Qwen2 at committed version 1 (full sync of step 0 applied)."""
+    cfg, s = states()
+    host = Host(sglang_model(cfg))
+    ok, msg = host.call("_apply_delta_payload", full_flushes(s[0], version=1))
+    assert ok, msg
+    host.tmp = tmp_path
+    return host
+
+
+def weights(host):
+    return {n: p.detach().clone() for n, p in host.model.named_parameters()}
+
+
+def assert_untouched(host, before):
+    for n, p in host.model.named_parameters():
+        assert torch.equal(p.detach().view(torch.int16), before[n].view(torch.int16)), f"{n} was written"
+
+
+def good_delta(version=2, base=1, encoding="indices"):
+    _, s = states()
+    return delta_flushes(s[0], s[1], encoding, version=version, base_version=base)[0]
+
+
+def reseal(pl):
+    pl.spec.checksum = wsum64(pl.positions, pl.values)
+    return pl
+
+
+def write_file(host, data: bytes, name="rank0000_flush000000.safetensors", vdir="weight_v000002"):
+    d = host.tmp / vdir
+    d.mkdir(exist_ok=True)
+    (d / name).write_bytes(data)
+    return str(d), name
+
+
+def first_sparse(pl) -> DeltaParam:
+    return next(p for p in pl.spec.params if p.pos_width and p.nnz >= 2)
+
+
+def _flip_position_bit(pl):
+    pl.positions[3] ^= 0x10
+    return pl
+
+
+def _flip_value_bit(pl):
+    pl.values.view(torch.int16)[5] ^= 1
+    return pl
+
+
+def _swap_values(pl):
+    p = first_sparse(pl)
+    v = pl.values
+    i, j = p.val_start, p.val_start + 1
+    v[[i, j]] = v[[j, i]]
+    return pl
+
+
+def _out_of_range(pl):
+    p = first_sparse(pl)
+    pl.positions[p.pos_end - 4:p.pos_end] = torch.tensor(list((p.numel + 7).to_bytes(4, "little")), dtype=torch.uint8)
+    return reseal(pl)
+
+
+def _duplicate(pl):
+    p = first_sparse(pl)
+    pl.positions[p.pos_start + 4:p.pos_start + 8] = pl.positions[p.pos_start:p.pos_start + 4]
+    return reseal(pl)
+
+
+def _nan_value(pl):
+    pl.values[first_sparse(pl).val_start] = float("nan")
+    return reseal(pl)
+
+
+def _unknown_name(pl):
+    pl.spec.params[0].name = "model.layers.9.mlp.secret.weight"
+    return pl
+
+
+def _shape_mismatch(pl):
+    p = first_sparse(pl)
+    p.shape = [p.numel]
+    return pl
+
+
+def _not_tiled(pl):
+    last = pl.spec.params[-1]  # one value (and its position) left over at the end of both blobs
+    last.val_end -= 1
+    last.pos_end -= last.pos_width
+    return pl
+
+
+def _sparse_in_full(pl):
+    pl.spec.full = True
+    return pl
+
+
+def _sparse_int():
+    t = torch.arange(10, dtype=torch.int32)
+    pl = encode_flush([("model.norm.weight", t, None)], "indices", version=2, base_version=1)
+    pl.spec.params[0].pos_width = 4
+    pl.spec.params[0].pos_end = 4
+    pl.positions = torch.zeros(4, dtype=torch.uint8)
+    pl.values = t[:1].clone()
+    pl.spec.params[0].val_end = 1
+    return reseal(pl)
+
+
+REFUSALS = [
+    (lambda: _flip_position_bit(good_delta()), "checksum mismatch"),
+    (lambda: _flip_value_bit(good_delta()), "checksum mismatch"),
+    (lambda: _swap_values(good_delta()), "checksum mismatch"),
+    (lambda: _out_of_range(good_delta()), "out of range for"),
+    (lambda: _duplicate(good_delta()), "duplicate position"),
+    (lambda: _nan_value(good_delta()), "NaN among values"),
+    (lambda: _unknown_name(good_delta()), "unknown parameter name"),
+    (lambda: _shape_mismatch(good_delta()), "differ from the manifest"),
+    (lambda: _not_tiled(good_delta()), "blobs must be tiled exactly"),
+    (lambda: _sparse_in_full(good_delta()), "a full sync must send every param dense"),
+    (_sparse_int, "cannot travel sparse"),
+    (lambda: good_delta(version=1, base=0), "duplicate, replayed or out-of-order"),
+    (lambda: good_delta(version=3, base=2), "cannot apply to an engine at committed version 1"),
+]
+
+
+@pytest.mark.parametrize("make, message", REFUSALS)
+def test_refused_in_memory_and_on_disk(engine, make, message):
+    before = weights(engine)
+    ok, msg = engine.call("_apply_delta_payload", [make()])
+    assert not ok and message in msg, msg
+    pl = make()
+    vdir, name = write_file(engine, write_safetensors(pl.spec, pl.positions, pl.values))
+    ok, msg = engine.call("_apply_delta", vdir, [name], None)
+    assert not ok and message in msg, msg
+    assert_untouched(engine, before)
+    assert receiver_state(engine.model).version == 1 and not receiver_state(engine.model).dirty
+    ok, msg = engine.call("_apply_delta_payload", [good_delta()])  # the engine still takes the good delta
+    assert ok, msg
+
+
+def test_replay_after_commit_and_out_of_order_flush(engine):
+    _, s = states()
+    flushes = delta_flushes(s[0], s[1], "deltas", version=2, base_version=1, max_params=5)
+    assert engine.call("_apply_delta_payload", [flushes[0]])[0]
+    ok, msg = engine.call("_apply_delta_payload", [flushes[2]])
+    assert not ok and "flush 2 of version 2 is out of order (expected flush 1)" in msg
+    # a refusal after part of a sync was written leaves the engine dirty: only a full sync is accepted
+    assert receiver_state(engine.model).dirty
+    ok, msg = engine.call("_apply_delta_payload", [flushes[1]])
+    assert not ok and "engine is dirty" in msg
+    assert engine.call("_apply_delta_payload", full_flushes(s[1], version=2))[0]
+    assert not receiver_state(engine.model).dirty
+    ok, msg = engine.call("_apply_delta_payload", full_flushes(s[1], version=2))
+    assert not ok and "full sync version 2 is not newer than the committed version 2 (replayed?)" in msg
+
+
+def test_first_sync_must_be_full(tmp_path):
+    cfg, _ = states()
+    host = Host(sglang_model(cfg))
+    ok, msg = host.call("_apply_delta_payload", [good_delta()])
+    assert not ok and "the first sync must be full" in msg
+
+
+def test_weight_version_must_match(engine):
+    ok, msg = engine.call("_apply_delta_payload", [good_delta()], "7")
+    assert not ok and "weight_version '7' differs from the delta's version 2" in msg
+
+
+def test_file_refusals(engine, tmp_path):
+    before = weights(engine)
+    pl = good_delta()
+    data = write_safetensors(pl.spec, pl.positions, pl.values)
+    vdir, name = write_file(engine, data)
+    outside = tmp_path / "outside.safetensors"
+    outside.write_bytes(data)
+    os.symlink(outside, os.path.join(vdir, "link.safetensors"))
+    write_file(engine, data[:-7], name="truncated.safetensors")
+    write_file(engine, (1 << 40).to_bytes(8, "little") + data[8:], name="header.safetensors")
+    write_file(engine, zstandard.ZstdCompressor(level=1).compress(b"\0" * (128 << 20)), name="bomb.safetensors")
+    write_file(engine, b"\x28\xb5\x2f\xfd" + b"\x01" * 40, name="badzstd.safetensors")
+    cases = [
+        (["../weight_v000002/" + name], "must be a plain file name"),
+        (["link.safetensors"], "resolves outside model_path (symlink escape)"),
+        (["missing.safetensors"], "cannot read"),
+        (["truncated.safetensors"], "truncated"),
+        (["header.safetensors"], "safetensors header length 1099511627776 exceeds the 67108864-byte cap"),
+        (["bomb.safetensors"], "zstd output exceeds"),
+        (["badzstd.safetensors"], "bad zstd frame"),
+        ([], "needs 'files'"),
+        ([name, name], "appears in two files of one request"),
+    ]
+    for files, message in cases:
+        ok, msg = engine.call("_apply_delta", vdir, files, None)
+        assert not ok and message in msg, (files, msg)
+    assert_untouched(engine, before)
+    ok, msg = engine.call("_apply_delta", vdir, [name], "2")
+    assert ok, msg

@@ -1,0 +1,136 @@
+"""A real patched SGLang server on CPU: a full sync, then delta syncs over HTTP — disk files and a gloo group."""
+import os
+import threading
+
+import pytest
+import torch
+import zstandard
+
+from delta_helpers import (
+    SGLANG_VERSION,
+    Server,
+    bf16_state,
+    delta_flushes,
+    full_flushes,
+    hf_config,
+    hf_model,
+    rl_steps,
+    write_hf_checkpoint,
+)
+from sglang.srt.weight_sync.delta.wire import POSITIONS, VALUES, dtype_to_str, write_safetensors
+
+SESSIONS = not SGLANG_VERSION.startswith("0.5.15")  # v0.5.23 wraps distributed updates in a session
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("server")
+    cfg = hf_config("llama", vocab=300)
+    model = hf_model(cfg, seed=1)
+    states = [bf16_state(model)] + list(rl_steps(model, 4))
+    # The server starts from other weights (seed 2): only the full sync can make it equal the trainer.
+    boot = write_hf_checkpoint(str(root / "boot"), cfg, bf16_state(hf_model(cfg, seed=2)))
+    server = Server(boot, str(root / "server.log")).wait_healthy()
+    yield {"root": root, "cfg": cfg, "states": states, "server": server}
+    server.stop()
+
+
+def publish(world, payloads, zstd=False):
+    """Write one sync's flushes as files, announce each over HTTP; return the responses."""
+    out = []
+    for pl in payloads:
+        vdir = world["root"] / f"weight_v{pl.spec.version:06d}"
+        vdir.mkdir(exist_ok=True)
+        name = f"rank0000_flush{pl.spec.flush:06d}.safetensors"
+        data = write_safetensors(pl.spec, pl.positions, pl.values)
+        (vdir / name).write_bytes(zstandard.ZstdCompressor(level=1).compress(data) if zstd else data)
+        out.append(world["server"].post("/update_weights_from_disk", {
+            "model_path": str(vdir), "load_format": "delta", "files": [name], "weight_version": str(pl.spec.version)}))
+    return out
+
+
+def engine_weights(server, names):
+    got = {}
+    for n in names:
+        r = server.post("/get_weights_by_name", {"name": n, "truncate_size": 1 << 20})
+        assert r.status_code == 200, r.text
+        got[n] = torch.tensor(r.json(), dtype=torch.float32).to(torch.bfloat16)
+    return got
+
+
+def assert_engine_has(server, state):
+    got = engine_weights(server, list(state))
+    for n, want in state.items():
+        engine = got[n][: want.shape[0]]  # vocab rows are padded on the engine
+        assert torch.equal(engine.view(torch.int16), want.view(torch.int16)), f"{n} differs on the engine"
+
+
+def test_full_sync_then_deltas_over_disk(world):
+    states = world["states"]
+    rs = publish(world, full_flushes(states[0], version=1, max_params=6))
+    assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+    assert_engine_has(world["server"], states[0])
+    for v, enc in ((2, "deltas"), (3, "deltas_zstd")):
+        rs = publish(world, delta_flushes(states[v - 2], states[v - 1], enc, version=v, base_version=v - 1, max_params=8),
+                     zstd=enc == "deltas_zstd")
+        assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+        assert_engine_has(world["server"], states[v - 1])
+
+
+def test_bad_delta_is_refused_with_400_and_weights_untouched(world):
+    states = world["states"]
+    payload = delta_flushes(states[2], states[3], "indices", version=4, base_version=3)[0]
+    payload.values[0] = (payload.values[0].float() + 1).to(payload.values.dtype)  # corrupted after encoding
+    r = publish(world, [payload])[0]
+    assert r.status_code == 400
+    assert "checksum mismatch" in r.json()["message"]
+    assert_engine_has(world["server"], states[2])
+
+
+def test_delta_over_gloo_group(world):
+    from sglang.srt.utils.common import init_custom_process_group
+
+    from delta_helpers import free_port
+
+    server, states = world["server"], world["states"]
+    port = free_port()
+    holder = {}
+    t = threading.Thread(target=lambda: holder.setdefault("pg", init_custom_process_group(
+        backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=0, group_name="delta-http")))
+    t.start()
+    r = server.post("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+                                                   "world_size": 2, "group_name": "delta-http", "backend": "gloo"})
+    t.join(60)
+    assert r.status_code == 200, r.text
+    pg = holder["pg"]
+    for v, enc in ((4, "indices"), (5, "deltas")):
+        for pl in delta_flushes(states[v - 2], states[v - 1], enc, version=v, base_version=v - 1, max_params=10):
+            if SESSIONS:
+                assert server.post("/begin_weight_update", {}).status_code == 200
+            sender = threading.Thread(target=lambda: [torch.distributed.broadcast(x, src=0, group=pg)
+                                                      for x in (pl.positions, pl.values)])
+            sender.start()
+            r = server.post("/update_weights_from_distributed", {
+                "names": [POSITIONS, VALUES], "dtypes": ["uint8", dtype_to_str(pl.values.dtype)],
+                "shapes": [[pl.positions.numel()], [pl.values.numel()]], "group_name": "delta-http",
+                "load_format": "delta", "delta": pl.spec.to_json(), "weight_version": str(v)})
+            sender.join(60)
+            assert r.status_code == 200, r.text
+            if SESSIONS:
+                assert server.post("/end_weight_update", {}).status_code == 200
+        assert_engine_has(server, states[v - 1])
+    assert server.post("/destroy_weights_update_group", {"group_name": "delta-http"}).status_code == 200
+
+
+def test_generate_equals_full_load(world):
+    """Greedy tokens and logprobs after delta syncs equal those after upstream's full load of the same weights."""
+    server = world["server"]
+    req = {"text": "the quick brown fox", "sampling_params": {"max_new_tokens": 8, "temperature": 0},
+           "return_logprob": True}
+    after_deltas = server.post("/generate", req).json()
+    ckpt = write_hf_checkpoint(str(world["root"] / "step4"), world["cfg"], world["states"][4])
+    r = server.post("/update_weights_from_disk", {"model_path": ckpt})
+    assert r.status_code == 200, r.text
+    after_full = server.post("/generate", req).json()
+    assert after_deltas["text"] == after_full["text"]
+    assert after_deltas["meta_info"]["output_token_logprobs"] == after_full["meta_info"]["output_token_logprobs"]
