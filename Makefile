@@ -4,6 +4,9 @@ BUILD     ?= build
 PYTEST_ARGS ?=
 PIN       ?= 0.5.15.post1
 SLIME_DIR ?=
+STEPS     ?= 5
+TRANSPORT ?= disk
+ENCODING  ?=
 
 .PHONY: venvs test demo check-image-tree clean
 
@@ -19,7 +22,7 @@ test: venvs
 
 demo:
 	@scripts/build_venv.sh $(PIN) $(BUILD)
-	$(BUILD)/venv-$(PIN)/bin/python scripts/demo.py --workdir $(BUILD)/demo
+	$(BUILD)/venv-$(PIN)/bin/python scripts/demo.py --workdir $(BUILD)/demo --steps $(STEPS) --transport $(TRANSPORT) $(if $(ENCODING),--encoding $(ENCODING))
 
 # Rebuild the image's SGLang tree (0.5.15.post1 wheel + slime's `latest` patches) and check ours on top.
 check-image-tree:

@@ -5,19 +5,8 @@ import pytest
 import torch
 import zstandard
 
-from delta_helpers import (
-    ARCHS,
-    GlooSender,
-    Host,
-    assert_params_equal,
-    delta_flushes,
-    full_flushes,
-    hf_config,
-    hf_model,
-    nan_filled,
-    rl_steps,
-    sglang_model,
-)
+from cpu_harness import bf16_state, delta_flushes, full_flushes, hf_config, hf_model, rl_steps
+from delta_helpers import ARCHS, GlooSender, Host, assert_params_equal, nan_filled, sglang_model
 from sglang.srt.weight_sync.delta.receiver import receiver_state
 from sglang.srt.weight_sync.delta.wire import POSITIONS, VALUES, dtype_to_str, write_safetensors
 
@@ -30,8 +19,6 @@ def trained(arch):
     if arch not in _TRAINED:
         cfg = hf_config(arch)
         model = hf_model(cfg)
-        from delta_helpers import bf16_state
-
         _TRAINED[arch] = (cfg, [bf16_state(model)] + list(rl_steps(model, 2)))
     return _TRAINED[arch]
 

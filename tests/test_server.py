@@ -6,17 +6,18 @@ import pytest
 import torch
 import zstandard
 
-from delta_helpers import (
-    SGLANG_VERSION,
+from cpu_harness import (
     Server,
     bf16_state,
     delta_flushes,
+    free_port,
     full_flushes,
     hf_config,
     hf_model,
     rl_steps,
     write_hf_checkpoint,
 )
+from delta_helpers import SGLANG_VERSION
 from sglang.srt.weight_sync.delta.wire import POSITIONS, VALUES, dtype_to_str, write_safetensors
 
 SESSIONS = not SGLANG_VERSION.startswith("0.5.15")  # v0.5.23 wraps distributed updates in a session
@@ -89,8 +90,6 @@ def test_bad_delta_is_refused_with_400_and_weights_untouched(world):
 
 def test_delta_over_gloo_group(world):
     from sglang.srt.utils.common import init_custom_process_group
-
-    from delta_helpers import free_port
 
     server, states = world["server"], world["states"]
     port = free_port()

@@ -1,0 +1,183 @@
+"""CPU harness shared by the demo and the tests: tiny HF models trained at RL learning rates, checkpoints, a server.
+
+Real parts only: transformers models, AdamW steps, safetensors files, ``python -m sglang.launch_server``.
+``delta_flushes`` / ``full_flushes`` encode a sync with the wire module (one flush per dtype and batch).
+"""
+from __future__ import annotations
+
+import os
+import socket
+from typing import Dict, Iterator, List, Optional
+
+import torch
+
+from sglang.srt.weight_sync.delta.wire import DeltaPayload, changed_positions, encode_flush
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+# ---------------------------------------------------------------- models and training
+
+
+def hf_config(arch: str, vocab: int = 256, hidden: int = 64, layers: int = 2):
+    import transformers
+
+    common = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=2 * hidden, vocab_size=vocab, max_position_embeddings=256,
+                  tie_word_embeddings=arch.endswith("-tied"))
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**common)
+    if arch.startswith("qwen3"):
+        return transformers.Qwen3Config(head_dim=hidden // 4, **common)
+    if arch == "llama":
+        return transformers.LlamaConfig(**common)
+    raise ValueError(arch)
+
+
+def hf_model(cfg, seed: int = 0):
+    import transformers
+
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+
+
+def bf16_state(model) -> Dict[str, torch.Tensor]:
+    """What the trainer ships: HF names, bf16, contiguous copies (never views of live params)."""
+    return {n: t.detach().to(torch.bfloat16).clone() for n, t in model.state_dict().items()}
+
+
+def rl_steps(model, steps: int, lr: float = 1e-6, seed: int = 0, batch: int = 2, seq: int = 32) -> Iterator[Dict[str, torch.Tensor]]:
+    """fp32 master weights + AdamW at an RL learning rate over real forward/backward on random tokens."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=g)
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        yield bf16_state(model)
+
+
+def delta_flushes(old: Dict[str, torch.Tensor], new: Dict[str, torch.Tensor], encoding: str, *, version: int,
+                  base_version: int, max_params: int = 1 << 30) -> List[DeltaPayload]:
+    """The changed elements of ``new`` vs ``old`` as one sync's flushes (by dtype, at most max_params each)."""
+    names = list(new)
+    groups: Dict[torch.dtype, List[str]] = {}
+    for n in names:
+        groups.setdefault(new[n].dtype, []).append(n)
+    batches = [g[i:i + max_params] for g in groups.values() for i in range(0, len(g), max_params)]
+    out = []
+    for k, batch in enumerate(batches):
+        entries = [(n, new[n], changed_positions(old[n], new[n]) if new[n].is_floating_point() else None) for n in batch]
+        out.append(encode_flush(entries, encoding, version=version, base_version=base_version, flush=k,
+                                final=k == len(batches) - 1))
+    return out
+
+
+def full_flushes(state: Dict[str, torch.Tensor], *, version: int, max_params: int = 1 << 30) -> List[DeltaPayload]:
+    names = list(state)
+    batches = [names[i:i + max_params] for i in range(0, len(names), max_params)]
+    by_dtype = []
+    for b in batches:
+        for dt in sorted({state[n].dtype for n in b}, key=str):
+            by_dtype.append([n for n in b if state[n].dtype == dt])
+    return [encode_flush([(n, state[n], None) for n in b], "indices", full=True, version=version,
+                         base_version=version, flush=k, final=k == len(by_dtype) - 1)
+            for k, b in enumerate(by_dtype)]
+
+
+# ---------------------------------------------------------------- a real server on CPU
+
+
+def write_hf_checkpoint(out_dir: str, cfg, state: Dict[str, torch.Tensor]) -> str:
+    """A loadable HF model dir: config, an offline byte-level BPE tokenizer, bf16 safetensors."""
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    os.makedirs(out_dir, exist_ok=True)
+    if not os.path.exists(os.path.join(out_dir, "tokenizer.json")):
+        tok = Tokenizer(models.BPE(unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=cfg.vocab_size - 4, special_tokens=["<unk>", "<|endoftext|>"],
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator(["the quick brown fox jumps over the lazy dog", "one two three four five"] * 20, trainer)
+        PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|endoftext|>",
+                                pad_token="<|endoftext|>").save_pretrained(out_dir)
+    cfg = cfg.__class__.from_dict(cfg.to_dict())
+    cfg.dtype = "bfloat16"
+    cfg.architectures = [type(cfg).__name__.replace("Config", "ForCausalLM")]
+    cfg.save_pretrained(out_dir)
+    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out_dir, "model.safetensors"),
+              metadata={"format": "pt"})
+    return out_dir
+
+
+class Server:
+    """``python -m sglang.launch_server`` on CPU; stopped by PID (children included)."""
+
+    def __init__(self, model_dir: str, log_path: str, extra: Optional[List[str]] = None):
+        import subprocess
+        import sys
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_dir, "--device", "cpu",
+               "--attention-backend", "torch_native", "--host", "127.0.0.1", "--port", str(self.port),
+               "--disable-cuda-graph", "--mem-fraction-static", "0.1", "--skip-server-warmup", "--tp", "1",
+               "--max-total-tokens", "2048", "--sampling-backend", "pytorch", "--grammar-backend", "none",
+               "--log-level", "warning"] + (extra or [])
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def wait_healthy(self, timeout: float = 300) -> "Server":
+        import time
+
+        import requests
+
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited rc={self.proc.returncode}; see {self.log.name}")
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"server not healthy after {timeout}s; see {self.log.name}")
+
+    def post(self, path: str, body: dict, timeout: float = 120):
+        import requests
+
+        return requests.post(self.url + path, json=body, timeout=timeout)
+
+    def stop(self) -> None:
+        import signal
+        import subprocess
+
+        import psutil
+
+        try:
+            kids = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            kids = []
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        for k in kids:
+            if k.is_running():
+                k.kill()
+        self.log.close()
