@@ -1,4 +1,5 @@
-"""CPU harness shared by the demo and the tests: tiny HF models trained at RL learning rates, checkpoints, a server.
+"""CPU harness shared by the demo, the benchmarks and the tests: small HF models trained at RL learning rates,
+in-process SGLang model classes, checkpoints, a server.
 
 Real parts only: transformers models, AdamW steps, safetensors files, ``python -m sglang.launch_server``.
 ``delta_flushes`` / ``full_flushes`` encode a sync with the wire module (one flush per dtype and batch).
@@ -91,6 +92,106 @@ def full_flushes(state: Dict[str, torch.Tensor], *, version: int, max_params: in
     return [encode_flush([(n, state[n], None) for n in b], "indices", full=True, version=version,
                          base_version=version, flush=k, final=k == len(by_dtype) - 1)
             for k, b in enumerate(by_dtype)]
+
+
+# ---------------------------------------------------------------- in-process SGLang
+
+
+_DIST_READY = False
+
+
+def init_sglang_inprocess(tp_rank: int = 0, tp_size: int = 1, init_method: Optional[str] = None) -> None:
+    """gloo TP world + the server-args/topology globals the model classes read (per SGLang era)."""
+    global _DIST_READY
+    if _DIST_READY:
+        return
+    from sglang.srt.distributed import parallel_state
+    from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+    from sglang.srt.server_args import ServerArgs
+
+    init_distributed_environment(world_size=tp_size, rank=tp_rank, local_rank=tp_rank, backend="gloo",
+                                 distributed_init_method=init_method or f"tcp://127.0.0.1:{free_port()}")
+    args = ServerArgs(model_path="dummy", tp_size=tp_size, device="cpu")
+    era_b = False
+    try:
+        from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context  # v0.5.23
+
+        reset_context()
+        publish(args, role="test", ranks=SpawnRanks(world_rank=tp_rank))
+        get_parallel().override_permanently(world_group=parallel_state._WORLD)
+    except ImportError:
+        from sglang.srt.server_args import set_global_server_args_for_scheduler  # v0.5.15
+
+        set_global_server_args_for_scheduler(args)
+        era_b = True
+    if era_b:
+        initialize_model_parallel(tensor_model_parallel_size=tp_size, backend="gloo")
+    else:  # v0.5.23 reads the widths from the published ServerArgs
+        initialize_model_parallel(backend="gloo")
+    if era_b:  # v0.5.15: ModelRunner sets the dp-attention globals; only hidden_size/dtype are read
+        import types
+
+        from sglang.srt.layers.dp_attention import initialize_dp_attention
+
+        initialize_dp_attention(args, types.SimpleNamespace(hf_config=types.SimpleNamespace(), hidden_size=64,
+                                                            dtype=torch.get_default_dtype()))
+    _DIST_READY = True
+
+
+def sglang_model(cfg):
+    init_sglang_inprocess()
+    arch = cfg.architectures[0] if cfg.architectures else type(cfg).__name__.replace("Config", "ForCausalLM")
+    import importlib
+
+    mod = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}[arch]
+    cls = getattr(importlib.import_module(f"sglang.srt.models.{mod}"), arch)
+    with torch.device("cpu"):
+        model = cls(cfg).to(torch.bfloat16)
+    return model
+
+
+def nan_filled(model):
+    """Fill every param with NaN, so a name a loader silently skips shows up in the comparison."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.fill_(float("nan"))
+    return model
+
+
+class Host:
+    """The runner attributes the receiver reads: the model, its device, server args, update groups.
+
+    The receiver functions are called through the *patched* upstream class (``receiver_method``),
+    so the test also proves the patch bound them.
+    """
+
+    def __init__(self, model, chunk_bytes: Optional[int] = None, read_workers: int = 4):
+        from sglang.srt.server_args import ServerArgs
+
+        self.model = model
+        self.device = "cpu"
+        self.server_args = ServerArgs(model_path="dummy", device="cpu")
+        if chunk_bytes is not None:
+            self.server_args.update_weight_delta_chunk_bytes = chunk_bytes
+        self.server_args.update_weight_delta_read_workers = read_workers
+        self._model_update_group = {}
+        self.model_config = None
+
+    def call(self, name: str, *args, **kwargs):
+        return getattr(receiver_class(), name)(self, *args, **kwargs)
+
+
+def receiver_class():
+    """Where the patch set binds the receiver: ModelRunner (v0.5.15) or its WeightUpdater (v0.5.23)."""
+    try:
+        from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+
+        return WeightUpdater
+    except ImportError:
+        from sglang.srt.model_executor.model_runner import ModelRunner
+
+        return ModelRunner
 
 
 # ---------------------------------------------------------------- a real server on CPU

@@ -5,8 +5,18 @@ import pytest
 import torch
 import zstandard
 
-from cpu_harness import bf16_state, delta_flushes, full_flushes, hf_config, hf_model, rl_steps
-from delta_helpers import ARCHS, GlooSender, Host, assert_params_equal, nan_filled, sglang_model
+from cpu_harness import (
+    Host,
+    bf16_state,
+    delta_flushes,
+    full_flushes,
+    hf_config,
+    hf_model,
+    nan_filled,
+    rl_steps,
+    sglang_model,
+)
+from delta_helpers import ARCHS, GlooSender, assert_params_equal
 from sglang.srt.weight_sync.delta.receiver import receiver_state
 from sglang.srt.weight_sync.delta.wire import POSITIONS, VALUES, dtype_to_str, write_safetensors
 

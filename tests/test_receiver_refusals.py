@@ -5,8 +5,16 @@ import pytest
 import torch
 import zstandard
 
-from cpu_harness import bf16_state, delta_flushes, full_flushes, hf_config, hf_model, rl_steps
-from delta_helpers import Host, sglang_model
+from cpu_harness import (
+    Host,
+    bf16_state,
+    delta_flushes,
+    full_flushes,
+    hf_config,
+    hf_model,
+    rl_steps,
+    sglang_model,
+)
 from sglang.srt.weight_sync.delta.receiver import receiver_state
 from sglang.srt.weight_sync.delta.wire import DeltaParam, encode_flush, write_safetensors, wsum64
 

@@ -1,5 +1,4 @@
 """A real patched SGLang server on CPU: a full sync, then delta syncs over HTTP — disk files and a gloo group."""
-import os
 import threading
 
 import pytest

@@ -1,0 +1,59 @@
+"""TP=2 on two gloo ranks: each rank reads the same global delta files and its loader narrows its own shard."""
+import multiprocessing as mp
+import os
+import traceback
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from cpu_harness import bf16_state, delta_flushes, free_port, full_flushes, hf_config, hf_model, rl_steps
+from sglang.srt.weight_sync.delta.wire import write_safetensors
+
+TP = 2
+
+
+def _rank_main(rank, init_method, root, n_syncs, errors):
+    try:
+        from cpu_harness import Host, init_sglang_inprocess, nan_filled, sglang_model
+
+        init_sglang_inprocess(tp_rank=rank, tp_size=TP, init_method=init_method)
+        cfg = hf_config("qwen2", hidden=128)
+        host = Host(nan_filled(sglang_model(cfg)), chunk_bytes=32 << 10)
+        for v in range(1, n_syncs + 1):
+            vdir = os.path.join(root, f"weight_v{v:06d}")
+            files = sorted(f for f in os.listdir(vdir) if f.endswith(".safetensors"))
+            ok, msg = host.call("_apply_delta", vdir, files, str(v))
+            assert ok, f"rank {rank} v{v}: {msg}"
+            ref = nan_filled(sglang_model(cfg))
+            ref.load_weights(list(load_file(os.path.join(root, f"state{v}.safetensors")).items()))
+            for (n, a), (_, b) in zip(host.model.named_parameters(), ref.named_parameters()):
+                assert not torch.isnan(b).any() and torch.equal(a.view(torch.int16), b.view(torch.int16)), \
+                    f"rank {rank} v{v}: {n} differs"
+    except BaseException:
+        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+
+
+def test_tp2_each_rank_narrows_the_global_delta(tmp_path):
+    cfg = hf_config("qwen2", hidden=128)
+    model = hf_model(cfg)
+    states = [bf16_state(model)] + list(rl_steps(model, 2))
+    for v, state in enumerate(states, start=1):
+        save_file(state, str(tmp_path / f"state{v}.safetensors"))
+        payloads = full_flushes(state, version=1, max_params=9) if v == 1 else \
+            delta_flushes(states[v - 2], state, "deltas", version=v, base_version=v - 1, max_params=9)
+        vdir = tmp_path / f"weight_v{v:06d}"
+        vdir.mkdir()
+        for k, pl in enumerate(payloads):  # one publish: every flush file of the sync in one request
+            pl.spec.flush, pl.spec.final = 0, True  # (the checksum covers the blobs, not the spec)
+            (vdir / f"rank0000_flush{k:06d}.safetensors").write_bytes(write_safetensors(pl.spec, pl.positions, pl.values))
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    procs = [ctx.Process(target=_rank_main, args=(r, init_method, str(tmp_path), len(states), errors)) for r in range(TP)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+    failures = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
+    assert not failures, "\n".join(failures)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
