@@ -8,7 +8,7 @@ STEPS     ?= 5
 TRANSPORT ?= disk
 ENCODING  ?=
 
-.PHONY: venvs test demo check-image-tree clean
+.PHONY: venvs test demo bench check-image-tree clean
 
 venvs:
 	@for p in $(PINS); do scripts/build_venv.sh $$p $(BUILD) || exit 1; done
@@ -23,6 +23,11 @@ test: venvs
 demo:
 	@scripts/build_venv.sh $(PIN) $(BUILD)
 	$(BUILD)/venv-$(PIN)/bin/python scripts/demo.py --workdir $(BUILD)/demo --steps $(STEPS) --transport $(TRANSPORT) $(if $(ENCODING),--encoding $(ENCODING))
+
+# Receiver apply time and peak extra memory vs a full load_weights of the same model (one run, ratios).
+bench:
+	@scripts/build_venv.sh $(PIN) $(BUILD)
+	$(BUILD)/venv-$(PIN)/bin/python scripts/bench_receiver.py
 
 # Rebuild the image's SGLang tree (0.5.15.post1 wheel + slime's `latest` patches) and check ours on top.
 check-image-tree:

@@ -228,3 +228,13 @@ def test_file_refusals(engine, tmp_path):
     assert_untouched(engine, before)
     ok, msg = engine.call("_apply_delta", vdir, [name], "2")
     assert ok, msg
+
+
+def test_quantized_engine_refused(engine):
+    import types
+
+    before = weights(engine)
+    engine.model_config = types.SimpleNamespace(quantization="fp8")  # what ModelRunner.model_config says for fp8
+    ok, msg = engine.call("_apply_delta_payload", [good_delta()])
+    assert not ok and "quantized engines (fp8) are not supported by delta weight sync" in msg
+    assert_untouched(engine, before)
