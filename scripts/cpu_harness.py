@@ -27,18 +27,40 @@ def free_port() -> int:
 
 
 def hf_config(arch: str, vocab: int = 256, hidden: int = 64, layers: int = 2):
+    """Tiny configs of the architectures the tests cover: qwen2, qwen3(-tied), llama, qwen2-moe, qwen3-moe."""
     import transformers
 
     common = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=2 * hidden, vocab_size=vocab, max_position_embeddings=256,
                   tie_word_embeddings=arch.endswith("-tied"))
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden // 2)
     if arch == "qwen2":
         return transformers.Qwen2Config(**common)
-    if arch.startswith("qwen3"):
+    if arch in ("qwen3", "qwen3-tied"):
         return transformers.Qwen3Config(head_dim=hidden // 4, **common)
     if arch == "llama":
         return transformers.LlamaConfig(**common)
+    if arch == "qwen2-moe":
+        return transformers.Qwen2MoeConfig(shared_expert_intermediate_size=hidden, **moe, **common)
+    if arch == "qwen3-moe":
+        return transformers.Qwen3MoeConfig(head_dim=hidden // 4, **moe, **common)
     raise ValueError(arch)
+
+
+def checkpoint_items(items):
+    """transformers 5.x holds experts fused (``mlp.experts.gate_up_proj`` (E, 2I, H), ``down_proj`` (E, H, I));
+    checkpoints, Megatron->HF conversion and SGLang's MoE loaders use per-expert names — which we emit."""
+    for k, v in items:
+        if k.endswith("mlp.experts.gate_up_proj"):
+            base, inter = k[: -len("gate_up_proj")], v.shape[1] // 2
+            for e in range(v.shape[0]):
+                yield f"{base}{e}.gate_proj.weight", v[e, :inter]
+                yield f"{base}{e}.up_proj.weight", v[e, inter:]
+        elif k.endswith("mlp.experts.down_proj"):
+            for e in range(v.shape[0]):
+                yield f"{k[: -len('down_proj')]}{e}.down_proj.weight", v[e]
+        else:
+            yield k, v
 
 
 def hf_model(cfg, seed: int = 0):
@@ -49,8 +71,24 @@ def hf_model(cfg, seed: int = 0):
 
 
 def bf16_state(model) -> Dict[str, torch.Tensor]:
-    """What the trainer ships: HF names, bf16, contiguous copies (never views of live params)."""
-    return {n: t.detach().to(torch.bfloat16).clone() for n, t in model.state_dict().items()}
+    """What the trainer ships: HF checkpoint names, bf16, contiguous copies (never views of live params)."""
+    return {n: t.detach().to(torch.bfloat16).contiguous().clone() for n, t in checkpoint_items(model.state_dict().items())}
+
+
+def segments(state: Dict[str, torch.Tensor], subpasses: int = 4, chunk_params: int = 8):
+    """slime's send order: non-expert params, then experts in ``subpasses`` segments; each a callable of chunks."""
+    import re
+
+    expert = lambda n: re.search(r"\.experts\.(\d+)\.", n)  # noqa: E731
+    dense = [n for n in state if not expert(n)]
+    experts = sorted({int(expert(n).group(1)) for n in state if expert(n)})
+    groups = [dense] + [[n for n in state if expert(n) and int(expert(n).group(1)) in experts[k::subpasses]]
+                        for k in range(min(subpasses, len(experts)))]
+
+    def chunks(names):
+        return lambda: ([(n, state[n]) for n in names[i:i + chunk_params]] for i in range(0, len(names), chunk_params))
+
+    return [chunks(g) for g in groups]
 
 
 def rl_steps(model, steps: int, lr: float = 1e-6, seed: int = 0, batch: int = 2, seq: int = 32) -> Iterator[Dict[str, torch.Tensor]]:
@@ -143,7 +181,8 @@ def sglang_model(cfg):
     arch = cfg.architectures[0] if cfg.architectures else type(cfg).__name__.replace("Config", "ForCausalLM")
     import importlib
 
-    mod = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}[arch]
+    mod = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
+           "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe"}[arch]
     cls = getattr(importlib.import_module(f"sglang.srt.models.{mod}"), arch)
     with torch.device("cpu"):
         model = cls(cfg).to(torch.bfloat16)

@@ -257,10 +257,12 @@ def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version:
         if len(set(names)) != len(names):
             raise DeltaError(f"param {next(n for n in names if names.count(n) > 1)!r} appears in two files of one request")
     except DeltaError as e:
-        if continuing:
+        msg = f"delta refused: {e}"
+        if continuing:  # earlier flushes of this version are written: the engine holds a mix
             state.dirty = True
-        logger.error("delta refused: %s", e)
-        return False, f"delta refused: {e}"
+            msg += f"; engine is dirty (part of version {head.version} was written): it needs a full sync"
+        logger.error(msg)
+        return False, msg
 
     chunk_cap = int(_server_arg(self, "update_weight_delta_chunk_bytes", DEFAULT_CHUNK_BYTES))
     device = _device(self)

@@ -1,0 +1,392 @@
+"""Sender core of delta weight sync: snapshot, bytewise diff, encode, bucket, and ack before advance.
+
+Framework-agnostic (slime's updater subclass feeds it HF ``(name, tensor)`` chunks; tests feed it a
+transformers model): :class:`DeltaSender` runs one sync over segments of chunks and a transport.
+
+Contract:
+
+* The snapshot (:class:`DeltaState`) holds the last version **every** engine acknowledged. A sync
+  sends, per param, the positions whose bytes differ from it plus every position staged by
+  still-unacknowledged syncs, with current values — so each request is correct for an engine at
+  any version in ``[base_version, version)`` (overwrite semantics). The snapshot advances only
+  after every engine acknowledged the whole sync; otherwise the positions stay staged.
+* The first sync, and the sync after an engine failed in a way that may have left it partially
+  written (dirty, timed out, unreachable), is a full sync: every param dense. Over disk that
+  engine gets dense files by itself; a shared NCCL group gets a full sync for all its engines.
+* Failures are never swallowed: logged, counted in :meth:`DeltaSender.pop_metrics`, acted on.
+
+CUDA: the diff runs on the default stream; snapshot chunks are prefetched host->device on
+``h2d_stream`` one chunk ahead, changed values go device->host on ``d2h_stream``; events order
+them (:class:`_HostLink`). On CPU the same code runs synchronously.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from sglang.srt.weight_sync.delta.wire import (
+    DeltaEncoding,
+    DeltaError,
+    DeltaPayload,
+    changed_positions,
+    encode_flush,
+    sparse_allowed,
+)
+
+logger = logging.getLogger(__name__)
+
+_EXPERT_SUBPASSES = 4  # expert params are published in this many segments so apply overlaps encode
+
+Chunk = Sequence[Tuple[str, torch.Tensor]]
+
+
+# ---------------------------------------------------------------- host <-> device
+
+
+class _HostLink:
+    """Snapshot traffic between pinned host memory and the device; a no-op pass-through on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.h2d_stream = torch.cuda.Stream(device)
+            self.d2h_stream = torch.cuda.Stream(device)
+        self.h2d_bytes = self.d2h_bytes = 0
+
+    def host_copy(self, t: torch.Tensor) -> torch.Tensor:
+        """A host copy that outlives ``t`` (pinned on CUDA so later H2D/D2H copies are async)."""
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.cuda)
+        out.copy_(t.detach())
+        return out
+
+    def prefetch(self, host: Optional[torch.Tensor], device: torch.device):
+        """Start moving a snapshot tensor to ``device``; returns a handle for :meth:`ready`."""
+        if host is None or not self.cuda:
+            return host
+        self.h2d_bytes += host.numel() * host.element_size()
+        with torch.cuda.stream(self.h2d_stream):
+            dev = host.to(device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.h2d_stream)
+        return dev, event
+
+    def ready(self, handle) -> Optional[torch.Tensor]:
+        if not self.cuda or handle is None:
+            return handle
+        dev, event = handle
+        torch.cuda.current_stream().wait_event(event)
+        dev.record_stream(torch.cuda.current_stream())
+        return dev
+
+    def to_host(self, values: torch.Tensor) -> torch.Tensor:
+        """Changed values back to host memory, off the default stream."""
+        if not self.cuda:
+            return values.detach().clone() if values.device.type == "cpu" else values.detach().cpu()
+        self.d2h_bytes += values.numel() * values.element_size()
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream())
+        out = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        with torch.cuda.stream(self.d2h_stream):
+            self.d2h_stream.wait_event(event)
+            out.copy_(values, non_blocking=True)
+            values.record_stream(self.d2h_stream)
+        return out
+
+    def synchronize(self) -> None:
+        if self.cuda:
+            self.h2d_stream.synchronize()
+            self.d2h_stream.synchronize()
+
+
+# ---------------------------------------------------------------- snapshot
+
+
+class DeltaState:
+    """The sender's memory: the snapshot of the last version every engine acknowledged, and this sync's staging."""
+
+    def __init__(self, device: Optional[torch.device] = None):
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.link = _HostLink(self.device)
+        self.snapshot: Dict[str, torch.Tensor] = {}
+        self.version = 0  # committed: every engine acknowledged it (0 = nothing synced yet)
+        self.staged: Dict[str, torch.Tensor] = {}  # positions sent by unacknowledged syncs (sorted int64)
+        self._sent: Dict[str, Tuple[Optional[torch.Tensor], torch.Tensor]] = {}
+
+    def positions(self, name: str, tensor: torch.Tensor, base: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Positions this sync must carry for ``name``; None when the param has no snapshot yet."""
+        if base is None or base.shape != tensor.shape or base.dtype != tensor.dtype:
+            return None
+        idx = changed_positions(base, tensor)
+        staged = self.staged.get(name)
+        if staged is not None and staged.numel():
+            idx = torch.unique(torch.cat([idx, staged.to(idx.device)]))
+        return idx
+
+    def record(self, name: str, tensor: torch.Tensor, idx: Optional[torch.Tensor]) -> None:
+        """Keep what this sync sent — the changed values only, or a full copy for a new param."""
+        if idx is None:
+            self._sent[name] = (None, self.link.host_copy(tensor))
+        else:
+            self._sent[name] = (idx.cpu(), self.link.to_host(tensor.reshape(-1)[idx]))
+
+    def commit(self, version: int) -> None:
+        """Every engine acknowledged ``version``: fold what it sent into the snapshot."""
+        self.link.synchronize()
+        for name, (idx, values) in self._sent.items():
+            if idx is None:
+                self.snapshot[name] = values
+            elif idx.numel():
+                self.snapshot[name].view(-1)[idx] = values
+        self._sent.clear()
+        self.staged.clear()
+        self.version = version
+
+    def stage(self) -> None:
+        """Some engine did not acknowledge: the next sync re-sends these positions with current values."""
+        self.link.synchronize()
+        for name, (idx, _) in self._sent.items():
+            if idx is not None:
+                self.staged[name] = idx
+        self._sent.clear()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.snapshot.values())
+
+
+# ---------------------------------------------------------------- bucket
+
+
+class DeltaBucket:
+    """Encoded params waiting for a flush, grouped by values dtype; bounded by encoded bytes.
+
+    Positions are encoded to host bytes at once (small); values stay where they are until flush.
+    """
+
+    def __init__(self, encoding: str, max_bytes: int):
+        self.encoding, self.max_bytes = encoding, max_bytes
+        self.entries: Dict[torch.dtype, List[Tuple[str, torch.Tensor, Optional[torch.Tensor]]]] = {}
+        self.nbytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor, idx: Optional[torch.Tensor]) -> None:
+        nnz = tensor.numel() if idx is None else idx.numel()
+        width = 0 if idx is None else 4  # upper bound; the wire picks 2 where gaps fit
+        self.nbytes += nnz * (width + tensor.element_size())
+        self.entries.setdefault(tensor.dtype, []).append((name, tensor, idx))
+
+    def should_flush(self) -> bool:
+        return self.nbytes >= self.max_bytes
+
+    def take(self, **spec_fields) -> List[DeltaPayload]:
+        out = [encode_flush(entries, self.encoding, **spec_fields) for _, entries in sorted(self.entries.items(), key=str)]
+        self.entries, self.nbytes = {}, 0
+        return out
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self.entries.values())
+
+
+# ---------------------------------------------------------------- engines and results
+
+
+@dataclasses.dataclass
+class EngineStatus:
+    """What the sender knows of one engine."""
+
+    version: Optional[int] = None  # last version it acknowledged
+    needs_full: bool = True
+    last_error: str = ""
+
+
+def _is_dirty(message: str) -> bool:
+    """Receiver messages say 'dirty' when a failure may have left part of a sync written."""
+    return "dirty" in message
+
+
+class DeltaSender:
+    """Runs syncs: diff against the snapshot, encode, bucket, hand flushes to a transport, commit on full ack.
+
+    ``transport`` implements ``begin(version)``, ``send(payload, targets) -> results`` (NCCL: one
+    request per flush) or ``write(payload, kind)`` + ``publish(targets_by_kind, flush, final)``
+    (disk), and ``shared_group`` (True when one broadcast reaches every engine).
+    """
+
+    def __init__(self, transport, engines: Sequence, encoding: str = "deltas", buffer_bytes: int = 512 << 20,
+                 device: Optional[torch.device] = None):
+        enc = DeltaEncoding(encoding)
+        if getattr(transport, "shared_group", False) and enc is DeltaEncoding.DELTAS_ZSTD:
+            raise DeltaError("deltas_zstd compresses files: it is disk-only (use 'indices' over nccl)")
+        self.transport, self.engines, self.encoding = transport, list(engines), enc.value
+        self.buffer_bytes = buffer_bytes
+        self.state = DeltaState(device)
+        self.status: Dict[int, EngineStatus] = {i: EngineStatus() for i in range(len(self.engines))}
+        self.version = 0  # last sync attempted
+        self._metrics: Dict[str, float] = {}
+        self._counters = {"failures": 0, "resyncs": 0}
+
+    # -- one sync -------------------------------------------------------------
+
+    def update(self, segments: Sequence[Callable[[], Iterable[Chunk]]]) -> Dict[int, Tuple[bool, str]]:
+        """One sync over ``segments`` (callables yielding chunks of HF ``(name, tensor)``); publishes after each."""
+        v = self.version + 1
+        self.version = v
+        full_targets = [i for i, s in self.status.items() if s.needs_full]
+        delta_targets = [i for i in self.status if i not in full_targets]
+        if getattr(self.transport, "shared_group", False) and full_targets:
+            full_targets, delta_targets = list(self.status), []
+        if full_targets and any(self.status[i].version is not None for i in full_targets):
+            self._counters["resyncs"] += 1
+        t0 = time.perf_counter()
+        self.transport.begin(v)
+        run = _SyncRun(self, v, delta_targets, full_targets)
+        for k, segment in enumerate(segments):
+            run.final_segment = k == len(segments) - 1
+            run.pipeline_pass(segment())
+            run.flush_and_publish()
+        t_encode = time.perf_counter() - t0
+        results = run.finish()
+        t_finalize = time.perf_counter() - t0 - t_encode
+        acked = [i for i, (ok, _) in results.items() if ok]
+        for i, (ok, msg) in results.items():
+            st = self.status[i]
+            if ok:
+                st.version, st.needs_full, st.last_error = v, False, ""
+            else:
+                self._counters["failures"] += 1
+                st.last_error = msg
+                st.needs_full = st.needs_full or _is_dirty(msg) or msg.startswith("transport:")
+                logger.error("delta sync v%d failed on engine %d (%s): %s", v, i,
+                             "full sync next" if st.needs_full else "next delta covers it", msg)
+        if len(acked) == len(self.engines):
+            self.state.commit(v)
+        else:
+            self.state.stage()
+        self._metrics = run.metrics(t_encode, t_finalize)
+        return results
+
+    def pop_metrics(self) -> Dict[str, float]:
+        out = dict(self._metrics)
+        out["perf/update_weights_failures"] = float(self._counters["failures"])
+        out["perf/update_weights_resyncs"] = float(self._counters["resyncs"])
+        self._metrics = {}
+        return out
+
+
+class _SyncRun:
+    """The working set of one sync: buckets, the 1-step lookahead, flush counters, engine results."""
+
+    def __init__(self, sender: DeltaSender, version: int, delta_targets: List[int], full_targets: List[int]):
+        self.s, self.v = sender, version
+        self.targets = {"delta": delta_targets, "full": full_targets}
+        self.buckets = {k: DeltaBucket(sender.encoding, sender.buffer_bytes) for k, t in self.targets.items() if t}
+        self.flush = 0  # request index within the sync (shared by all files of one disk publish)
+        self.final_segment = False
+        self.held: List[Tuple[str, DeltaPayload]] = []  # NCCL: the last flush waits to learn whether it is final
+        self.results: Dict[int, Tuple[bool, str]] = {}
+        self.elements = self.nnz = self.wire_bytes = self.raw_bytes = self.flushes = 0
+
+    def pipeline_pass(self, chunks: Iterable[Chunk]) -> None:
+        """Process chunk k while chunk k+1's snapshot is already on its way (CUDA); plain loop on CPU."""
+        link, prev = self.s.state.link, None
+        for chunk in chunks:
+            handles = [link.prefetch(self.s.state.snapshot.get(n), t.device) for n, t in chunk]
+            if prev is not None:
+                self._process(*prev)
+            prev = (chunk, handles)
+        if prev is not None:
+            self._process(*prev)
+
+    def _process(self, chunk: Chunk, handles) -> None:
+        state = self.s.state
+        for (name, tensor), h in zip(chunk, handles):
+            base = state.link.ready(h)
+            idx = state.positions(name, tensor, base)
+            self.elements += tensor.numel()
+            self.nnz += tensor.numel() if idx is None else idx.numel()
+            if "delta" in self.buckets:
+                sparse = idx is not None and sparse_allowed(tensor.dtype)
+                self.buckets["delta"].add(name, tensor, idx if sparse else None)
+            if "full" in self.buckets:
+                self.buckets["full"].add(name, tensor, None)
+            state.record(name, tensor, idx)
+            for kind, bucket in self.buckets.items():
+                if bucket.should_flush():
+                    self._flush(kind)
+
+    def _spec_fields(self, kind: str, final: bool) -> dict:
+        full = kind == "full"
+        base = self.v if full else self.s.state.version
+        return dict(full=full, base_version=base, version=self.v, flush=self.flush, final=final)
+
+    def _flush(self, kind: str) -> None:
+        bucket = self.buckets[kind]
+        if not len(bucket):
+            return
+        t = self.s.transport
+        for payload in bucket.take(**self._spec_fields(kind, self.final_segment)):
+            self.flushes += 1
+            self.raw_bytes += payload.positions.numel() + payload.values.numel() * payload.values.element_size()
+            if getattr(t, "shared_group", False):
+                self._release_held()
+                self.held.append((kind, payload))
+            else:
+                self.wire_bytes += t.write(payload, kind)
+
+    def _release_held(self, final: bool = False) -> None:
+        for kind, payload in self.held:
+            payload.spec.flush, payload.spec.final = self.flush, final
+            self.wire_bytes += payload.positions.numel() + payload.values.numel() * payload.values.element_size()
+            self._collect(self.s.transport.send(payload, self.targets[kind]))
+            self.flush += 1
+        self.held = []
+
+    def flush_and_publish(self) -> None:
+        """End of a segment: flush the buckets and tell the engines (disk) — every target kind gets a request,
+        empty if nothing changed, so flush indices stay aligned and the final request always arrives."""
+        final = self.final_segment
+        for kind in list(self.buckets):
+            self._flush(kind)
+        t = self.s.transport
+        if getattr(t, "shared_group", False):
+            if final and not self.held:
+                kind = "full" if self.targets["full"] else "delta"
+                self.held.append((kind, encode_flush([], self.s.encoding, **self._spec_fields(kind, True))))
+            if final:
+                self._release_held(final=True)
+            return
+        for kind in self.buckets:
+            if not t.pending(kind):
+                self.wire_bytes += t.write(encode_flush([], self.s.encoding, **self._spec_fields(kind, final)), kind)
+        t.publish({k: v for k, v in self.targets.items() if v})
+        self.flush += 1
+
+    def _collect(self, results: Dict[int, Tuple[bool, str]]) -> None:
+        for i, (ok, msg) in results.items():
+            if i not in self.results or (self.results[i][0] and not ok):
+                self.results[i] = (ok, msg)
+
+    def finish(self) -> Dict[int, Tuple[bool, str]]:
+        t = self.s.transport
+        if not getattr(t, "shared_group", False):
+            self._collect(t.collect())
+            self.wire_bytes += t.wire_bytes
+        for i in self.targets["delta"] + self.targets["full"]:
+            self.results.setdefault(i, (False, "transport: no request reached this engine"))
+        return self.results
+
+    def metrics(self, t_encode: float, t_finalize: float) -> Dict[str, float]:
+        p = "perf/update_weights_"
+        m = {p + "version": float(self.v), p + "density": self.nnz / max(1, self.elements),
+             p + "wire_bytes": float(self.wire_bytes), p + "flushes": float(self.flushes),
+             p + "encode_s": t_encode, p + "finalize_s": t_finalize,
+             p + "full_sync_engines": float(len(self.targets["full"]))}
+        if self.wire_bytes:
+            m[p + "compression_ratio"] = self.raw_bytes / self.wire_bytes
+        link = self.s.state.link
+        m[p + "h2d_bytes"], m[p + "d2h_bytes"] = float(link.h2d_bytes), float(link.d2h_bytes)
+        return m

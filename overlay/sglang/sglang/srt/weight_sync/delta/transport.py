@@ -1,0 +1,226 @@
+"""Transports of delta weight sync: flushes to engines over a shared filesystem or a torch.distributed group.
+
+* :class:`DiskTransport`: every flush becomes ``weight_v{N:06d}/rank{R:04d}_flush{F:06d}.safetensors``
+  (dense full-sync files for engines that need one go to ``weight_v{N:06d}/full/``), written by an
+  :class:`AsyncSafetensorsWriter` so encoding never waits on the disk. A publish (end of a segment)
+  announces the segment's files from a one-thread executor, after the files are durable and after an
+  optional post-write hook's future (e.g. "the remote side of the shared FS sees them").
+* :class:`NcclTransport`: one request per flush — the engine's HTTP/RPC call goes out first, then the
+  two blobs are broadcast on the existing weight-update group (gloo on CPU, NCCL on GPU). One
+  broadcast reaches every engine of the group, so the group shares one sync kind.
+
+Engines are duck-typed clients with ``update_weights_from_disk(model_path, files, weight_version)`` and
+``update_weights_from_distributed(names, dtypes, shapes, group_name, delta, weight_version)``, each
+returning ``(ok, message)``; :class:`HttpEngine` is the one for a plain SGLang server.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import shutil
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from sglang.srt.weight_sync.delta.wire import POSITIONS, VALUES, DeltaPayload, dtype_to_str, write_safetensors
+
+logger = logging.getLogger(__name__)
+
+Results = Dict[int, Tuple[bool, str]]
+
+
+class AsyncSafetensorsWriter:
+    """One background thread: serialize, optionally zstd, write ``*.tmp``, fsync, ``os.replace``.
+
+    Readers never see half files; the caller gets a future of the bytes written.
+    """
+
+    def __init__(self, zstd_level: Optional[int] = None):
+        self.zstd_level = zstd_level
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="delta-writer")
+
+    def submit(self, path: str, payload: DeltaPayload) -> concurrent.futures.Future:
+        return self.pool.submit(self._write, path, payload)
+
+    def _write(self, path: str, payload: DeltaPayload) -> int:
+        data = write_safetensors(payload.spec, payload.positions, payload.values)
+        if self.zstd_level is not None:
+            import zstandard
+
+            data = zstandard.ZstdCompressor(level=self.zstd_level).compress(data)
+        tmp = path + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return len(data)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+class DiskTransport:
+    shared_group = False
+
+    def __init__(self, root: str, engines: Sequence, *, rank: int = 0, zstd: bool = False, keep_files: bool = False,
+                 post_write_hook: Optional[Callable[[str], Optional[concurrent.futures.Future]]] = None,
+                 gather_files: Optional[Callable[[List[str]], List[str]]] = None):
+        self.root, self.engines, self.rank = root, list(engines), rank
+        self.keep_files, self.hook = keep_files, post_write_hook
+        self.gather_files = gather_files or (lambda names: names)  # multi-rank: all-gather names to the publisher
+        self.writer = AsyncSafetensorsWriter(1 if zstd else None)
+        self.announcer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="delta-publish")
+        self.vdir = ""
+        self._file_no = 0
+        self._pending: Dict[str, List[Tuple[str, concurrent.futures.Future]]] = {}
+        self._publishes: List[concurrent.futures.Future] = []
+        self._results: Results = {}
+        self.wire_bytes = 0
+
+    def _dir(self, kind: str) -> str:
+        return self.vdir if kind == "delta" else os.path.join(self.vdir, "full")
+
+    def begin(self, version: int) -> None:
+        self.version = version
+        self.vdir = os.path.join(self.root, f"weight_v{version:06d}")
+        self._file_no, self._pending, self._publishes, self._results = 0, {}, [], {}
+        self.wire_bytes = 0
+
+    def pending(self, kind: str) -> int:
+        return len(self._pending.get(kind, []))
+
+    def write(self, payload: DeltaPayload, kind: str) -> int:
+        os.makedirs(self._dir(kind), exist_ok=True)
+        name = f"rank{self.rank:04d}_flush{self._file_no:06d}.safetensors"
+        self._file_no += 1
+        self._pending.setdefault(kind, []).append((name, self.writer.submit(os.path.join(self._dir(kind), name), payload)))
+        return 0  # bytes are counted when the writer is done
+
+    def publish(self, targets: Dict[str, List[int]]) -> None:
+        batch, self._pending = self._pending, {}
+        self._publishes.append(self.announcer.submit(self._announce, batch, targets))
+
+    def _announce(self, batch, targets: Dict[str, List[int]]) -> None:
+        for kind, files in batch.items():
+            for _, fut in files:
+                self.wire_bytes += fut.result()  # a failed write raises here and fails the publish
+        if self.hook is not None:
+            fut = self.hook(self.vdir)
+            if fut is not None:
+                fut.result()
+        for kind, engines in targets.items():
+            names = self.gather_files([n for n, _ in batch.get(kind, [])])
+            for i in engines:
+                if i in self._results and not self._results[i][0]:
+                    continue  # this engine already failed this sync; its later flushes would be refused
+                try:
+                    ok, msg = self.engines[i].update_weights_from_disk(self._dir(kind), names, str(self.version))
+                except Exception as e:  # unreachable engine
+                    ok, msg = False, f"transport: {e!r}"
+                if i not in self._results or not ok:
+                    self._results[i] = (bool(ok), msg)
+
+    def collect(self) -> Results:
+        failed = None
+        for fut in self._publishes:
+            try:
+                fut.result()
+            except Exception as e:  # the writer or the hook failed: nothing of this publish reached an engine
+                failed = f"transport: publish failed: {e!r}"
+                logger.exception("delta publish failed")
+        if failed:
+            for i in range(len(self.engines)):
+                if self._results.get(i, (True, ""))[0]:
+                    self._results[i] = (False, failed)
+        if not self.keep_files and self.vdir:
+            shutil.rmtree(self.vdir, ignore_errors=True)
+        return self._results
+
+    def close(self) -> None:
+        self.writer.close()
+        self.announcer.shutdown(wait=True)
+
+
+class NcclTransport:
+    shared_group = True
+
+    def __init__(self, group, group_name: str, engines: Sequence, device: Optional[torch.device] = None,
+                 reconnect: Optional[Callable[[], object]] = None):
+        self.group, self.group_name, self.engines = group, group_name, list(engines)
+        self.device = torch.device(device or "cpu")
+        self.reconnect, self.broken = reconnect, False
+        self.calls = concurrent.futures.ThreadPoolExecutor(max(1, len(self.engines)), thread_name_prefix="delta-rpc")
+
+    def begin(self, version: int) -> None:
+        self.version = version
+        if self.broken and self.reconnect is not None:
+            logger.warning("re-creating weight-update group %s after a failed broadcast", self.group_name)
+            self.group, self.broken = self.reconnect(), False
+
+    def send(self, payload: DeltaPayload, targets: List[int]) -> Results:
+        """One request: engines are called first (they block in their receive), then both blobs are broadcast."""
+        pos = payload.positions.to(self.device)
+        vals = payload.values.to(self.device)
+        args = ([POSITIONS, VALUES], ["uint8", dtype_to_str(vals.dtype)], [[pos.numel()], [vals.numel()]],
+                self.group_name, payload.spec.to_json(), str(self.version))
+        futs = {i: self.calls.submit(self.engines[i].update_weights_from_distributed, *args) for i in targets}
+        broadcast_error = None
+        try:
+            for h in [torch.distributed.broadcast(t, src=0, group=self.group, async_op=True) for t in (pos, vals)]:
+                h.wait()
+        except Exception as e:
+            self.broken, broadcast_error = True, f"transport: broadcast failed: {e!r}"
+            logger.error("delta broadcast on %s failed: %r", self.group_name, e)
+        results = {}
+        for i, fut in futs.items():
+            try:
+                ok, msg = fut.result()
+            except Exception as e:
+                ok, msg = False, f"transport: {e!r}"
+            results[i] = (bool(ok) and broadcast_error is None, broadcast_error or msg)
+        return results
+
+    def close(self) -> None:
+        self.calls.shutdown(wait=True)
+
+
+class HttpEngine:
+    """A patched SGLang server over HTTP (v0.5.23's distributed updates are wrapped in its session)."""
+
+    def __init__(self, url: str, api_key: Optional[str] = None, timeout: float = 600.0):
+        import requests
+
+        self.url, self.timeout = url.rstrip("/"), timeout
+        self.session = requests.Session()
+        if api_key:
+            self.session.headers["Authorization"] = f"Bearer {api_key}"
+        self._sessions: Optional[bool] = None
+
+    def _post(self, path: str, body: dict) -> Tuple[bool, str]:
+        r = self.session.post(self.url + path, json=body, timeout=self.timeout)
+        try:
+            data = r.json()
+        except ValueError:
+            return False, f"HTTP {r.status_code}: {r.text[:500]}"
+        return r.status_code == 200 and bool(data.get("success", True)), data.get("message", r.text[:500])
+
+    def update_weights_from_disk(self, model_path: str, files: List[str], weight_version: str) -> Tuple[bool, str]:
+        return self._post("/update_weights_from_disk", {"model_path": model_path, "load_format": "delta",
+                                                         "files": files, "weight_version": weight_version})
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name, delta, weight_version):
+        if self._sessions is None:
+            self._sessions = self.session.post(self.url + "/begin_weight_update", json={},
+                                               timeout=self.timeout).status_code != 404
+        elif self._sessions:
+            self.session.post(self.url + "/begin_weight_update", json={}, timeout=self.timeout)
+        try:
+            return self._post("/update_weights_from_distributed", {
+                "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+                "load_format": "delta", "delta": delta, "weight_version": weight_version})
+        finally:
+            if self._sessions:
+                self.session.post(self.url + "/end_weight_update", json={}, timeout=self.timeout)

@@ -1,0 +1,162 @@
+"""The sender core driven by a real training loop, into real receivers: in-process SGLang classes and a server."""
+import threading
+
+import pytest
+import torch
+
+from cpu_harness import (
+    Host,
+    Server,
+    bf16_state,
+    free_port,
+    hf_config,
+    hf_model,
+    nan_filled,
+    rl_steps,
+    segments,
+    sglang_model,
+    write_hf_checkpoint,
+)
+from delta_helpers import assert_params_equal
+from sglang.srt.weight_sync.delta.sender import DeltaSender
+from sglang.srt.weight_sync.delta.transport import DiskTransport, HttpEngine, NcclTransport
+from sglang.srt.weight_sync.delta.wire import DeltaError
+
+
+class LocalEngine:
+    """An in-process engine: the real receiver on a real SGLang model class; ``down`` makes it unreachable."""
+
+    def __init__(self, cfg):
+        self.host = Host(nan_filled(sglang_model(cfg)), chunk_bytes=64 << 10)
+        self.down = False
+        self.requests = 0
+
+    def update_weights_from_disk(self, model_path, files, weight_version):
+        if self.down:
+            raise ConnectionError("engine unreachable")
+        self.requests += 1
+        return self.host.call("_apply_delta", model_path, files, weight_version)
+
+
+def reference(cfg, state):
+    ref = nan_filled(sglang_model(cfg))
+    ref.load_weights(list(state.items()))
+    return ref
+
+
+@pytest.mark.parametrize("arch, encoding", [("qwen2", "deltas_zstd"), ("qwen3-tied", "indices"),
+                                            ("qwen2-moe", "deltas"), ("qwen3-moe", "deltas_zstd")])
+def test_training_loop_into_inprocess_receivers(tmp_path, arch, encoding):
+    cfg = hf_config(arch)
+    trainer = hf_model(cfg)
+    engine = LocalEngine(cfg)
+    transport = DiskTransport(str(tmp_path), [engine], zstd=encoding == "deltas_zstd")
+    sender = DeltaSender(transport, [engine], encoding=encoding, buffer_bytes=4 << 10)  # several flushes
+    state = bf16_state(trainer)
+    segs = segments(state)
+    assert len(segs) == (5 if "moe" in arch else 1)  # non-expert + 4 expert sub-passes
+    results = sender.update(segs)
+    assert results == {0: (True, results[0][1])} and results[0][0]
+    m = sender.pop_metrics()
+    assert m["perf/update_weights_full_sync_engines"] == 1 and m["perf/update_weights_density"] == 1.0
+    assert_params_equal(engine.host.model, reference(cfg, state))
+    for step, state in enumerate(rl_steps(trainer, 3), start=2):
+        before = engine.requests
+        results = sender.update(segments(state))
+        assert results[0][0], results
+        assert engine.requests - before == len(segs)  # one publish per segment
+        m = sender.pop_metrics()
+        assert 0 < m["perf/update_weights_density"] < 0.2 and m["perf/update_weights_flushes"] > len(segs)
+        assert m["perf/update_weights_full_sync_engines"] == 0 and m["perf/update_weights_wire_bytes"] > 0
+        assert sender.state.version == step
+        assert_params_equal(engine.host.model, reference(cfg, state))
+    transport.close()
+
+
+def test_unreachable_engine_gets_a_full_sync_and_both_end_identical(tmp_path):
+    cfg = hf_config("qwen2")
+    trainer = hf_model(cfg)
+    a, b = LocalEngine(cfg), LocalEngine(cfg)
+    transport = DiskTransport(str(tmp_path), [a, b])
+    sender = DeltaSender(transport, [a, b], encoding="deltas", buffer_bytes=32 << 10)
+    steps = rl_steps(trainer, 3)
+    assert all(ok for ok, _ in sender.update(segments(bf16_state(trainer))).values())
+    b.down = True
+    results = sender.update(segments(next(steps)))
+    assert results[0][0] and not results[1][0] and "unreachable" in results[1][1]
+    assert sender.state.version == 1  # not every engine acknowledged v2: the snapshot stays at v1
+    b.down = False
+    state = next(steps)
+    results = sender.update(segments(state))
+    assert results[0][0] and results[1][0], results
+    m = sender.pop_metrics()
+    assert m["perf/update_weights_full_sync_engines"] == 1 and m["perf/update_weights_failures"] == 1
+    assert m["perf/update_weights_resyncs"] == 1
+    assert sender.state.version == 3
+    ref = reference(cfg, state)
+    assert_params_equal(a.host.model, ref)
+    assert_params_equal(b.host.model, ref)
+    state = next(steps)  # and the next sync is a delta for both
+    assert all(ok for ok, _ in sender.update(segments(state)).values())
+    assert sender.pop_metrics()["perf/update_weights_full_sync_engines"] == 0
+    ref = reference(cfg, state)
+    assert_params_equal(a.host.model, ref)
+    assert_params_equal(b.host.model, ref)
+
+
+def test_deltas_zstd_is_refused_over_nccl():
+    with pytest.raises(DeltaError, match="deltas_zstd compresses files: it is disk-only"):
+        DeltaSender(NcclTransport(None, "g", []), [], encoding="deltas_zstd")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sender-server")
+    cfg = hf_config("llama", vocab=300)
+    boot = write_hf_checkpoint(str(root / "boot"), cfg, bf16_state(hf_model(cfg, seed=2)))
+    srv = Server(boot, str(root / "server.log")).wait_healthy()
+    yield srv, cfg, root
+    srv.stop()
+
+
+def engine_has(srv, state):
+    for n, want in state.items():
+        got = torch.tensor(srv.post("/get_weights_by_name", {"name": n, "truncate_size": 1 << 20}).json(),
+                           dtype=torch.float32).to(torch.bfloat16)[: want.shape[0]]
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"{n} differs on the engine"
+
+
+def test_training_loop_into_a_server_over_disk_then_gloo(server):
+    srv, cfg, root = server
+    trainer = hf_model(cfg, seed=1)
+    engine = HttpEngine(srv.url)
+    disk = DiskTransport(str(root / "shared"), [engine], zstd=True)
+    sender = DeltaSender(disk, [engine], encoding="deltas_zstd", buffer_bytes=64 << 10)
+    state = bf16_state(trainer)
+    for k in range(3):
+        results = sender.update(segments(state))
+        assert results[0][0], results
+        engine_has(srv, state)
+        state = next(rl_steps(trainer, 1, seed=k))
+    assert sender.pop_metrics()["perf/update_weights_compression_ratio"] > 1.0
+    disk.close()
+
+    from sglang.srt.utils.common import init_custom_process_group
+
+    port, box = free_port(), {}
+    t = threading.Thread(target=lambda: box.setdefault("pg", init_custom_process_group(
+        backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=0, group_name="sender-gloo")))
+    t.start()
+    r = srv.post("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+                                                "world_size": 2, "group_name": "sender-gloo", "backend": "gloo"})
+    t.join(60)
+    assert r.status_code == 200, r.text
+    nccl = NcclTransport(box["pg"], "sender-gloo", [engine])
+    sender2 = DeltaSender(nccl, [engine], encoding="indices", buffer_bytes=64 << 10)
+    sender2.version = sender.version  # the engine is at the disk sender's version: continue the chain
+    for k in range(3):  # a full sync over the group, then deltas
+        results = sender2.update(segments(state))
+        assert results[0][0], results
+        engine_has(srv, state)
+        state = next(rl_steps(trainer, 1, seed=10 + k))
+    nccl.close()
