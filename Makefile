@@ -24,9 +24,10 @@ demo:
 	@scripts/build_venv.sh $(PIN) $(BUILD)
 	$(BUILD)/venv-$(PIN)/bin/python scripts/demo.py --workdir $(BUILD)/demo --steps $(STEPS) --transport $(TRANSPORT) $(if $(ENCODING),--encoding $(ENCODING))
 
-# Receiver apply time and peak extra memory vs a full load_weights of the same model (one run, ratios).
+# Sender diff+encode vs a memory copy, wire bytes per encoding; receiver apply vs a full load_weights (ratios).
 bench:
 	@scripts/build_venv.sh $(PIN) $(BUILD)
+	$(BUILD)/venv-$(PIN)/bin/python scripts/bench_sender.py
 	$(BUILD)/venv-$(PIN)/bin/python scripts/bench_receiver.py
 
 # Rebuild the image's SGLang tree (0.5.15.post1 wheel + slime's `latest` patches) and check ours on top.

@@ -183,7 +183,7 @@ class DeltaBucket:
         return self.nbytes >= self.max_bytes
 
     def take(self, **spec_fields) -> List[DeltaPayload]:
-        out = [encode_flush(entries, self.encoding, **spec_fields) for _, entries in sorted(self.entries.items(), key=str)]
+        out = [encode_flush(self.entries[dt], self.encoding, **spec_fields) for dt in sorted(self.entries, key=str)]
         self.entries, self.nbytes = {}, 0
         return out
 
