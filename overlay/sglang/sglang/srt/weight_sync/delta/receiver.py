@@ -275,6 +275,8 @@ def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version:
             for payload, idxs in zip(payloads, decoded):
                 values = payload.values.to(device, non_blocking=True)
                 for p, idx in zip(payload.spec.params, idxs):
+                    if idx is not None and not idx.numel():
+                        continue  # nothing of this param changed: no densify, no loader call
                     size = p.numel * values.element_size()
                     if chunk and chunk_bytes + size > chunk_cap:
                         model.load_weights(chunk)
