@@ -17,10 +17,11 @@ returning ``(ok, message)``; :class:`HttpEngine` is the one for a plain SGLang s
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import os
 import shutil
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -148,10 +149,12 @@ class NcclTransport:
     shared_group = True
 
     def __init__(self, group, group_name: str, engines: Sequence, device: Optional[torch.device] = None,
-                 reconnect: Optional[Callable[[], object]] = None):
+                 reconnect: Optional[Callable[[], object]] = None,
+                 guard: Optional[Callable[[], ContextManager]] = None):
         self.group, self.group_name, self.engines = group, group_name, list(engines)
         self.device = torch.device(device or "cpu")
         self.reconnect, self.broken = reconnect, False
+        self.guard = guard or contextlib.nullcontext  # e.g. slime's engine lock around each transfer
         self.calls = concurrent.futures.ThreadPoolExecutor(max(1, len(self.engines)), thread_name_prefix="delta-rpc")
 
     def begin(self, version: int) -> None:
@@ -162,6 +165,10 @@ class NcclTransport:
 
     def send(self, payload: DeltaPayload, targets: List[int]) -> Results:
         """One request: engines are called first (they block in their receive), then both blobs are broadcast."""
+        with self.guard():
+            return self._send(payload, targets)
+
+    def _send(self, payload: DeltaPayload, targets: List[int]) -> Results:
         pos = payload.positions.to(self.device)
         vals = payload.values.to(self.device)
         args = ([POSITIONS, VALUES], ["uint8", dtype_to_str(vals.dtype)], [[pos.numel()], [vals.numel()]],

@@ -1,0 +1,193 @@
+"""slime's sparse delta updater: the parent's gather + HF conversion feed the delta sender core.
+
+``UpdateWeightFromDistributed`` already yields HF ``(name, tensor)`` chunks on the PP-source rank
+(TP all-gather, EP gather, ``convert_to_hf``) and owns the ``slime-pp_{rank}`` group; this subclass
+hands those chunks — cloned, since many are views of live params — to
+``sglang.srt.weight_sync.delta.sender.DeltaSender`` over the NCCL group or a shared directory. The
+sender commits its snapshot only after every engine acknowledged a sync (slime#2104) and gives a
+dirty, timed-out or unreachable engine a full sync. Experts are published in ``_EXPERT_SUBPASSES``
+segments so engines apply segment k while segment k+1 is encoded.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from contextlib import contextmanager
+
+import ray
+import torch
+import torch.distributed as dist
+from megatron.core import mpu
+
+from slime.observability.timer import Timer
+from slime.utils.distributed_utils import get_gloo_group
+from sglang.srt.weight_sync.delta.sender import _EXPERT_SUBPASSES, DeltaSender
+from sglang.srt.weight_sync.delta.transport import DiskTransport, NcclTransport
+
+from .update_weight_from_distributed import (
+    UpdateWeightFromDistributed,
+    connect_rollout_engines_from_distributed,
+    disconnect_rollout_engines_from_distributed,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class _RayEngine:
+    """The sender core's engine interface over slime's ``SGLangEngine`` Ray actor."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    @staticmethod
+    def _ack(ref) -> tuple[bool, str]:
+        try:
+            out = ray.get(ref)
+        except ray.exceptions.RayTaskError as e:  # HTTP 400 (a refusal) or a dead server
+            refusal = "HTTPError" in str(e) and "delta" in str(e)
+            return False, ("" if refusal else "transport: ") + str(e)[-2000:]
+        except ray.exceptions.RayError as e:
+            return False, f"transport: {e!r}"
+        if out is None:  # only node_rank 0 of a multi-node engine posts
+            return True, ""
+        return bool(out.get("success", True)), out.get("message", "")
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name, delta, weight_version):
+        return self._ack(self.actor.update_weights_from_distributed.remote(
+            names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, weight_version=weight_version,
+            load_format="delta", delta=delta))
+
+    def update_weights_from_disk(self, model_path, files, weight_version):
+        return self._ack(self.actor.update_weights_from_disk.remote(
+            model_path, load_format="delta", weight_version=weight_version, files=files))
+
+
+class UpdateWeightFromDistributedDelta(UpdateWeightFromDistributed):
+    """``--update-weight-mode delta`` with ``indices|deltas|deltas_zstd`` over ``--update-weight-transport nccl|disk``."""
+
+    def __init__(self, args, model, weights_getter, *, model_name, quantization_config) -> None:
+        if quantization_config:
+            raise ValueError(f"delta weight sync does not support quantized engines ({quantization_config!r})")
+        super().__init__(args, model, weights_getter, model_name=model_name, quantization_config=quantization_config)
+        self._sender: DeltaSender | None = None
+        self._disk = args.update_weight_transport == "disk"
+
+    def connect_rollout_engines(self, rollout_engines, rollout_engine_lock, engine_gpu_counts=None,
+                                engine_gpu_offsets=None, engine_parallel_configs=None) -> None:
+        if self._disk:  # no device group: files on a shared directory, announced over HTTP
+            self.rollout_engines, self.rollout_engine_lock = rollout_engines, rollout_engine_lock
+            self._engine_gpu_counts = engine_gpu_counts
+            self._is_pp_src_rank = (mpu.get_data_parallel_rank(with_context_parallel=True) == 0
+                                    and mpu.get_tensor_model_parallel_rank() == 0)
+            self._group_name = f"slime-pp_{mpu.get_pipeline_model_parallel_rank()}"
+        else:
+            super().connect_rollout_engines(rollout_engines, rollout_engine_lock, engine_gpu_counts,
+                                            engine_gpu_offsets, engine_parallel_configs)
+        if not self._is_pp_src_rank:
+            return
+        engines = [_RayEngine(e) for e in rollout_engines]
+        if self._disk:
+            transport = DiskTransport(self.args.update_weight_disk_dir, engines,
+                                      rank=mpu.get_pipeline_model_parallel_rank(),
+                                      zstd=self.args.update_weight_delta_encoding == "deltas_zstd",
+                                      keep_files=self.args.update_weight_disk_keep_files,
+                                      post_write_hook=self._post_write_hook())
+        else:
+            transport = NcclTransport(self._model_update_groups, self._group_name, engines,
+                                      device=torch.device(torch.cuda.current_device()) if torch.cuda.is_available()
+                                      else torch.device("cpu"),
+                                      reconnect=self._reconnect, guard=self._engine_lock)
+        self._sender = DeltaSender(transport, engines, encoding=self.args.update_weight_delta_encoding,
+                                   buffer_bytes=self.args.update_weight_buffer_size)
+        self._sender.version = self.weight_version  # continue the engines' version chain
+
+    def _post_write_hook(self):
+        path = getattr(self.args, "custom_update_weight_post_write_path", None)
+        if not path:
+            return None
+        from slime.utils.misc import load_function
+
+        hook = load_function(path)
+        return lambda version_dir: hook(self.args, version_dir, self.rollout_engines)
+
+    def _reconnect(self):
+        """A failed broadcast leaves the group unusable: destroy and re-create it before the full re-sync."""
+        try:
+            disconnect_rollout_engines_from_distributed(self.args, self._group_name, self._model_update_groups,
+                                                        self.rollout_engines)
+        except Exception:
+            logger.exception("destroying weight-update group %s failed; re-creating anyway", self._group_name)
+        self._model_update_groups = connect_rollout_engines_from_distributed(
+            self.args, self._group_name, self.rollout_engines, engine_gpu_counts=self._engine_gpu_counts)
+        return self._model_update_groups
+
+    @contextmanager
+    def _engine_lock(self):
+        while not ray.get(self.rollout_engine_lock.acquire.remote()):
+            pass
+        try:
+            yield
+        finally:
+            ray.get(self.rollout_engine_lock.release.remote())
+
+    def disconnect_rollout_engines(self) -> None:
+        if self._sender is not None:
+            self._sender.transport.close()
+            self._sender = None
+        if not self._disk:
+            super().disconnect_rollout_engines()
+
+    def _segments(self):
+        """Non-expert pass, then the expert pass in sub-passes; the parent's barriers close each pass."""
+
+        def non_expert():
+            for chunk in self._iter_non_expert_chunks():
+                yield [(n, t.clone()) for n, t in chunk]
+            dist.barrier(group=get_gloo_group())
+
+        expert_iter = self._iter_expert_chunks()
+        expert_bytes = sum(p.numel() * p.element_size() for n, p in self.model[0].named_parameters() if ".experts." in n)
+        if not expert_bytes:
+            def no_experts():
+                yield from ()
+                for _ in expert_iter:  # still joins the (empty) expert collectives
+                    pass
+                dist.barrier(group=get_gloo_group())
+
+            return [non_expert, no_experts]
+        ep = mpu.get_expert_model_parallel_world_size()
+        per_segment = max(1, math.ceil(expert_bytes * ep / self.args.update_weight_buffer_size / _EXPERT_SUBPASSES))
+
+        def expert_segment(last: bool):
+            def run():
+                n = 0
+                for chunk in expert_iter:
+                    yield [(name, t.clone()) for name, t in chunk]
+                    n += 1
+                    if n >= per_segment and not last:
+                        return
+                dist.barrier(group=get_gloo_group())
+
+            return run
+
+        return [non_expert] + [expert_segment(k == _EXPERT_SUBPASSES - 1) for k in range(_EXPERT_SUBPASSES)]
+
+    def _send_weights(self, pbar) -> None:
+        segments = self._segments()
+        if self._sender is None:  # not the PP source: join the gathers and barriers, send nothing
+            for segment in segments:
+                for _ in segment():
+                    pass
+            return
+        results = self._sender.update(segments)
+        self.weight_version = self._sender.version
+        metrics = self._sender.pop_metrics()
+        Timer().add("delta_encode", metrics["perf/update_weights_encode_s"])
+        Timer().add("delta_finalize", metrics["perf/update_weights_finalize_s"])
+        self.update_weight_metrics.update(metrics)
+        for i, (ok, msg) in results.items():
+            if not ok:
+                logger.error("engine %d did not take weight version %d: %s", i, self._sender.version, msg)
+        if pbar is not None:
+            pbar.update(int(metrics["perf/update_weights_flushes"]))

@@ -1,0 +1,26 @@
+"""Argument rules of sparse delta weight sync (``--update-weight-mode delta`` with indices|deltas|deltas_zstd).
+
+Kept free of torch/megatron imports: ``slime.utils.arguments`` imports it at parse time.
+"""
+
+SPARSE_DELTA_ENCODINGS = ("indices", "deltas", "deltas_zstd")
+NCCL_ENCODINGS = ("indices", "deltas")
+
+
+def validate_sparse_delta_args(args) -> None:
+    """Refuse combinations that cannot work, with the fix in the message."""
+    if args.colocate:
+        raise ValueError(
+            "--update-weight-mode=delta is not supported with --colocate: colocated engines receive CUDA IPC "
+            "handles (~64 B per tensor), so there are no bytes to save and the snapshot+diff is pure overhead."
+        )
+    if args.update_weight_transport == "nccl" and args.update_weight_delta_encoding not in NCCL_ENCODINGS:
+        raise ValueError(
+            f"--update-weight-delta-encoding={args.update_weight_delta_encoding} compresses files and is disk-only; "
+            "with --update-weight-transport=nccl use --update-weight-delta-encoding=indices (or deltas)."
+        )
+    if args.update_weight_transport == "disk" and getattr(args, "pipeline_model_parallel_size", 1) > 1:
+        raise ValueError(
+            "sparse delta sync over disk does not support pipeline parallelism yet "
+            "(use --update-weight-transport=nccl, or PP=1)."
+        )
