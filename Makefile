@@ -8,7 +8,7 @@ STEPS     ?= 5
 TRANSPORT ?= disk
 ENCODING  ?=
 
-.PHONY: venvs test demo bench check-image-tree clean
+.PHONY: venvs test test-slime demo bench check-image-tree clean
 
 venvs:
 	@for p in $(PINS); do scripts/build_venv.sh $$p $(BUILD) || exit 1; done
@@ -19,6 +19,15 @@ test: venvs
 	  echo "=== tests against patched sglang $$p ==="; \
 	  $(BUILD)/venv-$$p/bin/python -m pytest tests $(PYTEST_ARGS) || rc=1; \
 	done; exit $$rc
+
+# slime's patched updater with a tiny Megatron model on CPU (needs a slime checkout at the pinned commit).
+test-slime:
+	@test -n "$(SLIME_DIR)" || { echo "usage: make test-slime SLIME_DIR=/path/to/slime"; exit 2; }
+	@scripts/build_venv.sh 0.5.15.post1 $(BUILD) slime
+	rm -rf $(BUILD)/slime-tree && cp -a "$(SLIME_DIR)" $(BUILD)/slime-tree
+	scripts/apply_patches.sh $(BUILD)/slime-tree
+	SLIME_PATCHED_DIR=$(abspath $(BUILD)/slime-tree) PYTHONPATH=$(abspath $(BUILD)/slime-tree) \
+	  $(BUILD)/venv-0.5.15.post1-slime/bin/python -m pytest tests/test_slime_sender.py $(PYTEST_ARGS)
 
 demo:
 	@scripts/build_venv.sh $(PIN) $(BUILD)

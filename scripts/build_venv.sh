@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
 # Build (or reuse) the CPU venv for one SGLang pin and patch its installed sglang package.
-#   scripts/build_venv.sh 0.5.15.post1 [BUILD_DIR]
+#   scripts/build_venv.sh 0.5.15.post1 [BUILD_DIR] [slime]
+# The optional flavor "slime" adds requirements/slime-test*.txt (Megatron, Ray) in venv-<pin>-slime.
 # Two stamps keep it incremental: the venv is rebuilt only when requirements or shims change;
 # sglang is reinstalled pristine and re-patched only when patches, overlay or the apply script change.
 set -euo pipefail
-PIN=${1:?usage: build_venv.sh <sglang-version> [build-dir]}
+PIN=${1:?usage: build_venv.sh <sglang-version> [build-dir] [slime]}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BUILD=${2:-$ROOT/build}
-V=$BUILD/venv-$PIN
+FLAVOR=${3:-}
+V=$BUILD/venv-$PIN${FLAVOR:+-$FLAVOR}
 PY=${PYTHON:-python3}
 req=$ROOT/requirements
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 pip() { "$V/bin/pip" "$@" 2>&1 | { grep -vE "Location .* is ignored" || true; }; return "${PIPESTATUS[0]}"; }
 
 hash_of() { (cd "$ROOT" && cat "$@" | sha256sum | cut -c1-16); }
+extra=(); [ -n "$FLAVOR" ] && extra=("requirements/$FLAVOR-test.txt" "requirements/$FLAVOR-test.nodeps.txt")
 venv_hash=$(hash_of scripts/build_venv.sh requirements/common.txt "requirements/sglang-$PIN.txt" \
-  "requirements/sglang-$PIN.nodeps.txt" tests/cpu_shims/*.py)
+  "requirements/sglang-$PIN.nodeps.txt" tests/cpu_shims/*.py "${extra[@]}")
 patch_hash=$(cd "$ROOT" && find scripts/apply_patches.sh patches overlay -type f ! -name '*.pyc' \
   ! -path '*/__pycache__/*' | sort | xargs cat | sha256sum | cut -c1-16)
 
@@ -28,6 +31,10 @@ if [ "$(cat "$V/.venv-stamp" 2>/dev/null)" != "$venv_hash" ]; then
   pip install -q torch==2.13.0
   pip install -q -r "$req/common.txt" -r "$req/sglang-$PIN.txt"
   pip install -q --no-deps -r "$req/sglang-$PIN.nodeps.txt"
+  if [ -n "$FLAVOR" ]; then
+    pip install -q -r "$req/$FLAVOR-test.txt"
+    pip install -q --no-deps --ignore-requires-python -r "$req/$FLAVOR-test.nodeps.txt"
+  fi
   SP=$("$V/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   cp "$ROOT"/tests/cpu_shims/*.py "$SP/"
   for m in "$ROOT"/tests/cpu_shims/*.py; do n=$(basename "$m" .py); echo "import $n" > "$SP/$n.pth"; done

@@ -160,3 +160,25 @@ def test_training_loop_into_a_server_over_disk_then_gloo(server):
         engine_has(srv, state)
         state = next(rl_steps(trainer, 1, seed=10 + k))
     nccl.close()
+
+
+def test_a_sync_aborted_midway_is_counted_and_followed_by_a_full_sync(tmp_path):
+    cfg = hf_config("qwen2")
+    trainer = hf_model(cfg)
+    engine = LocalEngine(cfg)
+    sender = DeltaSender(DiskTransport(str(tmp_path), [engine]), [engine], encoding="indices", buffer_bytes=4 << 10)
+    assert sender.update(segments(bf16_state(trainer)))[0][0]
+    steps = rl_steps(trainer, 2)
+    state = next(steps)
+
+    def broken():  # the trainer's gather dies after the first chunk
+        yield next(iter(segments(state)[0]()))
+        raise RuntimeError("gather failed")
+
+    results = sender.update([broken])
+    assert not results[0][0] and "sync aborted: RuntimeError('gather failed')" in results[0][1]
+    assert sender.pop_metrics()["perf/update_weights_failures"] == 1 and sender.state.version == 1
+    state = next(steps)
+    assert sender.update(segments(state))[0][0]
+    assert sender.pop_metrics()["perf/update_weights_full_sync_engines"] == 1
+    assert_params_equal(engine.host.model, reference(cfg, state))

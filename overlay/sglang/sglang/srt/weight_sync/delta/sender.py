@@ -242,14 +242,19 @@ class DeltaSender:
         if full_targets and any(self.status[i].version is not None for i in full_targets):
             self._counters["resyncs"] += 1
         t0 = time.perf_counter()
-        self.transport.begin(v)
         run = _SyncRun(self, v, delta_targets, full_targets)
-        for k, segment in enumerate(segments):
-            run.final_segment = k == len(segments) - 1
-            run.pipeline_pass(segment())
-            run.flush_and_publish()
-        t_encode = time.perf_counter() - t0
-        results = run.finish()
+        try:
+            self.transport.begin(v)
+            for k, segment in enumerate(segments):
+                run.final_segment = k == len(segments) - 1
+                run.pipeline_pass(segment())
+                run.flush_and_publish()
+            t_encode = time.perf_counter() - t0
+            results = run.finish()
+        except Exception as e:  # what reached which engine is unknown: every engine gets a full sync next
+            logger.exception("delta sync v%d aborted", v)
+            t_encode = time.perf_counter() - t0
+            results = {i: (False, f"transport: sync aborted: {e!r}") for i in self.status}
         t_finalize = time.perf_counter() - t0 - t_encode
         acked = [i for i, (ok, _) in results.items() if ok]
         for i, (ok, msg) in results.items():

@@ -1,0 +1,176 @@
+"""slime on CPU for tests: a CPU accelerator, a tiny Llama-shaped Megatron GPTModel, engines over HTTP.
+
+Only what slime's weight-update path reads is set up: gloo stands in for NCCL through slime's own
+``set_accelerator`` hook; the model has Transformer-Engine-style norm names (what slime's HF
+converters expect) built from plain Megatron layers; engines are slime's real ``SGLangEngine`` Ray
+actor class pointed at an already running patched server.
+"""
+import argparse
+import dataclasses
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+HIDDEN, LAYERS, HEADS, GROUPS, FFN, VOCAB = 64, 2, 4, 2, 128, 300
+
+
+def install_cpu_accelerator():
+    from slime.utils import accelerator as acc
+
+    class CPUAccelerator(acc.Accelerator):
+        name = device_type = "cpu"
+        communication_backend_name = "gloo"
+
+        def is_available(self): return True
+        def device(self, index=None): return torch.device("cpu")
+        def device_name(self, index=None): return "cpu"
+        def set_device(self, index): pass
+        def current_device(self): return "cpu"
+        def device_count(self): return 1
+        def synchronize(self, device=None): pass
+        def current_stream(self, device=None): return type("S", (), {"synchronize": lambda self: None})()
+        def empty_cache(self): pass
+        def mem_get_info(self, device=None): return (0, 0)
+        def memory_allocated(self, device=None): return 0
+        def memory_reserved(self, device=None): return 0
+
+    acc.set_accelerator(CPUAccelerator())
+    torch.cuda.current_device = lambda: torch.device("cpu")  # Megatron uses it as a device
+
+
+def init_world(port: int):
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    from slime.utils.distributed_utils import init_gloo_group
+
+    install_cpu_accelerator()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=1, rank=0)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    init_gloo_group()
+
+
+def _norm_linear_cls():
+    """ColumnParallelLinear with a preceding RMSNorm named ``layer_norm_weight`` (TE's naming)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    class NormColumnParallelLinear(ColumnParallelLinear):
+        def __init__(self, input_size, output_size, *, config, **kw):
+            super().__init__(input_size, output_size, config=config, **kw)
+            self.eps = config.layernorm_epsilon
+            self.layer_norm_weight = torch.nn.Parameter(torch.ones(input_size, dtype=config.params_dtype))
+            self.layer_norm_weight.tensor_model_parallel = False
+
+        def forward(self, x, *a, **k):
+            return super().forward(F.rms_norm(x, (x.shape[-1],), self.layer_norm_weight, self.eps), *a, **k)
+
+    return NormColumnParallelLinear
+
+
+class DDPLike(torch.nn.Module):
+    """Megatron's DDP wrapper as slime sees it: ``module.module.`` names and ``.config``."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module, self.config = module, module.config
+
+    def forward(self, *a, **k):
+        return self.module(*a, **k)
+
+
+def build_model(seed: int = 1):
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS,
+                            ffn_hidden_size=FFN, use_cpu_initialization=True, gated_linear_unit=True,
+                            activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False,
+                            add_qkv_bias=False, bf16=True, params_dtype=torch.bfloat16,
+                            hidden_dropout=0.0, attention_dropout=0.0)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    norm_linear, sm = _norm_linear_cls(), spec.submodules
+    sm.input_layernorm = sm.pre_mlp_layernorm = IdentityOp
+    sm.self_attention.submodules.linear_qkv = norm_linear
+    mlp = sm.mlp
+    if isinstance(mlp, functools.partial):
+        sub = dataclasses.replace(mlp.keywords["submodules"], linear_fc1=norm_linear)
+        sm.mlp = functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": sub})
+    else:
+        mlp.submodules.linear_fc1 = norm_linear
+    torch.manual_seed(seed)
+    model = DDPLike(GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=128,
+                             position_embedding_type="rope", share_embeddings_and_output_weights=False))
+    for p in model.parameters():
+        tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
+    return model
+
+
+class Trainer:
+    """bf16 model params, fp32 master weights, AdamW at an RL learning rate (what Megatron's optimizer does)."""
+
+    def __init__(self, model, lr: float = 1e-6, seed: int = 0):
+        self.model = model
+        self.params = [p for p in model.parameters()]
+        self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
+        self.opt = torch.optim.AdamW(self.master, lr=lr, weight_decay=0.0)
+        self.g = torch.Generator().manual_seed(seed)
+
+    def step(self):
+        ids = torch.randint(0, VOCAB, (2, 16), generator=self.g)
+        pos = torch.arange(16)[None].expand(2, 16)
+        mask = torch.tril(torch.ones(16, 16, dtype=torch.bool))[None, None].logical_not()
+        logits = self.model(input_ids=ids, position_ids=pos, attention_mask=mask)
+        loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+        for p in self.params:
+            p.grad = None
+        loss.backward()
+        for p, m in zip(self.params, self.master):
+            m.grad = p.grad.float()
+        self.opt.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.master):
+                p.copy_(m.to(p.dtype))
+
+
+def make_args(**over):
+    a = argparse.Namespace(
+        num_experts=None, vocab_size=VOCAB, q_lora_rank=None, kv_channels=None, hidden_size=HIDDEN,
+        num_attention_heads=HEADS, num_query_groups=GROUPS, update_weight_buffer_size=32 << 10,
+        rollout_num_gpus_per_engine=1, update_weight_mode="delta", update_weight_transport="nccl",
+        update_weight_delta_encoding="indices", update_weight_disk_dir=None, update_weight_disk_keep_files=False,
+        custom_update_weight_post_write_path=None, colocate=False, pipeline_model_parallel_size=1)
+    for k, v in over.items():
+        setattr(a, k, v)
+    return a
+
+
+def hf_state(args, model):
+    """What the engine must hold: slime's own gather + HF conversion of the Megatron params."""
+    from slime.backends.megatron_utils.megatron_to_hf import convert_to_hf
+    from slime.backends.megatron_utils.update_weight.common import all_gather_param, named_params_and_buffers
+
+    out = {}
+    for name, param in named_params_and_buffers(args, [model]):
+        for hf_name, t in convert_to_hf(args, "llama", name, all_gather_param(name, param), None):
+            out[hf_name] = t.detach().clone()
+    return out
+
+
+def engine_actor_cls():
+    """slime's real SGLangEngine actor class, attached to a server that is already running."""
+    import ray
+
+    from slime.backends.sglang_utils.sglang_engine import SGLangEngine
+
+    class AttachedSGLangEngine(SGLangEngine):
+        def __init__(self, url: str):
+            host, port = url.removeprefix("http://").rsplit(":", 1)
+            self.node_rank, self.server_host, self.server_port = 0, host, int(port)
+
+    return ray.remote(num_cpus=0)(AttachedSGLangEngine)

@@ -1,0 +1,99 @@
+"""slime's patched updater (UpdateWeightFromDistributedDelta) with a tiny Megatron model into a real patched server.
+
+Needs a slime checkout at the pin, patched by scripts/apply_patches.sh, plus Megatron and Ray:
+``make test-slime SLIME_DIR=...`` provides all three. Without them this module is skipped.
+"""
+import os
+
+import pytest
+import torch
+
+SLIME = os.environ.get("SLIME_PATCHED_DIR")
+pytestmark = pytest.mark.skipif(
+    not SLIME, reason="slime tests need a patched slime checkout: run `make test-slime SLIME_DIR=/path/to/slime`")
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    import ray
+
+    import slime_harness as H
+    from cpu_harness import Server, bf16_state, free_port, hf_model, write_hf_checkpoint
+    from slime.ray.utils import Lock
+
+    root = tmp_path_factory.mktemp("slime")
+    import transformers
+
+    cfg = transformers.LlamaConfig(hidden_size=H.HIDDEN, num_hidden_layers=H.LAYERS, num_attention_heads=H.HEADS,
+                                   num_key_value_heads=H.GROUPS, intermediate_size=H.FFN, vocab_size=H.VOCAB,
+                                   rms_norm_eps=1e-5, max_position_embeddings=128, tie_word_embeddings=False)
+    boot = write_hf_checkpoint(str(root / "boot"), cfg, bf16_state(hf_model(cfg, seed=2)))
+    server = Server(boot, str(root / "server.log")).wait_healthy()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}})
+    H.init_world(free_port())
+    model = H.build_model()
+    engines = [H.engine_actor_cls().remote(server.url)]
+    lock = Lock.options(num_cpus=0).remote()
+    yield dict(root=root, server=server, model=model, trainer=H.Trainer(model), engines=engines, lock=lock)
+    ray.shutdown()
+    server.stop()
+
+
+def engine_has(server, state):
+    for n, want in state.items():
+        r = server.post("/get_weights_by_name", {"name": n, "truncate_size": 1 << 20})
+        got = torch.tensor(r.json(), dtype=torch.float32).to(torch.bfloat16)[: want.shape[0]]
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"{n} differs on the engine"
+
+
+def run_syncs(world, args, start_version, n=3):
+    import slime_harness as H
+    from slime.backends.megatron_utils.update_weight.update_weight_from_distributed_delta import (
+        UpdateWeightFromDistributedDelta,
+    )
+
+    up = UpdateWeightFromDistributedDelta(args, [world["model"]], weights_getter=lambda: {}, model_name="llama",
+                                          quantization_config=None)
+    up.weight_version = start_version
+    up.connect_rollout_engines(world["engines"], world["lock"])
+    densities = []
+    for _ in range(n):
+        up.update_weights()
+        m = up.pop_metrics()
+        densities.append(m["perf/update_weights_density"])
+        assert m["perf/update_weights_failures"] == 0
+        engine_has(world["server"], H.hf_state(args, world["model"]))
+        world["trainer"].step()
+    up.disconnect_rollout_engines()
+    return up, densities
+
+
+def test_nccl_transport_over_gloo(world):
+    import slime_harness as H
+
+    up, densities = run_syncs(world, H.make_args(update_weight_transport="nccl", update_weight_delta_encoding="indices"), 0)
+    assert densities[0] == 1.0 and all(0 < d < 0.2 for d in densities[1:]), densities  # full first, then deltas
+    world["version"] = up.weight_version
+
+
+def test_disk_transport_deltas_zstd(world):
+    import slime_harness as H
+
+    args = H.make_args(update_weight_transport="disk", update_weight_delta_encoding="deltas_zstd",
+                       update_weight_disk_dir=str(world["root"] / "shared"))
+    up, densities = run_syncs(world, args, world.get("version", 0))
+    assert densities[0] == 1.0 and all(0 < d < 0.2 for d in densities[1:]), densities
+
+
+def test_argument_rules():
+    import argparse
+
+    from slime.utils.delta_sync_args import validate_sparse_delta_args
+
+    base = dict(colocate=False, update_weight_transport="nccl", pipeline_model_parallel_size=1)
+    validate_sparse_delta_args(argparse.Namespace(**base, update_weight_delta_encoding="indices"))
+    with pytest.raises(ValueError, match="use --update-weight-delta-encoding=indices"):
+        validate_sparse_delta_args(argparse.Namespace(**base, update_weight_delta_encoding="deltas_zstd"))
+    with pytest.raises(ValueError, match="not supported with --colocate"):
+        validate_sparse_delta_args(argparse.Namespace(**{**base, "colocate": True}, update_weight_delta_encoding="deltas"))
