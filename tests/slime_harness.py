@@ -151,14 +151,18 @@ def make_args(**over):
 
 
 def hf_state(args, model):
-    """What the engine must hold: slime's own gather + HF conversion of the Megatron params."""
+    """What the engine must hold: slime's own gather + HF conversion of the Megatron params, in bf16.
+
+    Megatron keeps the final norm in fp32 even in a bf16 model; the sender ships it as fp32 and the
+    engine's loader casts it, exactly as a full load of the same tensors would.
+    """
     from slime.backends.megatron_utils.megatron_to_hf import convert_to_hf
     from slime.backends.megatron_utils.update_weight.common import all_gather_param, named_params_and_buffers
 
     out = {}
     for name, param in named_params_and_buffers(args, [model]):
         for hf_name, t in convert_to_hf(args, "llama", name, all_gather_param(name, param), None):
-            out[hf_name] = t.detach().clone()
+            out[hf_name] = t.detach().to(torch.bfloat16)  # the engine's dtype: its loader casts the same way
     return out
 
 
