@@ -15,12 +15,15 @@ import torch
 from sglang.srt.weight_sync.delta.wire import DeltaPayload, changed_positions, encode_flush
 
 
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+def free_port(below: int = 65536) -> int:
+    """A free TCP port on loopback (below ``below``)."""
+    while True:
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        if port < below:
+            return port
 
 
 # ---------------------------------------------------------------- models and training
@@ -268,7 +271,7 @@ class Server:
         import subprocess
         import sys
 
-        self.port = free_port()
+        self.port = free_port(below=50000)  # SGLang derives further ports from it (e.g. +10000 for gRPC)
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_dir, "--device", "cpu",
                "--attention-backend", "torch_native", "--host", "127.0.0.1", "--port", str(self.port),
@@ -321,3 +324,35 @@ class Server:
             if k.is_running():
                 k.kill()
         self.log.close()
+
+
+def join_update_group(server: Server, group_name: str):
+    """This process becomes rank 0 of a gloo weight-update group the server joins (the trainer's role)."""
+    import threading
+
+    from sglang.srt.utils.common import init_custom_process_group
+
+    port, box = free_port(), {}
+    t = threading.Thread(target=lambda: box.setdefault("pg", init_custom_process_group(
+        backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=0, group_name=group_name)))
+    t.start()
+    r = server.post("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": port,
+                                                   "rank_offset": 1, "world_size": 2, "group_name": group_name,
+                                                   "backend": "gloo"})
+    t.join(60)
+    if r.status_code != 200 or "pg" not in box:
+        raise RuntimeError(f"init_weights_update_group failed: {r.text}")
+    return box["pg"]
+
+
+def engine_mismatch(server: Server, state: Dict[str, torch.Tensor]) -> Optional[str]:
+    """The first HF param whose bytes differ on the engine (None: all equal), read with /get_weights_by_name.
+
+    Values come back as float lists (exact for bf16); the engine pads vocab rows, so rows past ours are ignored.
+    """
+    for n, want in state.items():
+        r = server.post("/get_weights_by_name", {"name": n, "truncate_size": 1 << 30})
+        got = torch.tensor(r.json(), dtype=torch.float32).to(want.dtype)[: want.shape[0]]
+        if got.shape != want.shape or not torch.equal(got.view(torch.int16), want.view(torch.int16)):
+            return n
+    return None

@@ -1,16 +1,14 @@
 """The sender core driven by a real training loop, into real receivers: in-process SGLang classes and a server."""
-import threading
-
 import pytest
-import torch
 
 from cpu_harness import (
     Host,
     Server,
     bf16_state,
-    free_port,
+    engine_mismatch,
     hf_config,
     hf_model,
+    join_update_group,
     nan_filled,
     rl_steps,
     segments,
@@ -120,10 +118,8 @@ def server(tmp_path_factory):
 
 
 def engine_has(srv, state):
-    for n, want in state.items():
-        got = torch.tensor(srv.post("/get_weights_by_name", {"name": n, "truncate_size": 1 << 20}).json(),
-                           dtype=torch.float32).to(torch.bfloat16)[: want.shape[0]]
-        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"{n} differs on the engine"
+    name = engine_mismatch(srv, state)
+    assert name is None, f"{name} differs on the engine"
 
 
 def test_training_loop_into_a_server_over_disk_then_gloo(server):
@@ -141,17 +137,8 @@ def test_training_loop_into_a_server_over_disk_then_gloo(server):
     assert sender.pop_metrics()["perf/update_weights_compression_ratio"] > 1.0
     disk.close()
 
-    from sglang.srt.utils.common import init_custom_process_group
-
-    port, box = free_port(), {}
-    t = threading.Thread(target=lambda: box.setdefault("pg", init_custom_process_group(
-        backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=0, group_name="sender-gloo")))
-    t.start()
-    r = srv.post("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
-                                                "world_size": 2, "group_name": "sender-gloo", "backend": "gloo"})
-    t.join(60)
-    assert r.status_code == 200, r.text
-    nccl = NcclTransport(box["pg"], "sender-gloo", [engine])
+    pg = join_update_group(srv, "sender-gloo")
+    nccl = NcclTransport(pg, "sender-gloo", [engine])
     sender2 = DeltaSender(nccl, [engine], encoding="indices", buffer_bytes=64 << 10)
     sender2.version = sender.version  # the engine is at the disk sender's version: continue the chain
     for k in range(3):  # a full sync over the group, then deltas

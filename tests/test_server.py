@@ -9,10 +9,11 @@ from cpu_harness import (
     Server,
     bf16_state,
     delta_flushes,
-    free_port,
+    engine_mismatch,
     full_flushes,
     hf_config,
     hf_model,
+    join_update_group,
     rl_steps,
     write_hf_checkpoint,
 )
@@ -49,20 +50,9 @@ def publish(world, payloads, zstd=False):
     return out
 
 
-def engine_weights(server, names):
-    got = {}
-    for n in names:
-        r = server.post("/get_weights_by_name", {"name": n, "truncate_size": 1 << 20})
-        assert r.status_code == 200, r.text
-        got[n] = torch.tensor(r.json(), dtype=torch.float32).to(torch.bfloat16)
-    return got
-
-
 def assert_engine_has(server, state):
-    got = engine_weights(server, list(state))
-    for n, want in state.items():
-        engine = got[n][: want.shape[0]]  # vocab rows are padded on the engine
-        assert torch.equal(engine.view(torch.int16), want.view(torch.int16)), f"{n} differs on the engine"
+    name = engine_mismatch(server, state)
+    assert name is None, f"{name} differs on the engine"
 
 
 def test_full_sync_then_deltas_over_disk(world):
@@ -88,19 +78,8 @@ def test_bad_delta_is_refused_with_400_and_weights_untouched(world):
 
 
 def test_delta_over_gloo_group(world):
-    from sglang.srt.utils.common import init_custom_process_group
-
     server, states = world["server"], world["states"]
-    port = free_port()
-    holder = {}
-    t = threading.Thread(target=lambda: holder.setdefault("pg", init_custom_process_group(
-        backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=0, group_name="delta-http")))
-    t.start()
-    r = server.post("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
-                                                   "world_size": 2, "group_name": "delta-http", "backend": "gloo"})
-    t.join(60)
-    assert r.status_code == 200, r.text
-    pg = holder["pg"]
+    pg = join_update_group(server, "delta-http")
     for v, enc in ((4, "indices"), (5, "deltas")):
         for pl in delta_flushes(states[v - 2], states[v - 1], enc, version=v, base_version=v - 1, max_params=10):
             if SESSIONS:

@@ -6,7 +6,6 @@ Needs a slime checkout at the pin, patched by scripts/apply_patches.sh, plus Meg
 import os
 
 import pytest
-import torch
 
 SLIME = os.environ.get("SLIME_PATCHED_DIR")
 pytestmark = pytest.mark.skipif(
@@ -41,10 +40,10 @@ def world(tmp_path_factory):
 
 
 def engine_has(server, state):
-    for n, want in state.items():
-        r = server.post("/get_weights_by_name", {"name": n, "truncate_size": 1 << 20})
-        got = torch.tensor(r.json(), dtype=torch.float32).to(torch.bfloat16)[: want.shape[0]]
-        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"{n} differs on the engine"
+    from cpu_harness import engine_mismatch
+
+    name = engine_mismatch(server, state)
+    assert name is None, f"{name} differs on the engine"
 
 
 def run_syncs(world, args, start_version, n=3):
