@@ -211,9 +211,11 @@ def _is_dirty(message: str) -> bool:
 class DeltaSender:
     """Runs syncs: diff against the snapshot, encode, bucket, hand flushes to a transport, commit on full ack.
 
-    ``transport`` implements ``begin(version)``, ``send(payload, targets) -> results`` (NCCL: one
-    request per flush) or ``write(payload, kind)`` + ``publish(targets_by_kind, flush, final)``
-    (disk), and ``shared_group`` (True when one broadcast reaches every engine).
+    ``transport`` implements ``begin(version)`` and either, with ``shared_group = True`` (one
+    broadcast reaches every engine), ``send(payload, targets) -> results`` — one request per flush —
+    or ``write(payload, kind)``, ``pending(kind)``, ``publish(targets_by_kind)``, ``collect() -> results``
+    and ``wire_bytes`` (disk: files per segment, one announcement per publish). Chunk tensors must
+    stay unchanged until :meth:`update` returns (slime hands over clones).
     """
 
     def __init__(self, transport, engines: Sequence, encoding: str = "deltas", buffer_bytes: int = 512 << 20,
