@@ -24,7 +24,7 @@ import psutil
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cpu_harness import Host, bf16_state, delta_flushes, full_flushes, hf_config, hf_model, rl_steps, sglang_model  # noqa: E402
+from cpu_harness import Host, delta_flushes, full_flushes, hf_config, rl_states, sglang_model  # noqa: E402
 
 
 class PeakRSS:
@@ -73,10 +73,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     cfg = hf_config("llama", vocab=args.vocab, hidden=args.hidden, layers=args.layers)
-    trainer = hf_model(cfg, seed=0)
-    old = bf16_state(trainer)
-    new = next(rl_steps(trainer, 1, batch=1, seq=16))
-    del trainer
+    old, new = rl_states(cfg, 1, seed=0, batch=1, seq=16)
     n = sum(t.numel() for t in new.values())
     nbytes = sum(t.numel() * t.element_size() for t in new.values())
     nnz = sum(int((old[k].view(torch.int16) != new[k].view(torch.int16)).sum()) for k in new)

@@ -17,7 +17,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cpu_harness import bf16_state, hf_config, hf_model, rl_steps  # noqa: E402
+from cpu_harness import hf_config, rl_states  # noqa: E402
 
 from sglang.srt.weight_sync.delta.sender import DeltaBucket, DeltaState  # noqa: E402
 from sglang.srt.weight_sync.delta.wire import changed_positions  # noqa: E402
@@ -40,10 +40,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     cfg = hf_config("llama", vocab=args.vocab, hidden=args.hidden, layers=args.layers)
-    trainer = hf_model(cfg)
-    old = bf16_state(trainer)
-    new = next(rl_steps(trainer, 1, batch=1, seq=16))
-    del trainer
+    old, new = rl_states(cfg, 1, seed=0, batch=1, seq=16)
     nbytes = sum(t.numel() * t.element_size() for t in new.values())
     n = sum(t.numel() for t in new.values())
     state = DeltaState(torch.device("cpu"))

@@ -107,6 +107,12 @@ def rl_steps(model, steps: int, lr: float = 1e-6, seed: int = 0, batch: int = 2,
         yield bf16_state(model)
 
 
+def rl_states(cfg, steps: int, seed: int = 1, **step_kwargs) -> List[Dict[str, torch.Tensor]]:
+    """The bf16 states the trainer ships at step 0..steps of a fresh model (seeded) under :func:`rl_steps`."""
+    model = hf_model(cfg, seed=seed)
+    return [bf16_state(model)] + list(rl_steps(model, steps, **step_kwargs))
+
+
 def delta_flushes(old: Dict[str, torch.Tensor], new: Dict[str, torch.Tensor], encoding: str, *, version: int,
                   base_version: int, max_params: int = 1 << 30) -> List[DeltaPayload]:
     """The changed elements of ``new`` vs ``old`` as one sync's flushes (by dtype, at most max_params each)."""

@@ -13,13 +13,12 @@ def scenario(root: str) -> None:
     import torch
 
     import sglang
-    from cpu_harness import bf16_state, delta_flushes, free_port, full_flushes, hf_config, hf_model, rl_steps, write_hf_checkpoint
+    from cpu_harness import bf16_state, delta_flushes, free_port, full_flushes, hf_config, hf_model, rl_states, write_hf_checkpoint
     from sglang.srt.utils.common import init_custom_process_group
     from sglang.srt.weight_sync.delta.wire import POSITIONS, VALUES, dtype_to_str, write_safetensors
 
     cfg = hf_config("llama", vocab=300)
-    model = hf_model(cfg, seed=1)
-    states = [bf16_state(model)] + list(rl_steps(model, 3))
+    states = rl_states(cfg, 3)
     boot = write_hf_checkpoint(os.path.join(root, "boot"), cfg, bf16_state(hf_model(cfg, seed=2)))
     eng = sglang.Engine(model_path=boot, device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
                         mem_fraction_static=0.1, max_total_tokens=2048, sampling_backend="pytorch",

@@ -5,17 +5,7 @@ import pytest
 import torch
 import zstandard
 
-from cpu_harness import (
-    Host,
-    bf16_state,
-    delta_flushes,
-    full_flushes,
-    hf_config,
-    hf_model,
-    nan_filled,
-    rl_steps,
-    sglang_model,
-)
+from cpu_harness import Host, delta_flushes, full_flushes, hf_config, nan_filled, rl_states, sglang_model
 from delta_helpers import ARCHS, GlooSender, assert_params_equal
 from sglang.srt.weight_sync.delta.receiver import receiver_state
 from sglang.srt.weight_sync.delta.wire import POSITIONS, VALUES, dtype_to_str, write_safetensors
@@ -28,8 +18,7 @@ def trained(arch):
     """Three consecutive trainer states of a tiny model: step 0, 1, 2 of AdamW at lr 1e-6."""
     if arch not in _TRAINED:
         cfg = hf_config(arch)
-        model = hf_model(cfg)
-        _TRAINED[arch] = (cfg, [bf16_state(model)] + list(rl_steps(model, 2)))
+        _TRAINED[arch] = (cfg, rl_states(cfg, 2, seed=0))
     return _TRAINED[arch]
 
 

@@ -5,16 +5,7 @@ import pytest
 import torch
 import zstandard
 
-from cpu_harness import (
-    Host,
-    bf16_state,
-    delta_flushes,
-    full_flushes,
-    hf_config,
-    hf_model,
-    rl_steps,
-    sglang_model,
-)
+from cpu_harness import Host, delta_flushes, full_flushes, hf_config, rl_states, sglang_model
 from sglang.srt.weight_sync.delta.receiver import receiver_state
 from sglang.srt.weight_sync.delta.wire import DeltaParam, encode_flush, write_safetensors, wsum64
 
@@ -24,8 +15,7 @@ _STATES = {}
 def states():
     if not _STATES:
         cfg = hf_config("qwen2")
-        m = hf_model(cfg)
-        _STATES["cfg"], _STATES["s"] = cfg, [bf16_state(m)] + list(rl_steps(m, 2))
+        _STATES["cfg"], _STATES["s"] = cfg, rl_states(cfg, 2, seed=0)
     return _STATES["cfg"], _STATES["s"]
 
 

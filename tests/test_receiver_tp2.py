@@ -6,7 +6,7 @@ import traceback
 import torch
 from safetensors.torch import load_file, save_file
 
-from cpu_harness import bf16_state, delta_flushes, free_port, full_flushes, hf_config, hf_model, rl_steps
+from cpu_harness import delta_flushes, free_port, full_flushes, hf_config, rl_states
 from sglang.srt.weight_sync.delta.wire import write_safetensors
 
 TP = 2
@@ -35,8 +35,7 @@ def _rank_main(rank, init_method, root, n_syncs, errors):
 
 def test_tp2_each_rank_narrows_the_global_delta(tmp_path):
     cfg = hf_config("qwen2", hidden=128)
-    model = hf_model(cfg)
-    states = [bf16_state(model)] + list(rl_steps(model, 2))
+    states = rl_states(cfg, 2, seed=0)
     for v, state in enumerate(states, start=1):
         save_file(state, str(tmp_path / f"state{v}.safetensors"))
         payloads = full_flushes(state, version=1, max_params=9) if v == 1 else \

@@ -14,7 +14,7 @@ from cpu_harness import (
     hf_config,
     hf_model,
     join_update_group,
-    rl_steps,
+    rl_states,
     write_hf_checkpoint,
 )
 from delta_helpers import SGLANG_VERSION
@@ -27,8 +27,7 @@ SESSIONS = not SGLANG_VERSION.startswith("0.5.15")  # v0.5.23 wraps distributed 
 def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("server")
     cfg = hf_config("llama", vocab=300)
-    model = hf_model(cfg, seed=1)
-    states = [bf16_state(model)] + list(rl_steps(model, 4))
+    states = rl_states(cfg, 4)
     # The server starts from other weights (seed 2): only the full sync can make it equal the trainer.
     boot = write_hf_checkpoint(str(root / "boot"), cfg, bf16_state(hf_model(cfg, seed=2)))
     server = Server(boot, str(root / "server.log")).wait_healthy()
