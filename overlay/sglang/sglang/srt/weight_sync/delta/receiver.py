@@ -37,6 +37,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from sglang.srt.weight_sync.delta.wire import (
+    HEADER_CAP,
     POSITIONS,
     VALUES,
     DeltaError,
@@ -71,6 +72,7 @@ class ReceiverState:
     dirty: bool = False
     manifest: Optional[Dict[str, Tuple[List[int], str]]] = None
     pending_manifest: Dict[str, Tuple[List[int], str]] = dataclasses.field(default_factory=dict)
+    max_payload_bytes: int = 0  # bound on one decompressed flush, from the model's size (see _max_file_bytes)
 
 
 _STATES: "weakref.WeakKeyDictionary[torch.nn.Module, ReceiverState]" = weakref.WeakKeyDictionary()
@@ -315,11 +317,11 @@ def _refuse_unsupported(host) -> None:
 
 
 def _max_file_bytes(model: torch.nn.Module) -> int:
-    """Bound on one decompressed flush file: every element of the model dense, plus positions and header."""
-    from sglang.srt.weight_sync.delta.wire import HEADER_CAP
-
-    elems = sum(p.numel() for p in model.parameters())
-    return 8 + HEADER_CAP + 8 * elems
+    """Bound on one decompressed flush: every element of the model dense, plus positions and header (once per model)."""
+    state = receiver_state(model)
+    if not state.max_payload_bytes:
+        state.max_payload_bytes = 8 + HEADER_CAP + 8 * sum(p.numel() for p in model.parameters())
+    return state.max_payload_bytes
 
 
 def _read_delta_file(model_path: str, name: str, max_bytes: int) -> DeltaPayload:

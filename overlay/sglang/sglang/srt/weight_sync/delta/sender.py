@@ -154,10 +154,6 @@ class DeltaState:
                 self.staged[name] = idx
         self._sent.clear()
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.snapshot.values())
-
 
 # ---------------------------------------------------------------- bucket
 
