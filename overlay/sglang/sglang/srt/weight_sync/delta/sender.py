@@ -338,7 +338,7 @@ class _SyncRun:
                 self._release_held()
                 self.held.append((kind, payload))
             else:
-                self.wire_bytes += t.write(payload, kind)
+                t.write(payload, kind)  # bytes are counted by the transport once written
 
     def _release_held(self, final: bool = False) -> None:
         for kind, payload in self.held:
@@ -364,7 +364,7 @@ class _SyncRun:
             return
         for kind in self.buckets:
             if not t.pending(kind):
-                self.wire_bytes += t.write(encode_flush([], self.s.encoding, **self._spec_fields(kind, final)), kind)
+                t.write(encode_flush([], self.s.encoding, **self._spec_fields(kind, final)), kind)
         t.publish({k: v for k, v in self.targets.items() if v})
         self.flush += 1
 

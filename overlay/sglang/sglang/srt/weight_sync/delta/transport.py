@@ -93,12 +93,11 @@ class DiskTransport:
     def pending(self, kind: str) -> int:
         return len(self._pending.get(kind, []))
 
-    def write(self, payload: DeltaPayload, kind: str) -> int:
+    def write(self, payload: DeltaPayload, kind: str) -> None:
         os.makedirs(self._dir(kind), exist_ok=True)
         name = f"rank{self.rank:04d}_flush{self._file_no:06d}.safetensors"
         self._file_no += 1
         self._pending.setdefault(kind, []).append((name, self.writer.submit(os.path.join(self._dir(kind), name), payload)))
-        return 0  # bytes are counted when the writer is done
 
     def publish(self, targets: Dict[str, List[int]]) -> None:
         batch, self._pending = self._pending, {}
