@@ -20,10 +20,11 @@ test: venvs
 	  $(BUILD)/venv-$$p/bin/python -m pytest tests $(PYTEST_ARGS) || rc=1; \
 	done; exit $$rc
 
-# slime's patched updater with a tiny Megatron model on CPU (needs a slime checkout at the pinned commit).
+# slime's patched updater with a tiny Megatron model on CPU into a server on the image's SGLang tree
+# (slime's own SGLang patches, then ours); needs a slime checkout at the pinned commit.
 test-slime:
 	@test -n "$(SLIME_DIR)" || { echo "usage: make test-slime SLIME_DIR=/path/to/slime"; exit 2; }
-	@scripts/build_venv.sh 0.5.15.post1 $(BUILD) slime
+	@scripts/build_venv.sh 0.5.15.post1 $(BUILD) slime "$(SLIME_DIR)"
 	rm -rf $(BUILD)/slime-tree && cp -a "$(SLIME_DIR)" $(BUILD)/slime-tree
 	scripts/apply_patches.sh $(BUILD)/slime-tree
 	SLIME_PATCHED_DIR=$(abspath $(BUILD)/slime-tree) PYTHONPATH=$(abspath $(BUILD)/slime-tree) \

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # Build (or reuse) the CPU venv for one SGLang pin and patch its installed sglang package.
-#   scripts/build_venv.sh 0.5.15.post1 [BUILD_DIR] [slime]
-# The optional flavor "slime" adds requirements/slime-test*.txt (Megatron, Ray) in venv-<pin>-slime.
+#   scripts/build_venv.sh 0.5.15.post1 [BUILD_DIR] [slime SLIME_DIR]
+# The optional flavor "slime" adds requirements/slime-test*.txt (Megatron, Ray) in venv-<pin>-slime and
+# patches sglang as slime's image does (slime's own SGLang patches from SLIME_DIR first, then ours).
 # Two stamps keep it incremental: the venv is rebuilt only when requirements or shims change;
 # sglang is reinstalled pristine and re-patched only when patches, overlay or the apply script change.
 set -euo pipefail
-PIN=${1:?usage: build_venv.sh <sglang-version> [build-dir] [slime]}
+PIN=${1:?usage: build_venv.sh <sglang-version> [build-dir] [slime SLIME_DIR]}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BUILD=${2:-$ROOT/build}
 FLAVOR=${3:-}
+SLIME_DIR=${4:-}
+[ "$FLAVOR" != slime ] || [ -d "$SLIME_DIR" ] || { echo "build_venv.sh: flavor slime needs SLIME_DIR" >&2; exit 2; }
 V=$BUILD/venv-$PIN${FLAVOR:+-$FLAVOR}
 PY=${PYTHON:-python3}
 req=$ROOT/requirements
@@ -19,8 +22,9 @@ hash_of() { (cd "$ROOT" && cat "$@" | sha256sum | cut -c1-16); }
 extra=(); [ -n "$FLAVOR" ] && extra=("requirements/$FLAVOR-test.txt" "requirements/$FLAVOR-test.nodeps.txt")
 venv_hash=$(hash_of scripts/build_venv.sh requirements/common.txt "requirements/sglang-$PIN.txt" \
   "requirements/sglang-$PIN.nodeps.txt" tests/cpu_shims/*.py "${extra[@]}")
-patch_hash=$(cd "$ROOT" && find scripts/apply_patches.sh patches overlay -type f ! -name '*.pyc' \
-  ! -path '*/__pycache__/*' | sort | xargs cat | sha256sum | cut -c1-16)
+slime_patches=(); [ -n "$FLAVOR" ] && mapfile -t slime_patches < <("$ROOT/scripts/slime_sglang_patches.sh" "$SLIME_DIR" --list)
+patch_hash=$(cd "$ROOT" && { find scripts/apply_patches.sh scripts/slime_sglang_patches.sh patches overlay -type f \
+  ! -name '*.pyc' ! -path '*/__pycache__/*' | sort | xargs cat; cat /dev/null "${slime_patches[@]}"; } | sha256sum | cut -c1-16)
 
 [ -f "$req/sglang-$PIN.txt" ] || { echo "unknown pin $PIN (have: $(ls "$req" | sed -n 's/^sglang-\(.*\)\.nodeps\.txt$/\1/p' | xargs))" >&2; exit 2; }
 
@@ -48,9 +52,10 @@ if [ "$(cat "$V/.patch-stamp" 2>/dev/null)" != "$patch_hash" ]; then
   SP=$("$V/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   if [ -f "$V/.patch-stamp" ] || [ -d "$SP/sglang/srt/weight_sync/delta" ]; then
     echo "[venv $PIN] reinstalling pristine sglang"
+    rm -rf "$SP/sglang"  # files that patches added are not in pip's RECORD
     pip install -q --no-deps --force-reinstall "sglang==$PIN"
-    rm -rf "$SP/sglang/srt/weight_sync/delta"
   fi
+  [ -z "$FLAVOR" ] || "$ROOT/scripts/slime_sglang_patches.sh" "$SLIME_DIR" "$SP"
   "$ROOT/scripts/apply_patches.sh" "$SP/sglang"
   echo "$patch_hash" > "$V/.patch-stamp"
 else

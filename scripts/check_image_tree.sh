@@ -2,14 +2,13 @@
 # Rebuild the slime image's SGLang tree and check that our patch set applies on top of it.
 #   scripts/check_image_tree.sh SLIME_DIR [WORK_DIR]
 # The image (docker/Dockerfile in slime) installs SGLang v0.5.15.post1 and applies slime's
-# docker/patch/latest/ patches in this order; we reproduce that on the released wheel (their
-# C++/test hunks are dropped by --include) and then run apply_patches.sh --check and apply on it.
+# docker/patch/latest/ patches (scripts/slime_sglang_patches.sh); we reproduce that on the released
+# wheel and then run apply_patches.sh --check and apply on it.
 set -euo pipefail
 SLIME=${1:?usage: check_image_tree.sh SLIME_DIR [WORK_DIR]}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 WORK=${2:-$ROOT/build/image-tree}
 PIN=0.5.15.post1
-SLIME_PATCHES=(sglang.patch sglang-top_p.patch sglang-release_hicache.patch sglang-pull_weights.patch sglang-deterministic.patch)
 
 SLIME=$(cd "$SLIME" && pwd)
 echo "slime at $(git -C "$SLIME" rev-parse --short=12 HEAD 2>/dev/null || echo '?')"
@@ -19,10 +18,7 @@ python3 -m zipfile -e "$WORK"/wheel/sglang-*.whl "$WORK/tree"
 cd "$WORK/tree"
 rm -rf sglang-*.dist-info
 git init -q && git add -A && git -c user.name=check -c user.email=check@localhost commit -qm "sglang $PIN wheel"
-for p in "${SLIME_PATCHES[@]}"; do
-  git apply -p2 --include='sglang/*' "$SLIME/docker/patch/latest/$p"
-  echo "slime's $p applied"
-done
+"$ROOT/scripts/slime_sglang_patches.sh" "$SLIME" "$WORK/tree"
 git -c user.name=check -c user.email=check@localhost commit -qam "slime latest patches"
 "$ROOT/scripts/apply_patches.sh" --check "$WORK/tree/sglang"
 "$ROOT/scripts/apply_patches.sh" "$WORK/tree/sglang"

@@ -106,6 +106,7 @@ def build_model(seed: int = 1):
     torch.manual_seed(seed)
     model = DDPLike(GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=128,
                              position_embedding_type="rope", share_embeddings_and_output_weights=False))
+    model.bfloat16()  # what Megatron's Float16Module does to a bf16 model
     for p in model.parameters():
         tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
     return model
@@ -151,18 +152,14 @@ def make_args(**over):
 
 
 def hf_state(args, model):
-    """What the engine must hold: slime's own gather + HF conversion of the Megatron params, in bf16.
-
-    Megatron keeps the final norm in fp32 even in a bf16 model; the sender ships it as fp32 and the
-    engine's loader casts it, exactly as a full load of the same tensors would.
-    """
+    """What the engine must hold: slime's own gather + HF conversion of the Megatron params (bf16)."""
     from slime.backends.megatron_utils.megatron_to_hf import convert_to_hf
     from slime.backends.megatron_utils.update_weight.common import all_gather_param, named_params_and_buffers
 
     out = {}
     for name, param in named_params_and_buffers(args, [model]):
         for hf_name, t in convert_to_hf(args, "llama", name, all_gather_param(name, param), None):
-            out[hf_name] = t.detach().to(torch.bfloat16)  # the engine's dtype: its loader casts the same way
+            out[hf_name] = t.detach().clone()
     return out
 
 
@@ -173,8 +170,8 @@ def engine_actor_cls():
     from slime.backends.sglang_utils.sglang_engine import SGLangEngine
 
     class AttachedSGLangEngine(SGLangEngine):
-        def __init__(self, url: str):
+        def __init__(self, url: str, args=None):
             host, port = url.removeprefix("http://").rsplit(":", 1)
-            self.node_rank, self.server_host, self.server_port = 0, host, int(port)
+            self.node_rank, self.server_host, self.server_port, self.args = 0, host, int(port), args
 
     return ray.remote(num_cpus=0)(AttachedSGLangEngine)

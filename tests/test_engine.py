@@ -68,6 +68,24 @@ def scenario(root: str) -> None:
                     eng.end_weight_update()
                 assert ok, msg
             check(states[v - 1], f"distributed v{v}")
+        ok, msg, _ = eng.update_weights_from_disk(boot)  # a plain load: the chain is broken until a full sync
+        assert ok, msg
+        vdir = os.path.join(root, "weight_v000005")
+        os.makedirs(vdir)
+        for kind, payloads in (("delta", delta_flushes(states[2], states[3], "deltas", version=5, base_version=4)),
+                               ("full", full_flushes(states[3], version=5))):
+            assert len(payloads) == 1
+            name = f"{kind}_flush000000.safetensors"
+            with open(os.path.join(vdir, name), "wb") as f:
+                f.write(write_safetensors(payloads[0].spec, payloads[0].positions, payloads[0].values))
+            ok, msg, _ = eng.update_weights_from_disk(vdir, load_format="delta", files=[name], weight_version="5")
+            if kind == "delta":
+                assert not ok and "weights were replaced by update_weights_from_disk since version 4: the engine " \
+                    "needs a full sync" in msg, msg
+                check(bf16_state(hf_model(cfg, seed=2)), "plain load, delta refused")
+            else:
+                assert ok, msg
+        check(states[3], "full after plain load")
         print("ENGINE OK", flush=True)
     finally:
         eng.shutdown()
@@ -80,7 +98,8 @@ def test_engine_delta_sync(tmp_path):
     r = subprocess.run([sys.executable, os.path.abspath(__file__), str(tmp_path)], capture_output=True, text=True,
                        env=env, timeout=500)
     assert r.returncode == 0 and "ENGINE OK" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
-    for tag in ("disk v1", "disk v2", "distributed v3", "distributed v4"):
+    for tag in ("disk v1", "disk v2", "distributed v3", "distributed v4", "plain load, delta refused",
+                "full after plain load"):
         assert f"{tag}: bit-identical" in r.stdout
 
 

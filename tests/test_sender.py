@@ -102,6 +102,32 @@ def test_unreachable_engine_gets_a_full_sync_and_both_end_identical(tmp_path):
     assert_params_equal(b.host.model, ref)
 
 
+def test_an_engine_loaded_outside_the_chain_refuses_deltas_then_gets_a_full_sync(tmp_path):
+    from sglang.srt.weight_sync.delta.receiver import note_outside_load
+
+    cfg = hf_config("qwen3")
+    trainer = hf_model(cfg)
+    a, b = LocalEngine(cfg), LocalEngine(cfg)
+    transport = DiskTransport(str(tmp_path), [a, b])
+    sender = DeltaSender(transport, [a, b], encoding="indices", buffer_bytes=32 << 10)
+    steps = rl_steps(trainer, 3)
+    assert all(ok for ok, _ in sender.update(segments(bf16_state(trainer))).values())
+    note_outside_load(b.host, "update_weights_from_disk")  # what the patched plain load paths call first
+    b.host.model.load_weights(list(bf16_state(hf_model(cfg, seed=7)).items()))
+    results = sender.update(segments(next(steps)))
+    assert results[0][0] and not results[1][0]
+    assert "weights were replaced by update_weights_from_disk since version 1: the engine needs a full sync" \
+        in results[1][1], results
+    assert sender.state.version == 1 and sender.status[1].needs_full
+    state = next(steps)
+    results = sender.update(segments(state))
+    assert results[0][0] and results[1][0], results
+    assert sender.pop_metrics()["perf/update_weights_full_sync_engines"] == 1
+    ref = reference(cfg, state)
+    assert_params_equal(a.host.model, ref)
+    assert_params_equal(b.host.model, ref)
+
+
 def test_deltas_zstd_is_refused_over_nccl():
     with pytest.raises(DeltaError, match="deltas_zstd compresses files: it is disk-only"):
         DeltaSender(NcclTransport(None, "g", []), [], encoding="deltas_zstd")

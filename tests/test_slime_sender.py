@@ -1,7 +1,9 @@
 """slime's patched updater (UpdateWeightFromDistributedDelta) with a tiny Megatron model into a real patched server.
 
 Needs a slime checkout at the pin, patched by scripts/apply_patches.sh, plus Megatron and Ray:
-``make test-slime SLIME_DIR=...`` provides all three. Without them this module is skipped.
+``make test-slime SLIME_DIR=...`` provides all three, and serves from the image's SGLang tree
+(slime's own SGLang patches, then ours), so slime's own xor delta path runs too. Without them this
+module is skipped.
 """
 import os
 
@@ -34,7 +36,7 @@ def world(tmp_path_factory):
     model = H.build_model()
     engines = [H.engine_actor_cls().remote(server.url)]
     lock = Lock.options(num_cpus=0).remote()
-    yield dict(root=root, server=server, model=model, trainer=H.Trainer(model), engines=engines, lock=lock)
+    yield dict(root=root, boot=boot, server=server, model=model, trainer=H.Trainer(model), engines=engines, lock=lock)
     ray.shutdown()
     server.stop()
 
@@ -83,6 +85,42 @@ def test_disk_transport_deltas_zstd(world):
                        update_weight_disk_dir=str(world["root"] / "shared"))
     up, densities = run_syncs(world, args, world.get("version", 0))
     assert densities[0] == 1.0 and all(0 < d < 0.2 for d in densities[1:]), densities
+
+
+def test_slime_xor_updater_is_still_selected_and_lands(world):
+    """xor|overwrite keep slime's own updater; on the same server it still syncs bit-identically."""
+    import slime_harness as H
+    from slime.backends.megatron_utils.update_weight.update_weight_from_disk_delta import UpdateWeightFromDiskDelta
+    from slime.backends.megatron_utils.update_weight.update_weight_from_distributed_delta import (
+        UpdateWeightFromDistributedDelta,
+    )
+    from slime.utils.delta_sync_args import sparse_delta_updater_cls
+
+    for enc in ("indices", "deltas", "deltas_zstd"):
+        assert sparse_delta_updater_cls(H.make_args(update_weight_delta_encoding=enc)) is UpdateWeightFromDistributedDelta
+    for mode, enc in (("delta", "xor"), ("delta", "overwrite"), ("full", "indices")):
+        assert sparse_delta_updater_cls(H.make_args(update_weight_mode=mode, update_weight_delta_encoding=enc)) is None
+
+    root = world["root"]
+    args = H.make_args(update_weight_transport="disk", update_weight_delta_encoding="xor",
+                       update_weight_disk_dir=str(root / "xor"), update_weight_local_checkpoint_dir=str(root / "local"),
+                       hf_checkpoint=world["boot"], update_weight_delta_checksum="adler32")
+    class OnCPU(UpdateWeightFromDiskDelta):
+        """slime snapshots ``tensor.cpu()``, a copy from a GPU but the live param itself on CPU: copy as a GPU would."""
+
+        def _iter_hf_tensors(self):
+            return ((name, t.clone()) for name, t in super()._iter_hf_tensors())
+
+    up = OnCPU(args, [world["model"]], weights_getter=lambda: {}, model_name="llama", quantization_config=None)
+    up.connect_rollout_engines([H.engine_actor_cls().remote(world["server"].url, args)], world["lock"])
+    up.update_weights()  # slime's first call only captures its baseline (the boot checkpoint)
+    densities = []
+    for _ in range(3):
+        world["trainer"].step()
+        up.update_weights()
+        densities.append(up.update_weight_metrics["perf/update_weights_density"])
+        engine_has(world["server"], H.hf_state(args, world["model"]))
+    assert densities[0] > 0.5 and all(0 < d < 0.2 for d in densities[1:]), densities  # vs boot, then one step
 
 
 def test_argument_rules():

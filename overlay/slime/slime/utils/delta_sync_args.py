@@ -1,6 +1,6 @@
 """Argument rules of sparse delta weight sync (``--update-weight-mode delta`` with indices|deltas|deltas_zstd).
 
-Kept free of torch/megatron imports: ``slime.utils.arguments`` imports it at parse time.
+Kept free of torch/megatron imports at module level: ``slime.utils.arguments`` imports it at parse time.
 """
 
 SPARSE_DELTA_ENCODINGS = ("indices", "deltas", "deltas_zstd")
@@ -24,3 +24,14 @@ def validate_sparse_delta_args(args) -> None:
             "sparse delta sync over disk does not support pipeline parallelism yet "
             "(use --update-weight-transport=nccl, or PP=1)."
         )
+
+
+def sparse_delta_updater_cls(args):
+    """The updater class for the sparse encodings, or None so slime's own selection (full, xor|overwrite) stands."""
+    if args.update_weight_mode != "delta" or args.update_weight_delta_encoding not in SPARSE_DELTA_ENCODINGS:
+        return None
+    from slime.backends.megatron_utils.update_weight.update_weight_from_distributed_delta import (
+        UpdateWeightFromDistributedDelta,
+    )
+
+    return UpdateWeightFromDistributedDelta

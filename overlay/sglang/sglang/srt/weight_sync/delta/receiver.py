@@ -70,6 +70,7 @@ class ReceiverState:
     pending: Optional[int] = None  # version whose flushes are being applied
     next_flush: int = 0
     dirty: bool = False
+    outside_load: Optional[str] = None  # a plain weight load since the last sync broke the chain
     manifest: Optional[Dict[str, Tuple[List[int], str]]] = None
     pending_manifest: Dict[str, Tuple[List[int], str]] = dataclasses.field(default_factory=dict)
     max_payload_bytes: int = 0  # bound on one decompressed flush, from the model's size (see _max_file_bytes)
@@ -228,7 +229,10 @@ def _check_version(state: ReceiverState, specs: Sequence[DeltaSpec], weight_vers
             raise DeltaError(f"full sync version {v} is not newer than the committed version {committed} (replayed?)")
     else:
         if state.manifest is None:
-            raise DeltaError("no full sync has been applied yet: the first sync must be full")
+            raise DeltaError("no full sync has been applied yet: the first sync must be full (engine needs a full sync)")
+        if state.outside_load:
+            raise DeltaError(f"weights were replaced by {state.outside_load} since version {committed}: "
+                             "the engine needs a full sync")
         if state.dirty:
             raise DeltaError("engine is dirty (a sync failed after part of it was written): it needs a full sync")
     if state.pending == v and head.flush > 0:
@@ -238,7 +242,7 @@ def _check_version(state: ReceiverState, specs: Sequence[DeltaSpec], weight_vers
         raise DeltaError(f"flush {head.flush} of version {v} arrived without flush 0 (engine at version {committed})")
     elif not head.full and not (head.base_version <= committed < v):
         raise DeltaError(f"delta for versions [{head.base_version}, {v}] cannot apply to an engine at committed "
-                         f"version {committed} (duplicate, replayed or out-of-order)")
+                         f"version {committed} (duplicate, replayed or out-of-order): the engine needs a full sync")
     return head
 
 
@@ -300,11 +304,20 @@ def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version:
     if any(p.spec.final for p in payloads):
         state.version, state.pending, state.next_flush = head.version, None, 0
         if head.full:
-            state.manifest, state.dirty = state.pending_manifest, False
+            state.manifest, state.dirty, state.outside_load = state.pending_manifest, False, None
             state.pending_manifest = {}
     kind = "full sync" if head.full else "delta"
     return True, (f"Succeeded to apply {kind} version {head.version} flush {head.flush} "
                   f"({len(names)} params, {nnz} values){' (final)' if state.pending is None else ''}.")
+
+
+def note_outside_load(host, entry_point: str) -> None:
+    """Hooked at the top of the plain weight-load paths: their writes are not part of any delta
+    version, so a delta built on the committed version would land on other weights. Until the next
+    full sync every delta is refused (loudly), which makes the sender fall back to a full sync."""
+    state = receiver_state(_model(host))
+    if state.manifest is not None:
+        state.outside_load = entry_point
 
 
 def _refuse_unsupported(host) -> None:

@@ -199,9 +199,9 @@ class EngineStatus:
     last_error: str = ""
 
 
-def _is_dirty(message: str) -> bool:
-    """Receiver messages say 'dirty' when a failure may have left part of a sync written."""
-    return "dirty" in message
+def _needs_full(message: str) -> bool:
+    """Receivers say 'needs a full sync' when no delta can fix them (dirty, fresh, off the version chain)."""
+    return "needs a full sync" in message
 
 
 class DeltaSender:
@@ -262,7 +262,7 @@ class DeltaSender:
             else:
                 self._counters["failures"] += 1
                 st.last_error = msg
-                st.needs_full = st.needs_full or _is_dirty(msg) or msg.startswith("transport:")
+                st.needs_full = st.needs_full or _needs_full(msg) or msg.startswith("transport:")
                 logger.error("delta sync v%d failed on engine %d (%s): %s", v, i,
                              "full sync next" if st.needs_full else "next delta covers it", msg)
         if len(acked) == len(self.engines):
