@@ -128,6 +128,23 @@ def test_an_engine_loaded_outside_the_chain_refuses_deltas_then_gets_a_full_sync
     assert_params_equal(b.host.model, ref)
 
 
+def test_a_restarted_trainer_continues_the_version_chain_of_running_engines(tmp_path):
+    cfg = hf_config("qwen2")
+    trainer = hf_model(cfg)
+    engine = LocalEngine(cfg)
+    steps = rl_steps(trainer, 3)
+    first = DeltaSender(DiskTransport(str(tmp_path / "run1"), [engine]), [engine], encoding="deltas")
+    for state in (bf16_state(trainer), next(steps), next(steps)):
+        assert first.update(segments(state))[0][0]
+    restarted = DeltaSender(DiskTransport(str(tmp_path / "run2"), [engine]), [engine], encoding="deltas")
+    ok, msg = restarted.update(segments(state))[0]
+    assert not ok and "full sync version 1 is not newer than the committed version 3" in msg
+    state = next(steps)
+    assert restarted.update(segments(state))[0][0] and restarted.version == 4
+    assert restarted.pop_metrics()["perf/update_weights_full_sync_engines"] == 1
+    assert_params_equal(engine.host.model, reference(cfg, state))
+
+
 def test_deltas_zstd_is_refused_over_nccl():
     with pytest.raises(DeltaError, match="deltas_zstd compresses files: it is disk-only"):
         DeltaSender(NcclTransport(None, "g", []), [], encoding="deltas_zstd")

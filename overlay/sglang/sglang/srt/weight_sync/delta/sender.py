@@ -13,6 +13,8 @@ Contract:
 * The first sync, and the sync after an engine failed in a way that may have left it partially
   written (dirty, timed out, unreachable), is a full sync: every param dense. Over disk that
   engine gets dense files by itself; a shared NCCL group gets a full sync for all its engines.
+* An engine that outlived a trainer restart refuses the new sender's first full sync (its version
+  is not newer than the engine's); the sender then continues above the engine's version.
 * Failures are never swallowed: logged, counted in :meth:`DeltaSender.pop_metrics`, acted on.
 
 CUDA: the diff runs on the default stream; snapshot chunks are prefetched host->device on
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import time
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -199,6 +202,9 @@ class EngineStatus:
     last_error: str = ""
 
 
+_STALE_FULL = re.compile(r"is not newer than the committed version (\d+)")
+
+
 def _needs_full(message: str) -> bool:
     """Receivers say 'needs a full sync' when no delta can fix them (dirty, fresh, off the version chain)."""
     return "needs a full sync" in message
@@ -263,6 +269,9 @@ class DeltaSender:
                 self._counters["failures"] += 1
                 st.last_error = msg
                 st.needs_full = st.needs_full or _needs_full(msg) or msg.startswith("transport:")
+                stale = _STALE_FULL.search(msg)
+                if stale:  # the engine outlived a trainer restart: continue its chain rather than rewind it
+                    self.version = max(self.version, int(stale.group(1)))
                 logger.error("delta sync v%d failed on engine %d (%s): %s", v, i,
                              "full sync next" if st.needs_full else "next delta covers it", msg)
         if len(acked) == len(self.engines):
