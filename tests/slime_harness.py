@@ -145,7 +145,8 @@ def make_args(**over):
         num_attention_heads=HEADS, num_query_groups=GROUPS, update_weight_buffer_size=32 << 10,
         rollout_num_gpus_per_engine=1, update_weight_mode="delta", update_weight_transport="nccl",
         update_weight_delta_encoding="indices", update_weight_disk_dir=None, update_weight_disk_keep_files=False,
-        custom_update_weight_post_write_path=None, colocate=False, pipeline_model_parallel_size=1)
+        custom_update_weight_post_write_path=None, colocate=False, pipeline_model_parallel_size=1,
+        update_weight_delta_fingerprint_interval=1)
     for k, v in over.items():
         setattr(a, k, v)
     return a

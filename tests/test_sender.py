@@ -1,5 +1,6 @@
 """The sender core driven by a real training loop, into real receivers: in-process SGLang classes and a server."""
 import pytest
+import torch
 
 from cpu_harness import (
     Host,
@@ -16,6 +17,7 @@ from cpu_harness import (
     write_hf_checkpoint,
 )
 from delta_helpers import assert_params_equal
+from sglang.srt.weight_sync.delta.receiver import fingerprint_payload
 from sglang.srt.weight_sync.delta.sender import DeltaSender
 from sglang.srt.weight_sync.delta.transport import DiskTransport, HttpEngine, NcclTransport
 from sglang.srt.weight_sync.delta.wire import DeltaError
@@ -34,6 +36,9 @@ class LocalEngine:
             raise ConnectionError("engine unreachable")
         self.requests += 1
         return self.host.call("_apply_delta", model_path, files, weight_version)
+
+    def fingerprint(self):
+        return [fingerprint_payload(self.host.model)]
 
 
 def reference(cfg, state):
@@ -145,6 +150,32 @@ def test_a_restarted_trainer_continues_the_version_chain_of_running_engines(tmp_
     assert_params_equal(engine.host.model, reference(cfg, state))
 
 
+def test_a_silently_corrupted_engine_is_caught_by_the_fingerprint_and_fully_resynced(tmp_path):
+    cfg = hf_config("qwen2-moe")
+    trainer = hf_model(cfg)
+    a, b = LocalEngine(cfg), LocalEngine(cfg)
+    sender = DeltaSender(DiskTransport(str(tmp_path), [a, b]), [a, b], encoding="deltas", fingerprint_every=2)
+    steps = rl_steps(trainer, 4)
+    assert all(ok for ok, _ in sender.update(segments(bf16_state(trainer))).values())
+    assert all(ok for ok, _ in sender.update(segments(next(steps))).values())  # v2: checked, all equal
+    m = sender.pop_metrics()
+    assert m["perf/update_weights_fingerprint_mismatches"] == 0 and m["perf/update_weights_fingerprint_uncovered"] == 0
+    param = dict(b.host.model.named_parameters())["model.layers.0.mlp.experts.w2_weight"]
+    param.view(-1).view(torch.int16)[123] ^= 1  # one flipped bit no sync wrote (e.g. a stray kernel)
+    assert all(ok for ok, _ in sender.update(segments(next(steps))).values())  # v3: not checked
+    results = sender.update(segments(next(steps)))  # v4: checked
+    assert results[0][0] and not results[1][0]
+    assert "fingerprint mismatch after version 4 on 1 param(s), e.g. ['model.layers.0.mlp.experts." in results[1][1]
+    assert "the engine needs a full sync" in results[1][1]
+    assert sender.pop_metrics()["perf/update_weights_fingerprint_mismatches"] == 1
+    state = next(steps)
+    assert all(ok for ok, _ in sender.update(segments(state)).values())
+    assert sender.pop_metrics()["perf/update_weights_full_sync_engines"] == 1
+    ref = reference(cfg, state)
+    assert_params_equal(a.host.model, ref)
+    assert_params_equal(b.host.model, ref)
+
+
 def test_deltas_zstd_is_refused_over_nccl():
     with pytest.raises(DeltaError, match="deltas_zstd compresses files: it is disk-only"):
         DeltaSender(NcclTransport(None, "g", []), [], encoding="deltas_zstd")
@@ -170,14 +201,16 @@ def test_training_loop_into_a_server_over_disk_then_gloo(server):
     trainer = hf_model(cfg, seed=1)
     engine = HttpEngine(srv.url)
     disk = DiskTransport(str(root / "shared"), [engine], zstd=True)
-    sender = DeltaSender(disk, [engine], encoding="deltas_zstd", buffer_bytes=64 << 10)
+    sender = DeltaSender(disk, [engine], encoding="deltas_zstd", buffer_bytes=64 << 10, fingerprint_every=1)
     state = bf16_state(trainer)
     for k in range(3):
         results = sender.update(segments(state))
         assert results[0][0], results
         engine_has(srv, state)
+        m = sender.pop_metrics()  # the server's /weights_checker fingerprint agreed with the trainer's
+        assert m["perf/update_weights_fingerprint_mismatches"] == 0 and m["perf/update_weights_fingerprint_uncovered"] == 0
         state = next(rl_steps(trainer, 1, seed=k))
-    assert sender.pop_metrics()["perf/update_weights_compression_ratio"] > 1.0
+    assert m["perf/update_weights_compression_ratio"] > 1.0
     disk.close()
 
     pg = join_update_group(srv, "sender-gloo")

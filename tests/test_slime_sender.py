@@ -63,7 +63,8 @@ def run_syncs(world, args, start_version, n=3):
         up.update_weights()
         m = up.pop_metrics()
         densities.append(m["perf/update_weights_density"])
-        assert m["perf/update_weights_failures"] == 0
+        assert m["perf/update_weights_failures"] == 0 and m["perf/update_weights_fingerprint_mismatches"] == 0
+        assert m["perf/update_weights_fingerprint_uncovered"] == 0  # the engine's fingerprint covered every name
         engine_has(world["server"], H.hf_state(args, world["model"]))
         world["trainer"].step()
     up.disconnect_rollout_engines()

@@ -36,6 +36,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from sglang.srt.weight_sync.delta import fingerprint
 from sglang.srt.weight_sync.delta.wire import (
     HEADER_CAP,
     POSITIONS,
@@ -74,6 +75,8 @@ class ReceiverState:
     manifest: Optional[Dict[str, Tuple[List[int], str]]] = None
     pending_manifest: Dict[str, Tuple[List[int], str]] = dataclasses.field(default_factory=dict)
     max_payload_bytes: int = 0  # bound on one decompressed flush, from the model's size (see _max_file_bytes)
+    recorder: Optional[fingerprint.FingerprintRecorder] = None  # watching the full sync being applied
+    copies: Optional[dict] = None  # where the last full sync's HF tensors landed (fingerprint.engine_shares)
 
 
 _STATES: "weakref.WeakKeyDictionary[torch.nn.Module, ReceiverState]" = weakref.WeakKeyDictionary()
@@ -105,6 +108,11 @@ def _server_arg(host, name: str, default):
 
 
 # ---------------------------------------------------------------- storage index + apply context
+
+
+def _model_tensors(model: torch.nn.Module) -> List[torch.Tensor]:
+    return [t for _, t in model.named_parameters(remove_duplicate=False)] + \
+        [t for _, t in model.named_buffers(remove_duplicate=False)]
 
 
 def _param_storage_index(model: torch.nn.Module) -> Callable[[torch.Tensor], Optional[str]]:
@@ -274,9 +282,16 @@ def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version:
     device = _device(self)
     if head.flush == 0:
         state.pending_manifest = {}
+        state.recorder = fingerprint.FingerprintRecorder(_model_tensors(model)) if head.full else None
     state.pending, state.next_flush = head.version, head.flush + 1
+
+    def load(chunk):
+        if head.full:
+            state.recorder.sources(chunk)
+        model.load_weights(chunk)
+
     try:
-        with torch.no_grad(), (contextlib.nullcontext() if head.full else _delta_apply_context(model)):
+        with torch.no_grad(), (fingerprint.recording(state.recorder) if head.full else _delta_apply_context(model)):
             chunk, chunk_bytes = [], 0
             for payload, idxs in zip(payloads, decoded):
                 values = payload.values.to(device, non_blocking=True)
@@ -285,14 +300,14 @@ def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version:
                         continue  # nothing of this param changed: no densify, no loader call
                     size = p.numel * values.element_size()
                     if chunk and chunk_bytes + size > chunk_cap:
-                        model.load_weights(chunk)
+                        load(chunk)
                         chunk, chunk_bytes = [], 0
                     chunk.append((p.name, _decode_delta_one_param(p, idx, values, device)))
                     chunk_bytes += size
                     if head.full:
                         state.pending_manifest[p.name] = (list(p.shape), p.dtype)
             if chunk:
-                model.load_weights(chunk)
+                load(chunk)
                 del chunk
     except Exception as e:  # a loader failed mid-way: some weights are written
         state.dirty = True
@@ -305,10 +320,27 @@ def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version:
         state.version, state.pending, state.next_flush = head.version, None, 0
         if head.full:
             state.manifest, state.dirty, state.outside_load = state.pending_manifest, False, None
-            state.pending_manifest = {}
+            state.copies, state.recorder, state.pending_manifest = state.recorder.copies, None, {}
     kind = "full sync" if head.full else "delta"
     return True, (f"Succeeded to apply {kind} version {head.version} flush {head.flush} "
                   f"({len(names)} params, {nnz} values){' (final)' if state.pending is None else ''}.")
+
+
+def fingerprint_payload(model: torch.nn.Module) -> dict:
+    """This rank's share of the weight fingerprint (``/weights_checker`` action ``delta_fingerprint``).
+
+    ``per_gpu_checksum`` (the rank's total) is what SGLang's checker reply expects of every rank.
+    """
+    state = receiver_state(model)
+    if state.copies is None:
+        raise DeltaError("no full sync has been applied yet: there is nothing to fingerprint")
+    if state.pending is not None:
+        raise DeltaError(f"version {state.pending} is being applied: fingerprint it after its final flush")
+    with torch.no_grad():
+        shares = fingerprint.engine_shares(state.copies)
+    total = sum(s.total for s in shares.values()) & 0xFFFFFFFFFFFFFFFF
+    return {"per_gpu_checksum": f"{total:016x}", "version": state.version, "dirty": state.dirty,
+            "names": {n: s.to_json() for n, s in shares.items()}}
 
 
 def note_outside_load(host, entry_point: str) -> None:

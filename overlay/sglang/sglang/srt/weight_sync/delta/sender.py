@@ -32,6 +32,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from sglang.srt.weight_sync.delta import fingerprint
 from sglang.srt.weight_sync.delta.wire import (
     DeltaEncoding,
     DeltaError,
@@ -221,7 +222,7 @@ class DeltaSender:
     """
 
     def __init__(self, transport, engines: Sequence, encoding: str = "deltas", buffer_bytes: int = 512 << 20,
-                 device: Optional[torch.device] = None):
+                 device: Optional[torch.device] = None, fingerprint_every: int = 0):
         enc = DeltaEncoding(encoding)
         if getattr(transport, "shared_group", False) and enc is DeltaEncoding.DELTAS_ZSTD:
             raise DeltaError("deltas_zstd compresses files: it is disk-only (use 'indices' over nccl)")
@@ -231,7 +232,8 @@ class DeltaSender:
         self.status: Dict[int, EngineStatus] = {i: EngineStatus() for i in range(len(self.engines))}
         self.version = 0  # last sync attempted
         self._metrics: Dict[str, float] = {}
-        self._counters = {"failures": 0, "resyncs": 0}
+        self._counters = {"failures": 0, "resyncs": 0, "fingerprint_mismatches": 0}
+        self.fingerprint_every = fingerprint_every  # check engines' weight fingerprints every K syncs (0: never)
 
     # -- one sync -------------------------------------------------------------
 
@@ -246,7 +248,8 @@ class DeltaSender:
         if full_targets and any(self.status[i].version is not None for i in full_targets):
             self._counters["resyncs"] += 1
         t0 = time.perf_counter()
-        run = _SyncRun(self, v, delta_targets, full_targets)
+        run = _SyncRun(self, v, delta_targets, full_targets,
+                       fingerprint=bool(self.fingerprint_every) and v % self.fingerprint_every == 0)
         try:
             self.transport.begin(v)
             for k, segment in enumerate(segments):
@@ -279,12 +282,38 @@ class DeltaSender:
         else:
             self.state.stage()
         self._metrics = run.metrics(t_encode, t_finalize)
+        if run.fingerprints is not None and len(acked) == len(self.engines):
+            self._check_fingerprints(run.fingerprints, results)
         return results
+
+    def _check_fingerprints(self, mine: Dict[str, "fingerprint.NameSum"], results) -> None:
+        """Every engine's fingerprint of this version against the trainer's; a mismatch means a full sync next."""
+        t0, uncovered = time.perf_counter(), set()
+        for i, engine in enumerate(self.engines):
+            try:
+                theirs = fingerprint.merge_ranks(fingerprint.check_version(engine.fingerprint(), self.version))
+                differ, missing = fingerprint.compare_shares(mine, theirs, self.state.snapshot)
+            except Exception as e:  # an engine that cannot show its weights is not trusted either
+                differ, missing = [f"(no fingerprint: {e!r})"], []
+            uncovered.update(missing)
+            if differ:
+                self._counters["fingerprint_mismatches"] += 1
+                self.status[i].needs_full = True
+                results[i] = (False, f"fingerprint mismatch after version {self.version} on {len(differ)} "
+                                     f"param(s), e.g. {differ[:3]}: the engine needs a full sync")
+                logger.error("delta sync v%d: engine %d %s", self.version, i, results[i][1])
+        p = "perf/update_weights_"
+        self._metrics[p + "fingerprint_s"] = time.perf_counter() - t0
+        self._metrics[p + "fingerprint_uncovered"] = float(len(uncovered))
+        if uncovered:
+            logger.warning("fingerprint cannot cover %d param(s) the engines' loaders transform, e.g. %s",
+                           len(uncovered), sorted(uncovered)[:3])
 
     def pop_metrics(self) -> Dict[str, float]:
         out = dict(self._metrics)
         out["perf/update_weights_failures"] = float(self._counters["failures"])
         out["perf/update_weights_resyncs"] = float(self._counters["resyncs"])
+        out["perf/update_weights_fingerprint_mismatches"] = float(self._counters["fingerprint_mismatches"])
         self._metrics = {}
         return out
 
@@ -292,8 +321,10 @@ class DeltaSender:
 class _SyncRun:
     """The working set of one sync: buckets, the 1-step lookahead, flush counters, engine results."""
 
-    def __init__(self, sender: DeltaSender, version: int, delta_targets: List[int], full_targets: List[int]):
+    def __init__(self, sender: DeltaSender, version: int, delta_targets: List[int], full_targets: List[int],
+                 fingerprint: bool = False):
         self.s, self.v = sender, version
+        self.fingerprints: Optional[Dict[str, "fingerprint.NameSum"]] = {} if fingerprint else None
         self.targets = {"delta": delta_targets, "full": full_targets}
         self.buckets = {k: DeltaBucket(sender.encoding, sender.buffer_bytes) for k, t in self.targets.items() if t}
         self.flush = 0  # request index within the sync (shared by all files of one disk publish)
@@ -326,6 +357,8 @@ class _SyncRun:
             if "full" in self.buckets:
                 self.buckets["full"].add(name, tensor, None)
             state.record(name, tensor, idx)
+            if self.fingerprints is not None:  # hashed where the tensor lives (on the GPU during training)
+                self.fingerprints[name] = fingerprint.tensor_fingerprint(name, tensor)
             for kind, bucket in self.buckets.items():
                 if bucket.should_flush():
                     self._flush(kind)

@@ -217,6 +217,14 @@ class HttpEngine:
         return self._post("/update_weights_from_disk", {"model_path": model_path, "load_format": "delta",
                                                          "files": files, "weight_version": weight_version})
 
+    def fingerprint(self) -> List[dict]:
+        """Every rank's share of the weight fingerprint (``/weights_checker``, action ``delta_fingerprint``)."""
+        r = self.session.post(self.url + "/weights_checker", json={"action": "delta_fingerprint"}, timeout=self.timeout)
+        data = r.json()
+        if r.status_code != 200 or not data.get("success"):
+            raise RuntimeError(f"HTTP {r.status_code}: {data.get('message', r.text[:500])}")
+        return data["ranks"]
+
     def update_weights_from_distributed(self, names, dtypes, shapes, group_name, delta, weight_version):
         if self._sessions is None:
             self._sessions = self.session.post(self.url + "/begin_weight_update", json={},

@@ -62,6 +62,9 @@ class _RayEngine:
         return self._ack(self.actor.update_weights_from_disk.remote(
             model_path, load_format="delta", weight_version=weight_version, files=files))
 
+    def fingerprint(self):
+        return ray.get(self.actor.check_weights.remote("delta_fingerprint"))["ranks"]
+
 
 class UpdateWeightFromDistributedDelta(UpdateWeightFromDistributed):
     """``--update-weight-mode delta`` with ``indices|deltas|deltas_zstd`` over ``--update-weight-transport nccl|disk``."""
@@ -99,7 +102,8 @@ class UpdateWeightFromDistributedDelta(UpdateWeightFromDistributed):
                                       else torch.device("cpu"),
                                       reconnect=self._reconnect, guard=self._engine_lock)
         self._sender = DeltaSender(transport, engines, encoding=self.args.update_weight_delta_encoding,
-                                   buffer_bytes=self.args.update_weight_buffer_size)
+                                   buffer_bytes=self.args.update_weight_buffer_size,
+                                   fingerprint_every=getattr(self.args, "update_weight_delta_fingerprint_interval", 0))
         self._sender.version = self.weight_version  # continue the engines' version chain
 
     def _post_write_hook(self):

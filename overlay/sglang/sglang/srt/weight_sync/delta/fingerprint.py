@@ -1,0 +1,257 @@
+"""Weight fingerprint: proves, cheaply and without moving weights, that an engine holds the trainer's bytes.
+
+Defined in HF coordinates, so trainer and engine compute it independently: per HF name,
+``sum_i mix(seed(name), i, bits(value_i)) mod 2**64`` over the flat index ``i`` of the HF tensor.
+A sum of a non-linear mix is order-sensitive (swapped values change it) and additive, so TP
+shards add up. Integer tensor ops only: the same numbers on CPU and CUDA.
+
+The engine cannot name its storage in HF coordinates by itself (fused QKV, gate/up, TP shards).
+During every full sync, :class:`FingerprintRecorder` watches the model's own ``load_weights``:
+each ``copy_`` of a view of an HF tensor into a parameter records both geometries (sizes,
+strides, offsets), so the fingerprint later reads the parameter through the same views. Names
+whose loader transforms the tensor before copying (no view left to follow) are reported as
+uncovered and the sender leaves them out of the comparison, naming them.
+
+Replicated params (norms, or KV heads shared by several TP ranks) appear on several ranks; each
+rank also reports an additive signature of the indices it covers, and :func:`merge_ranks`
+counts every distinct coverage once.
+"""
+from __future__ import annotations
+
+import bisect
+import contextlib
+import dataclasses
+import hashlib
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from sglang.srt.weight_sync.delta.wire import DeltaError, dtype_from_str, dtype_to_str
+
+_M = 0xFFFFFFFFFFFFFFFF
+_BLOCK = 1 << 22  # elements hashed at once: bounds the int64 scratch to a few 32 MiB tensors
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_C1, _C2, _C3 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def _i64(c: int) -> int:
+    """A 64-bit constant as the signed value torch's int64 holds."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift on int64 (torch's ``>>`` is arithmetic)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer, in place; int64 multiplication wraps mod 2**64 on CPU and CUDA."""
+    z ^= _shr(z, 30)
+    z *= _i64(_C2)
+    z ^= _shr(z, 27)
+    z *= _i64(_C3)
+    z ^= _shr(z, 31)
+    return z
+
+
+def name_seed(name: str) -> int:
+    return _i64(int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little"))
+
+
+def _value_bits(values: torch.Tensor) -> torch.Tensor:
+    """The raw bits of each element, zero-extended into int64."""
+    size = values.element_size()
+    bits = values.contiguous().view(_BITS[size]).to(torch.int64)
+    return bits & ((1 << (8 * size)) - 1) if size < 8 else bits
+
+
+def _sum_block(seed: int, idx: torch.Tensor, values: torch.Tensor) -> Tuple[int, int]:
+    """(sum of element hashes, sum of index hashes) of one block, both mod 2**64."""
+    z = _mix(idx * _i64(_C1) + seed)
+    z += _value_bits(values.reshape(-1))
+    _mix(z)
+    cov = _mix(idx * _i64(_C1) + seed)
+    return int(z.sum()) & _M, int(cov.sum()) & _M
+
+
+@dataclasses.dataclass
+class NameSum:
+    """One name's share on one rank: value sum, coverage signature, elements covered, dtype hashed."""
+
+    total: int = 0
+    coverage: int = 0
+    count: int = 0
+    dtype: str = ""
+
+    def add(self, total: int, coverage: int, count: int) -> None:
+        self.total = (self.total + total) & _M
+        self.coverage = (self.coverage + coverage) & _M
+        self.count += count
+
+    def to_json(self) -> list:
+        return [f"{self.total:016x}", f"{self.coverage:016x}", self.count, self.dtype]
+
+    @classmethod
+    def from_json(cls, v) -> "NameSum":
+        return cls(int(v[0], 16), int(v[1], 16), int(v[2]), str(v[3]))
+
+
+def tensor_fingerprint(name: str, tensor: torch.Tensor, dtype: Optional[torch.dtype] = None) -> NameSum:
+    """A whole HF tensor's share (the sender's side), hashed in ``dtype`` (the engine's) if given."""
+    t = tensor.detach().reshape(-1)
+    if dtype is not None and dtype != t.dtype:
+        t = t.to(dtype)
+    seed, out = name_seed(name), NameSum(dtype=dtype_to_str(t.dtype))
+    for start in range(0, t.numel(), _BLOCK):
+        block = t[start:start + _BLOCK]
+        idx = torch.arange(start, start + block.numel(), dtype=torch.int64, device=t.device)
+        out.add(*_sum_block(seed, idx, block), block.numel())
+    return out
+
+
+# ---------------------------------------------------------------- engine side
+
+
+@dataclasses.dataclass
+class _Copy:
+    """One recorded ``copy_``: a view of HF tensor ``name`` landed in a view of a parameter."""
+
+    param: torch.Tensor
+    dst: Tuple[Tuple[int, ...], Tuple[int, ...], int]  # sizes, strides, storage offset (elements)
+    src: Tuple[Tuple[int, ...], Tuple[int, ...], int]  # the same, in the HF tensor's flat index
+
+
+class FingerprintRecorder:
+    """Records, while a full sync runs ``load_weights``, where each HF tensor's elements land."""
+
+    def __init__(self, params: Iterable[torch.Tensor]):
+        self._params = self._ranges((p.data_ptr(), p.numel() * p.element_size(), p) for p in params)
+        self._sources = self._ranges(())
+        self.copies: Dict[str, List[_Copy]] = {}
+
+    @staticmethod
+    def _ranges(items):
+        rows = sorted((ptr, ptr + nbytes, *rest) for ptr, nbytes, *rest in items if nbytes)
+        return [r[0] for r in rows], rows
+
+    @staticmethod
+    def _find(ranges, ptr):
+        starts, rows = ranges
+        i = bisect.bisect_right(starts, ptr) - 1
+        return rows[i] if i >= 0 and ptr < rows[i][1] else None
+
+    def sources(self, named: Sequence[Tuple[str, torch.Tensor]]) -> None:
+        """The HF tensors handed to the next ``load_weights`` call."""
+        self._sources = self._ranges((t.data_ptr(), t.numel() * t.element_size(), n, t) for n, t in named)
+
+    def observe(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if not isinstance(src, torch.Tensor) or dst.shape != src.shape or not dst.numel():
+            return
+        owner = self._find(self._params, dst.data_ptr())
+        source = self._find(self._sources, src.data_ptr())
+        if owner is None or source is None or src.dtype != source[3].dtype:
+            return
+        base = source[3]
+        offset = (src.data_ptr() - base.data_ptr()) // src.element_size()
+        self.copies.setdefault(source[2], []).append(_Copy(
+            owner[2], (tuple(dst.shape), tuple(dst.stride()), dst.storage_offset()),
+            (tuple(src.shape), tuple(src.stride()), offset)))
+
+
+@contextlib.contextmanager
+def recording(recorder: FingerprintRecorder):
+    """Within: every ``copy_`` also reports to the recorder (then copies as usual)."""
+    orig = torch.Tensor.copy_
+
+    def copy_(dst, src, non_blocking=False):
+        recorder.observe(dst, src)
+        return orig(dst, src, non_blocking)
+
+    torch.Tensor.copy_ = copy_
+    try:
+        yield
+    finally:
+        torch.Tensor.copy_ = orig
+
+
+def _pieces(sizes, dst_strides, src_strides):
+    """Split a view along its first dim into pieces of about _BLOCK elements: (sizes, dst shift, src shift)."""
+    if not sizes:
+        yield (), 0, 0
+        return
+    inner = 1
+    for n in sizes[1:]:
+        inner *= n
+    step = max(1, _BLOCK // max(inner, 1))
+    for s in range(0, sizes[0], step):
+        yield (min(step, sizes[0] - s),) + tuple(sizes[1:]), s * dst_strides[0], s * src_strides[0]
+
+
+def _flat_index(sizes, strides, offset, device) -> torch.Tensor:
+    idx = torch.full((), offset, dtype=torch.int64, device=device)
+    for d, (n, st) in enumerate(zip(sizes, strides)):
+        shape = [1] * len(sizes)
+        shape[d] = n
+        idx = idx + (torch.arange(n, dtype=torch.int64, device=device) * st).view(shape)
+    return idx.reshape(-1)
+
+
+def engine_shares(copies: Dict[str, List[_Copy]]) -> Dict[str, NameSum]:
+    """This rank's share of every recorded name, read through the recorded views."""
+    out: Dict[str, NameSum] = {}
+    for name, entries in copies.items():
+        seed, acc = name_seed(name), NameSum(dtype=dtype_to_str(entries[0].param.dtype))
+        for c in entries:
+            (dsz, dst, doff), (ssz, sst, soff) = c.dst, c.src
+            for sizes, dshift, sshift in _pieces(dsz, dst, sst):
+                d = c.param.as_strided(sizes, dst, doff + dshift)
+                idx = _flat_index(sizes, sst, soff + sshift, d.device)
+                acc.add(*_sum_block(seed, idx, d), d.numel())
+        out[name] = acc
+    return out
+
+
+def merge_ranks(ranks: Sequence[Dict[str, list]]) -> Dict[str, NameSum]:
+    """Sum the ranks' shares per name, counting identical coverages (replicas) once."""
+    seen: Dict[str, set] = {}
+    out: Dict[str, NameSum] = {}
+    for rank in ranks:
+        for name, v in rank.items():
+            share = NameSum.from_json(v)
+            if share.coverage in seen.setdefault(name, set()):
+                continue
+            seen[name].add(share.coverage)
+            acc = out.setdefault(name, NameSum(dtype=share.dtype))
+            acc.add(share.total, share.coverage, share.count)
+    return out
+
+
+def compare(trainer: Dict[str, torch.Tensor], engine: Dict[str, NameSum]) -> Tuple[List[str], List[str]]:
+    """(names whose bytes differ, names the engine could not cover) of a trainer state vs merged engine shares."""
+    return compare_shares({n: tensor_fingerprint(n, t) for n, t in trainer.items()}, engine, trainer)
+
+
+def compare_shares(trainer: Dict[str, NameSum], engine: Dict[str, NameSum],
+                   tensors: Dict[str, torch.Tensor]) -> Tuple[List[str], List[str]]:
+    """As :func:`compare`, from the trainer's shares; ``tensors`` re-hashes a name the engine stores in another dtype."""
+    differ, uncovered = [], []
+    for name, mine in trainer.items():
+        share = engine.get(name)
+        if share is None or share.count != mine.count:
+            uncovered.append(name)
+            continue
+        if share.dtype != mine.dtype:
+            mine = tensor_fingerprint(name, tensors[name], dtype_from_str(share.dtype))
+        if mine.total != share.total:
+            differ.append(name)
+    return differ, uncovered
+
+
+def check_version(ranks: Sequence[dict], version: int) -> List[Dict[str, list]]:
+    """The per-rank share dicts of an engine's reply, refusing a reply about another version."""
+    out = []
+    for r in ranks:
+        if r.get("version") != version:
+            raise DeltaError(f"engine fingerprint is of version {r.get('version')}, expected {version}")
+        out.append(r["names"])
+    return out
