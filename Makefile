@@ -8,7 +8,7 @@ STEPS     ?= 5
 TRANSPORT ?= disk
 ENCODING  ?=
 
-.PHONY: venvs test test-slime demo bench check-image-tree clean
+.PHONY: venvs test test-slime soak demo bench check-image-tree clean
 
 venvs:
 	@for p in $(PINS); do scripts/build_venv.sh $$p $(BUILD) || exit 1; done
@@ -39,6 +39,11 @@ bench:
 	@scripts/build_venv.sh $(PIN) $(BUILD)
 	$(BUILD)/venv-$(PIN)/bin/python scripts/bench_sender.py
 	$(BUILD)/venv-$(PIN)/bin/python scripts/bench_receiver.py
+
+# 200 syncs into a real server with random (seeded) faults; `make test` runs the same with 50.
+soak:
+	@scripts/build_venv.sh $(PIN) $(BUILD)
+	SOAK_SYNCS=200 $(BUILD)/venv-$(PIN)/bin/python -m pytest tests/test_soak.py -s $(PYTEST_ARGS)
 
 # Rebuild the image's SGLang tree (0.5.15.post1 wheel + slime's `latest` patches) and check ours on top.
 check-image-tree:

@@ -273,18 +273,20 @@ def write_hf_checkpoint(out_dir: str, cfg, state: Dict[str, torch.Tensor]) -> st
 class Server:
     """``python -m sglang.launch_server`` on CPU; stopped by PID (children included)."""
 
-    def __init__(self, model_dir: str, log_path: str, extra: Optional[List[str]] = None):
+    def __init__(self, model_dir: str, log_path: str, extra: Optional[List[str]] = None,
+                 env: Optional[Dict[str, str]] = None, api_key: Optional[str] = None):
         import subprocess
         import sys
 
         self.port = free_port(below=50000)  # SGLang derives further ports from it (e.g. +10000 for gRPC)
         self.url = f"http://127.0.0.1:{self.port}"
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_dir, "--device", "cpu",
                "--attention-backend", "torch_native", "--host", "127.0.0.1", "--port", str(self.port),
                "--disable-cuda-graph", "--mem-fraction-static", "0.1", "--skip-server-warmup", "--tp", "1",
                "--max-total-tokens", "2048", "--sampling-backend", "pytorch", "--grammar-backend", "none",
-               "--log-level", "warning"] + (extra or [])
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+               "--log-level", "warning"] + (["--api-key", api_key] if api_key else []) + (extra or [])
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **(env or {}))
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
@@ -308,7 +310,7 @@ class Server:
     def post(self, path: str, body: dict, timeout: float = 120):
         import requests
 
-        return requests.post(self.url + path, json=body, timeout=timeout)
+        return requests.post(self.url + path, json=body, timeout=timeout, headers=self.headers)
 
     def stop(self) -> None:
         import signal

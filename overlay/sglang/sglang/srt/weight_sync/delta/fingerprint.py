@@ -202,7 +202,7 @@ def engine_shares(copies: Dict[str, List[_Copy]]) -> Dict[str, NameSum]:
     for name, entries in copies.items():
         seed, acc = name_seed(name), NameSum(dtype=dtype_to_str(entries[0].param.dtype))
         for c in entries:
-            (dsz, dst, doff), (ssz, sst, soff) = c.dst, c.src
+            (dsz, dst, doff), (_, sst, soff) = c.dst, c.src  # equal sizes (observe checks)
             for sizes, dshift, sshift in _pieces(dsz, dst, sst):
                 d = c.param.as_strided(sizes, dst, doff + dshift)
                 idx = _flat_index(sizes, sst, soff + sshift, d.device)

@@ -35,6 +35,7 @@ import weakref
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from sglang.srt.weight_sync.delta import fingerprint
 from sglang.srt.weight_sync.delta.wire import (
@@ -163,48 +164,125 @@ def _is_nan_scalar(value) -> bool:
     return isinstance(value, float) and math.isnan(value)
 
 
+class _WriteGuard(TorchDispatchMode):
+    """Sees every aten op of a delta apply; masks or refuses writes into model storage that bypass ``copy_``.
+
+    Loaders that index-assign (``FusedMoE._load_per_tensor_weight_scale``, ``_load_single_value``) or
+    ``fill_`` reach the model as aten ``copy_`` / ``index_put_`` / ``fill_``: those get the same NaN
+    mask here. ``zero_`` cannot leak a NaN. Any other write (in-place arithmetic, an accumulating
+    ``index_put_``, a kernel with a write schema) is refused before it runs.
+    """
+
+    def __init__(self, model: torch.nn.Module, owner: Callable[[torch.Tensor], Optional[str]]):
+        super().__init__()
+        self.storages = {t.untyped_storage().data_ptr() for t in _model_tensors(model) if t.numel()}
+        self.owner = owner
+        self.masked = 0  # >0 inside the Python-level masked copy_/fill_
+        self.caught: Dict[str, int] = {}  # aten op -> bypassing writes masked here
+
+    def _model_write(self, func, args, kwargs) -> Optional[torch.Tensor]:
+        for i, a in enumerate(func._schema.arguments):
+            if a.alias_info is None or not a.alias_info.is_write:
+                continue
+            v = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
+            for t in (v if isinstance(v, (list, tuple)) else [v]):
+                if isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage().data_ptr() in self.storages:
+                    return t
+        return None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        dst = None if self.masked else self._model_write(func, args, kwargs)
+        if dst is None:
+            return func(*args, **kwargs)
+        op, aten = func.overloadpacket, torch.ops.aten
+        if op is aten.zero_:
+            return func(*args, **kwargs)
+        name = self.owner(dst) or "a model buffer"
+        self.caught[str(op)] = self.caught.get(str(op), 0) + 1
+        if op is aten.fill_ and dst is args[0]:
+            return dst if _is_nan_scalar(args[1]) else func(*args, **kwargs)
+        if op is aten.copy_ and dst is args[0] and dst.is_floating_point():
+            src = args[1].to(device=dst.device, dtype=dst.dtype)
+            return func(dst, torch.where(_nan_mask(src), dst, src), *args[2:], **kwargs)
+        if op is aten.index_put_ and dst is args[0] and dst.is_floating_point() and not (args[3:4] and args[3]):
+            values = args[2].to(device=dst.device, dtype=dst.dtype)
+            values = torch.where(_nan_mask(values), aten.index.Tensor(dst, args[1]), values)
+            return func(dst, args[1], values, *args[3:], **kwargs)
+        raise DeltaError(f"param {name!r}: the model's loader writes it with {func} outside the NaN-masked "
+                         "copy_; refused before that write")
+
+
 @contextlib.contextmanager
 def _delta_apply_context(model: torch.nn.Module):
     """Within: ``copy_`` into model storage writes only where the source is not NaN; ``fill_(nan)`` into it is a no-op.
 
     The masked write is ``torch.where(isnan(src), dst, src)`` — no host sync, no boolean
-    indexing. ``post_load_weights`` (arithmetic post-processing) runs with the original ops.
+    indexing. Writes that bypass ``copy_``/``fill_`` go through :class:`_WriteGuard`; a param whose
+    tensor a loader replaced (``param.data = …``, invisible to both) is scanned for NaN at the end.
+    ``post_load_weights`` (arithmetic post-processing) runs with the original ops, unguarded.
     """
     owner = _param_storage_index(model)
+    guard = _WriteGuard(model, owner)
     orig_copy, orig_fill = torch.Tensor.copy_, torch.Tensor.fill_
+    ptrs = {n: t.data_ptr() for n, t in model.named_parameters()}
 
     def copy_(dst, src, non_blocking=False):
-        if (isinstance(src, torch.Tensor) and src.is_floating_point() and dst.is_floating_point()
-                and owner(dst) is not None):
-            src = src.to(device=dst.device, dtype=dst.dtype, non_blocking=non_blocking)
-            keep = _nan_mask(src)
-            if src.shape == dst.shape:  # one pass, written in place
-                return torch.where(keep, dst, src, out=dst)
-            src = torch.where(keep, dst, src)
-        return orig_copy(dst, src, non_blocking)
+        if owner(dst) is None:
+            return orig_copy(dst, src, non_blocking)
+        guard.masked += 1
+        try:
+            if isinstance(src, torch.Tensor) and src.is_floating_point() and dst.is_floating_point():
+                src = src.to(device=dst.device, dtype=dst.dtype, non_blocking=non_blocking)
+                keep = _nan_mask(src)
+                if src.shape == dst.shape:  # one pass, written in place
+                    return torch.where(keep, dst, src, out=dst)
+                src = torch.where(keep, dst, src)
+            return orig_copy(dst, src, non_blocking)
+        finally:
+            guard.masked -= 1
 
     def fill_(dst, value):
-        if _is_nan_scalar(value) and owner(dst) is not None:
+        if owner(dst) is None:
+            return orig_fill(dst, value)
+        if _is_nan_scalar(value):
             return dst
-        return orig_fill(dst, value)
+        guard.masked += 1
+        try:
+            return orig_fill(dst, value)
+        finally:
+            guard.masked -= 1
+
+    def native_ops():
+        torch.Tensor.copy_, torch.Tensor.fill_ = orig_copy, orig_fill
+        guard.masked += 1
+
+    def patched_ops():
+        torch.Tensor.copy_, torch.Tensor.fill_ = copy_, fill_
+        guard.masked -= 1
 
     post = getattr(model, "post_load_weights", None)
     if post is not None:
         def post_with_native_ops(*a, **kw):
-            torch.Tensor.copy_, torch.Tensor.fill_ = orig_copy, orig_fill
+            native_ops()
             try:
                 return post(*a, **kw)
             finally:
-                torch.Tensor.copy_, torch.Tensor.fill_ = copy_, fill_
+                patched_ops()
 
         model.post_load_weights = post_with_native_ops
     torch.Tensor.copy_, torch.Tensor.fill_ = copy_, fill_
     try:
-        yield
+        with guard:
+            yield guard
     finally:
         torch.Tensor.copy_, torch.Tensor.fill_ = orig_copy, orig_fill
         if post is not None:
             del model.post_load_weights
+    for n, t in model.named_parameters():
+        if t.data_ptr() != ptrs.get(n) and t.is_floating_point() and bool(_nan_mask(t).any()):
+            raise DeltaError(f"param {n!r}: the loader replaced its tensor (param.data = ...) with unmasked NaN "
+                             "sentinels")
 
 
 def _decode_delta_one_param(p: DeltaParam, idx: Optional[torch.Tensor], values: torch.Tensor,
@@ -289,6 +367,7 @@ def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version:
         if head.full:
             state.recorder.sources(chunk)
         model.load_weights(chunk)
+        _kill_point()
 
     try:
         with torch.no_grad(), (fingerprint.recording(state.recorder) if head.full else _delta_apply_context(model)):
@@ -341,6 +420,16 @@ def fingerprint_payload(model: torch.nn.Module) -> dict:
     total = sum(s.total for s in shares.values()) & 0xFFFFFFFFFFFFFFFF
     return {"per_gpu_checksum": f"{total:016x}", "version": state.version, "dirty": state.dirty,
             "names": {n: s.to_json() for n, s in shares.items()}}
+
+
+def _kill_point() -> None:
+    """Fault injection for tests: when ``$SGLANG_DELTA_TEST_KILL_FILE`` names an existing file, the
+    engine process dies here, between two loader calls of an apply (the file is consumed)."""
+    path = os.environ.get("SGLANG_DELTA_TEST_KILL_FILE")
+    if path and os.path.exists(path):
+        os.remove(path)
+        logger.error("SGLANG_DELTA_TEST_KILL_FILE: exiting mid-apply")
+        os._exit(137)
 
 
 def note_outside_load(host, entry_point: str) -> None:

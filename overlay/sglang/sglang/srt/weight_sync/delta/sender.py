@@ -250,7 +250,15 @@ class DeltaSender:
         t0 = time.perf_counter()
         run = _SyncRun(self, v, delta_targets, full_targets,
                        fingerprint=bool(self.fingerprint_every) and v % self.fingerprint_every == 0)
+        paused = []
         try:
+            for e in self.engines:  # no forward pass sees a sync half-applied (slime pauses on its own)
+                if hasattr(e, "pause_generation"):
+                    try:
+                        e.pause_generation()
+                        paused.append(e)
+                    except Exception:  # an unreachable engine fails its own requests below
+                        logger.exception("pause_generation failed")
             self.transport.begin(v)
             for k, segment in enumerate(segments):
                 run.final_segment = k == len(segments) - 1
@@ -262,6 +270,12 @@ class DeltaSender:
             logger.exception("delta sync v%d aborted", v)
             t_encode = time.perf_counter() - t0
             results = {i: (False, f"transport: sync aborted: {e!r}") for i in self.status}
+        finally:
+            for e in paused:
+                try:
+                    e.continue_generation()
+                except Exception:  # the engine's own failure shows in its result; keep the others going
+                    logger.exception("continue_generation failed")
         t_finalize = time.perf_counter() - t0 - t_encode
         acked = [i for i, (ok, _) in results.items() if ok]
         for i, (ok, msg) in results.items():

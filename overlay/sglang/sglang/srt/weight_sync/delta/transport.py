@@ -211,11 +211,30 @@ class HttpEngine:
             data = r.json()
         except ValueError:
             return False, f"HTTP {r.status_code}: {r.text[:500]}"
-        return r.status_code == 200 and bool(data.get("success", True)), data.get("message", r.text[:500])
+        msg = data.get("message", r.text[:500]) if isinstance(data, dict) else r.text[:500]
+        if r.status_code != 200:
+            return False, f"HTTP {r.status_code}: {msg}"
+        return bool(data.get("success", True)), msg
 
     def update_weights_from_disk(self, model_path: str, files: List[str], weight_version: str) -> Tuple[bool, str]:
         return self._post("/update_weights_from_disk", {"model_path": model_path, "load_format": "delta",
                                                          "files": files, "weight_version": weight_version})
+
+    def pause_generation(self) -> None:
+        """As slime does: running requests return (finish reason ``abort``), then KV of the old weights is dropped.
+
+        SGLang flushes its cache after every weight update and its scheduler exits if that fails,
+        which it does while requests wait in the queue: a paused engine must not be sent new requests.
+        """
+        for path, body in (("/pause_generation", {}), ("/flush_cache", {})):
+            r = self.session.post(self.url + path, json=body, timeout=self.timeout)
+            if r.status_code != 200:
+                raise RuntimeError(f"{path}: HTTP {r.status_code}: {r.text[:500]}")
+
+    def continue_generation(self) -> None:
+        r = self.session.post(self.url + "/continue_generation", json={}, timeout=self.timeout)
+        if r.status_code != 200:
+            raise RuntimeError(f"/continue_generation: HTTP {r.status_code}: {r.text[:500]}")
 
     def fingerprint(self) -> List[dict]:
         """Every rank's share of the weight fingerprint (``/weights_checker``, action ``delta_fingerprint``)."""

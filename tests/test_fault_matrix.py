@@ -1,0 +1,245 @@
+"""Fault matrix: a real patched SGLang server on CPU, the real sender core, one fault per test.
+
+Every test injects one fault on the real path (bytes corrupted after the writer's rename, a
+tampered announcement, a process killed, a disk that fills up, a peer that never broadcasts) and
+proves: the error names the cause (and the parameter, where one is at fault), the engine's weights
+are untouched (its fingerprint still equals the last acknowledged version), the sender recovers by
+itself on the next sync, and trainer and engine are bit-identical afterwards (read back over HTTP).
+"""
+import os
+import resource
+import signal
+import struct
+import time
+
+import pytest
+import torch
+import zstandard
+
+from cpu_harness import free_port, join_update_group, segments
+from fault_world import World, blob_range, fault, first_file, flip_bit, positions_of, resigned, sparse_param
+from sglang.srt.weight_sync.delta.sender import DeltaSender
+from sglang.srt.weight_sync.delta.transport import HttpEngine, NcclTransport
+from sglang.srt.weight_sync.delta.wire import POSITIONS, VALUES, dtype_to_str
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    w = World(tmp_path_factory.mktemp("faults"))
+    yield w
+    w.transport.close()
+    w.server.stop()
+
+
+# ---------------------------------------------------------------- file faults (after the rename)
+
+
+def test_truncated_file(world):
+    def hook(vdir):
+        path = first_file(vdir)
+        os.truncate(path, os.path.getsize(path) // 2)
+    fault(world, "do not fit the", hook=hook)
+
+
+def test_missing_file(world):
+    fault(world, "No such file", hook=lambda vdir: os.remove(first_file(vdir)))
+
+
+def test_flipped_bit_in_positions(world):
+    fault(world, "checksum mismatch", hook=flip_bit(POSITIONS))
+
+
+def test_flipped_bit_in_values(world):
+    fault(world, "checksum mismatch", hook=flip_bit(VALUES))
+
+
+def test_two_values_swapped(world):
+    def hook(vdir):
+        path = first_file(vdir)
+        start, end = blob_range(path, VALUES)
+        data = bytearray(open(path, "rb").read())
+        j = next(j for j in range(start + 2, end - 1, 2) if data[j:j + 2] != data[start:start + 2])
+        data[start:start + 2], data[j:j + 2] = data[j:j + 2], data[start:start + 2]
+        open(path, "wb").write(bytes(data))
+    fault(world, "checksum mismatch", hook=hook)
+
+
+def test_header_length_overflow(world):
+    def hook(vdir):
+        path = first_file(vdir)
+        data = bytearray(open(path, "rb").read())
+        data[:8] = struct.pack("<Q", 1 << 40)
+        open(path, "wb").write(bytes(data))
+    fault(world, "safetensors header length 1099511627776 exceeds the", hook=hook)
+
+
+def test_bad_zstd_frame(world):
+    def hook(vdir):
+        path = first_file(vdir)
+        data = zstandard.ZstdCompressor(level=1).compress(open(path, "rb").read())
+        open(path, "wb").write(data[:len(data) // 2] + bytes(64) + data[len(data) // 2:])
+    fault(world, "bad zstd frame", hook=hook)
+
+
+def test_zstd_bomb(world):
+    bomb = zstandard.ZstdCompressor(level=3).compress(bytes(256 << 20))
+    fault(world, "zstd output exceeds the", hook=lambda vdir: open(first_file(vdir), "wb").write(bomb))
+
+
+# ---------------------------------------------------------------- tampered announcements
+
+
+def test_path_traversal_in_files(world):
+    fault(world, "must be a plain file name inside model_path", rewrite=lambda path, files, v: (path, ["../" + files[0]] + files[1:], v))
+
+
+def test_symlink_escape_in_files(world):
+    outside = world.root / "outside.safetensors"
+    outside.write_bytes(b"\0" * 16)
+
+    def rewrite(path, files, v):
+        os.symlink(outside, os.path.join(path, "escape.safetensors"))
+        return path, ["escape.safetensors"], v
+    fault(world, "resolves outside model_path (symlink escape)", rewrite=rewrite)
+
+
+def test_replayed_version(world):
+    """A copy of an already applied version announced again (duplicate): refused by the version chain."""
+    world.transport.keep_files = True
+    try:
+        world.recovers()
+    finally:
+        world.transport.keep_files = False
+    v = world.sender.version
+    old = os.path.join(world.transport.root, f"weight_v{v:06d}")
+    fault(world, f"cannot apply to an engine at committed version {v} (duplicate, replayed or out-of-order)",
+          rewrite=lambda path, files, _: (old, sorted(f for f in os.listdir(old) if f.endswith(".safetensors")), str(v)))
+
+
+def test_out_of_order_flush(world):
+    def edit(pl):
+        pl.spec.flush = 1
+    fault(world, "arrived without flush 0", hook=resigned(edit))
+
+
+# ---------------------------------------------------------------- well-formed files with bad content
+
+
+def test_out_of_range_position(world):
+    def edit(pl):
+        p = sparse_param(pl)
+        positions_of(pl, p)[0] = min(p.numel, (1 << (8 * p.pos_width - 1)) - 1)
+    fault(world, "out of range", hook=resigned(edit))
+
+
+def test_duplicate_position(world):
+    def edit(pl):
+        p = sparse_param(pl)
+        pos = positions_of(pl, p)
+        pos[1] = pos[0]
+    fault(world, "duplicate", hook=resigned(edit))
+
+
+def test_nan_among_values(world):
+    def edit(pl):
+        pl.values[sparse_param(pl).val_start] = float("nan")
+    fault(world, "NaN", hook=resigned(edit))
+
+
+def test_unknown_parameter_name(world):
+    def edit(pl):
+        pl.spec.params[0].name = "model.layers.7.mlp.not_a_weight"
+    fault(world, "'model.layers.7.mlp.not_a_weight'", hook=resigned(edit))
+
+
+def test_shape_mismatch(world):
+    def edit(pl):
+        p = sparse_param(pl)
+        p.shape = [p.shape[0] * 2] + list(p.shape[1:])
+    msg = fault(world, "shape", hook=resigned(edit))
+    assert "param '" in msg
+
+
+def test_dtype_mismatch(world):
+    def edit(pl):
+        sparse_param(pl).dtype = "float16"
+    msg = fault(world, "dtype", hook=resigned(edit))
+    assert "param '" in msg
+
+
+# ---------------------------------------------------------------- processes, disks, networks
+
+
+def test_engine_killed_mid_apply(world):
+    """The engine process dies between two loader calls: a new engine (same boot checkpoint) gets a full sync."""
+    world.kill_file.write_text("")
+    ok, msg, _ = world.sync()
+    assert not ok and msg.startswith("transport:"), msg
+    world.server.stop()
+    world.start_server()
+    world.engine.http = HttpEngine(world.server.url, timeout=120)
+    world.recovers()
+    assert world.sender.pop_metrics()["perf/update_weights_full_sync_engines"] == 1
+
+
+def test_writer_hits_a_full_disk(world):
+    """The writer's files exceed the file-size limit (EFBIG, as a full disk gives ENOSPC): nothing is announced."""
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+    try:
+        ok, msg, _ = world.sync()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert not ok and "transport: publish failed" in msg and "File too large" in msg, msg
+    world.engine_holds(world.state, world.sender.state.version)
+    world.recovers()
+
+
+def test_engine_unreachable_for_one_sync(world):
+    world.engine.http.url = f"http://127.0.0.1:{free_port()}"
+    try:
+        ok, msg, _ = world.sync()
+    finally:
+        world.engine.http.url = world.server.url
+    assert not ok and msg.startswith("transport:") and "Connection" in msg, msg
+    world.engine_holds(world.state, world.sender.state.version)
+    world.recovers()
+    assert world.sender.pop_metrics()["perf/update_weights_full_sync_engines"] == 1
+
+
+def test_non_contiguous_tensors_handed_to_the_encoder(world):
+    state = next(world.steps)
+    strided = {n: (t.t().contiguous().t() if t.dim() == 2 else t[::1]) for n, t in state.items()}
+    assert any(not t.is_contiguous() for t in strided.values())
+    ok, msg, _ = world.sync(strided)
+    assert ok, msg
+    world.engine_holds(state, world.sender.version)
+    world.state = state
+
+
+def test_broadcast_peer_that_never_arrives(world):
+    """The engine waits on a broadcast nobody sends: it gives up after --update-weight-group-timeout, untouched."""
+    pg = join_update_group(world.server, "silent")
+    state = next(world.steps)
+    t0 = time.time()
+    ok, msg = world.engine.update_weights_from_distributed(
+        [POSITIONS, VALUES], ["uint8", dtype_to_str(torch.bfloat16)], [[16], [8]], "silent", "{}",
+        str(world.sender.version + 1))
+    assert time.time() - t0 < 60 and not ok and "broadcast on group 'silent' failed" in msg, msg
+    world.engine_holds(world.state, world.sender.state.version)
+    del pg
+    # the same trainer over a fresh group then syncs normally, as slime's re-created group would
+    pg2 = join_update_group(world.server, "fresh")
+    nccl = NcclTransport(pg2, "fresh", [world.engine])
+    sender = DeltaSender(nccl, [world.engine], encoding="indices")
+    sender.version = world.sender.version
+    results = sender.update(segments(state))
+    assert results[0][0], results
+    world.engine_holds(state, sender.version)
+    nccl.close()
+    world.sender.version = sender.version  # the disk sender continues after it, with a full sync
+    world.sender.status[0].needs_full = True
+    world.recovers()
+
