@@ -7,8 +7,9 @@ SLIME_DIR ?=
 STEPS     ?= 5
 TRANSPORT ?= disk
 ENCODING  ?=
+IMAGE     ?= delta-weight-sync:latest
 
-.PHONY: venvs test test-slime soak demo bench check-image-tree clean
+.PHONY: venvs test test-slime soak demo bench image image-lint check-image-tree clean
 
 venvs:
 	@for p in $(PINS); do scripts/build_venv.sh $$p $(BUILD) || exit 1; done
@@ -44,6 +45,20 @@ bench:
 soak:
 	@scripts/build_venv.sh $(PIN) $(BUILD)
 	SOAK_SYNCS=200 $(BUILD)/venv-$(PIN)/bin/python -m pytest tests/test_soak.py -s $(PYTEST_ARGS)
+
+# The container image: slime's published image with our patches applied (needs a Docker engine; see README).
+image:
+	docker build -f docker/Dockerfile -t $(IMAGE) .
+
+# hadolint on the Dockerfile, shellcheck on every shell script (no Docker engine needed).
+image-lint: $(BUILD)/venv-lint/.stamp
+	$(BUILD)/venv-lint/bin/hadolint docker/Dockerfile
+	$(BUILD)/venv-lint/bin/shellcheck scripts/*.sh docker/*.sh
+
+$(BUILD)/venv-lint/.stamp: requirements/lint.txt
+	rm -rf $(BUILD)/venv-lint && python3 -m venv $(BUILD)/venv-lint
+	$(BUILD)/venv-lint/bin/pip install -q --disable-pip-version-check -r requirements/lint.txt 2>&1 | { grep -v "Location .* is ignored" || true; }
+	touch $@
 
 # Rebuild the image's SGLang tree (0.5.15.post1 wheel + slime's `latest` patches) and check ours on top.
 check-image-tree:

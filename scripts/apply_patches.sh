@@ -23,7 +23,7 @@ done
 [ ${#targets[@]} -gt 0 ] || { echo "usage: $0 [--check|--reverse] TARGET..." >&2; exit 2; }
 
 die() { echo "error: $*" >&2; exit 1; }
-supported() { ls "$ROOT/patches/$1" 2>/dev/null | xargs; }
+supported() { find "$ROOT/patches/$1" -mindepth 1 -maxdepth 1 -type d -printf '%f\n' 2>/dev/null | sort | xargs; }
 
 # Resolve TARGET -> project, version, the directory patch paths are relative to, git apply flags.
 resolve() {
@@ -69,7 +69,7 @@ applied_count() {
   for ((k=n; k>=0; k--)); do
     local ok=1
     if [ $k -gt 0 ]; then mapfile -t r < <(patches_rev $k); gapply --reverse --check "${r[@]}" 2>/dev/null || ok=0; fi
-    if [ $ok = 1 ] && [ $k -lt $n ]; then mapfile -t f < <(patches_fwd $k); gapply --check "${f[@]}" 2>/dev/null || ok=0; fi
+    if [ $ok = 1 ] && [ "$k" -lt "$n" ]; then mapfile -t f < <(patches_fwd "$k"); gapply --check "${f[@]}" 2>/dev/null || ok=0; fi
     [ $ok = 1 ] && { echo $k; return; }
   done
   echo -1

@@ -1,4 +1,4 @@
-"""Receiver benchmark: delta apply vs a full ``load_weights`` of the same real SGLang model, in one run.
+"""Receiver benchmark: delta apply and the weight fingerprint vs a full ``load_weights`` of the same SGLang model.
 
 A Llama-shaped model (~70M params, bf16) takes one real AdamW step at lr 1e-6 from fp32 master
 weights; the delta between the two bf16 states is applied through the receiver's shared path
@@ -108,6 +108,13 @@ def main():
 
             t, m = timed(apply, args.repeats, prepare)
             row(f"delta apply {encoding} (chunk cap {cap_mib} MiB)", t, m)
+    from sglang.srt.weight_sync.delta import fingerprint
+    from sglang.srt.weight_sync.delta.receiver import fingerprint_payload
+
+    t, m = timed(lambda: fingerprint_payload(model), args.repeats)
+    row("fingerprint, engine side (all params)", t, m)
+    t, m = timed(lambda: [fingerprint.tensor_fingerprint(k, v) for k, v in new.items()], args.repeats)
+    row("fingerprint, trainer side (all params)", t, m)
     if not memory_run:
         print("time: median of repeats; delta apply = validate + densify + masked load_weights (encode is sender-side)")
         sys.stdout.flush()

@@ -18,6 +18,8 @@ req=$ROOT/requirements
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 pip() { "$V/bin/pip" "$@" 2>&1 | { grep -vE "Location .* is ignored" || true; }; return "${PIPESTATUS[0]}"; }
 
+[ -f "$req/sglang-$PIN.txt" ] || { echo "unknown pin $PIN (have: $(find "$req" -name 'sglang-*.nodeps.txt' -printf '%f\n' | sed -n 's/^sglang-\(.*\)\.nodeps\.txt$/\1/p' | sort | xargs))" >&2; exit 2; }
+
 hash_of() { (cd "$ROOT" && cat "$@" | sha256sum | cut -c1-16); }
 extra=(); [ -n "$FLAVOR" ] && extra=("requirements/$FLAVOR-test.txt" "requirements/$FLAVOR-test.nodeps.txt")
 venv_hash=$(hash_of scripts/build_venv.sh requirements/common.txt "requirements/sglang-$PIN.txt" \
@@ -25,8 +27,6 @@ venv_hash=$(hash_of scripts/build_venv.sh requirements/common.txt "requirements/
 slime_patches=(); [ -n "$FLAVOR" ] && mapfile -t slime_patches < <("$ROOT/scripts/slime_sglang_patches.sh" "$SLIME_DIR" --list)
 patch_hash=$(cd "$ROOT" && { find scripts/apply_patches.sh scripts/slime_sglang_patches.sh patches overlay -type f \
   ! -name '*.pyc' ! -path '*/__pycache__/*' | sort | xargs cat; cat /dev/null "${slime_patches[@]}"; } | sha256sum | cut -c1-16)
-
-[ -f "$req/sglang-$PIN.txt" ] || { echo "unknown pin $PIN (have: $(ls "$req" | sed -n 's/^sglang-\(.*\)\.nodeps\.txt$/\1/p' | xargs))" >&2; exit 2; }
 
 if [ "$(cat "$V/.venv-stamp" 2>/dev/null)" != "$venv_hash" ]; then
   echo "[venv $PIN] building $V"

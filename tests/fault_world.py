@@ -4,6 +4,7 @@ Faults are injected on the real path: published files are corrupted after the wr
 (the transport's post-write hook), announcements are tampered with on their way to the server,
 and the engine's process can be killed between two loader calls (``SGLANG_DELTA_TEST_KILL_FILE``).
 """
+import glob
 import json
 import os
 import struct
@@ -107,7 +108,9 @@ def fault(world, expect, *, hook=None, rewrite=None, untouched=True):
 
 
 def first_file(vdir):
-    return os.path.join(vdir, sorted(f for f in os.listdir(vdir) if f.endswith(".safetensors"))[0])
+    """The first published file of this sync (delta files in the version dir, full-sync files under full/)."""
+    files = sorted(glob.glob(os.path.join(vdir, "*.safetensors")) + glob.glob(os.path.join(vdir, "full", "*.safetensors")))
+    return files[0]
 
 
 def blob_range(path, key):

@@ -124,6 +124,39 @@ def test_slime_xor_updater_is_still_selected_and_lands(world):
     assert densities[0] > 0.5 and all(0 < d < 0.2 for d in densities[1:]), densities  # vs boot, then one step
 
 
+def test_the_example_parses_with_slimes_own_arguments():
+    """examples/delta_gsm8k.py through slime's real (patched) argument definitions, both transports."""
+    import argparse
+    import shlex
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    from delta_gsm8k import train_args
+    from slime.backends.megatron_utils.update_weight.update_weight_from_distributed_delta import (
+        UpdateWeightFromDistributedDelta,
+    )
+    from slime.utils.arguments import get_slime_extra_args_provider
+    from slime.utils.delta_sync_args import sparse_delta_updater_cls, validate_sparse_delta_args
+
+    parser = argparse.ArgumentParser()
+    parser = get_slime_extra_args_provider()(parser) or parser
+    for transport, encoding in (("disk", "deltas_zstd"), ("nccl", "indices")):
+        ns, _ = parser.parse_known_args(shlex.split(train_args(transport, "/shared", 4)))
+        assert (ns.update_weight_mode, ns.update_weight_transport, ns.update_weight_delta_encoding) == \
+            ("delta", transport, encoding)
+        assert ns.update_weight_delta_fingerprint_interval == 1 and not ns.colocate
+        ns.pipeline_model_parallel_size = 1  # a Megatron flag, not in slime's own provider
+        validate_sparse_delta_args(ns)
+        assert sparse_delta_updater_cls(ns) is UpdateWeightFromDistributedDelta
+    argv = shlex.split(train_args("nccl", "/shared", 4))
+    ns, _ = parser.parse_known_args(argv + ["--update-weight-encoding", "deltas_zstd"])  # the seed's spelling
+    ns.pipeline_model_parallel_size = 1
+    with pytest.raises(ValueError, match="use --update-weight-delta-encoding=indices"):
+        validate_sparse_delta_args(ns)
+    with pytest.raises(SystemExit):
+        parser.parse_known_args(argv + ["--update-weight-delta-encoding", "lz4"])
+
+
 def test_argument_rules():
     import argparse
 

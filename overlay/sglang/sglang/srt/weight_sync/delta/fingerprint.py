@@ -1,9 +1,10 @@
 """Weight fingerprint: proves, cheaply and without moving weights, that an engine holds the trainer's bytes.
 
 Defined in HF coordinates, so trainer and engine compute it independently: per HF name,
-``sum_i mix(seed(name), i, bits(value_i)) mod 2**64`` over the flat index ``i`` of the HF tensor.
-A sum of a non-linear mix is order-sensitive (swapped values change it) and additive, so TP
-shards add up. Integer tensor ops only: the same numbers on CPU and CUDA.
+``sum_i mix((i * C1 + seed(name)) ^ (bits(value_i) * C2)) mod 2**64`` over the flat index ``i`` of
+the HF tensor (``mix``: splitmix64's finalizer, a bijection, so for a fixed ``i`` distinct bits give
+distinct terms). A sum of a non-linear mix is order-sensitive (swapped values change it) and
+additive, so TP shards add up. Integer tensor ops only: the same numbers on CPU and CUDA.
 
 The engine cannot name its storage in HF coordinates by itself (fused QKV, gate/up, TP shards).
 During every full sync, :class:`FingerprintRecorder` watches the model's own ``load_weights``:
@@ -14,7 +15,7 @@ uncovered and the sender leaves them out of the comparison, naming them.
 
 Replicated params (norms, or KV heads shared by several TP ranks) appear on several ranks; each
 rank also reports an additive signature of the indices it covers, and :func:`merge_ranks`
-counts every distinct coverage once.
+counts every distinct coverage once (the signature is ``sum_i i * (i + C3)``, additive as well).
 """
 from __future__ import annotations
 
@@ -65,13 +66,12 @@ def _value_bits(values: torch.Tensor) -> torch.Tensor:
     return bits & ((1 << (8 * size)) - 1) if size < 8 else bits
 
 
-def _sum_block(seed: int, idx: torch.Tensor, values: torch.Tensor) -> Tuple[int, int]:
-    """(sum of element hashes, sum of index hashes) of one block, both mod 2**64."""
-    z = _mix(idx * _i64(_C1) + seed)
-    z += _value_bits(values.reshape(-1))
-    _mix(z)
-    cov = _mix(idx * _i64(_C1) + seed)
-    return int(z.sum()) & _M, int(cov.sum()) & _M
+def _sum_block(seed: int, idx: torch.Tensor, values: torch.Tensor, coverage: bool = False) -> Tuple[int, int]:
+    """(sum of element hashes, coverage signature or 0) of one block, both mod 2**64."""
+    z = idx * _i64(_C1) + seed
+    z ^= _value_bits(values.reshape(-1)) * _i64(_C2)
+    total = int(_mix(z).sum()) & _M
+    return total, (int(((idx + _i64(_C3)) * idx).sum()) & _M) if coverage else 0
 
 
 @dataclasses.dataclass
@@ -88,12 +88,13 @@ class NameSum:
         self.coverage = (self.coverage + coverage) & _M
         self.count += count
 
-    def to_json(self) -> list:
-        return [f"{self.total:016x}", f"{self.coverage:016x}", self.count, self.dtype]
+    def to_str(self) -> str:
+        return f"{self.total:016x}:{self.coverage:016x}:{self.count}:{self.dtype}"
 
     @classmethod
-    def from_json(cls, v) -> "NameSum":
-        return cls(int(v[0], 16), int(v[1], 16), int(v[2]), str(v[3]))
+    def from_str(cls, v: str) -> "NameSum":
+        total, coverage, count, dtype = v.split(":")
+        return cls(int(total, 16), int(coverage, 16), int(count), dtype)
 
 
 def tensor_fingerprint(name: str, tensor: torch.Tensor, dtype: Optional[torch.dtype] = None) -> NameSum:
@@ -206,18 +207,28 @@ def engine_shares(copies: Dict[str, List[_Copy]]) -> Dict[str, NameSum]:
             for sizes, dshift, sshift in _pieces(dsz, dst, sst):
                 d = c.param.as_strided(sizes, dst, doff + dshift)
                 idx = _flat_index(sizes, sst, soff + sshift, d.device)
-                acc.add(*_sum_block(seed, idx, d), d.numel())
+                acc.add(*_sum_block(seed, idx, d, coverage=True), d.numel())
         out[name] = acc
     return out
 
 
-def merge_ranks(ranks: Sequence[Dict[str, list]]) -> Dict[str, NameSum]:
+VERSION_KEY = "__delta_version__"  # rides in SGLang's per-rank checksum map beside the names
+
+
+def rank_payload(shares: Dict[str, NameSum], version: Optional[int], parallelism_info) -> dict:
+    """One rank's reply in the shape of SGLang's ``ChecksumInfo`` (name -> string), so its checker relays it."""
+    checksums = {n: s.to_str() for n, s in shares.items()}
+    checksums[VERSION_KEY] = str(version)
+    total = sum(s.total for s in shares.values()) & _M
+    return {"checksums": checksums, "per_gpu_checksum": f"{total:016x}", "parallelism_info": parallelism_info}
+
+
+def merge_ranks(ranks: Sequence[Dict[str, NameSum]]) -> Dict[str, NameSum]:
     """Sum the ranks' shares per name, counting identical coverages (replicas) once."""
     seen: Dict[str, set] = {}
     out: Dict[str, NameSum] = {}
     for rank in ranks:
-        for name, v in rank.items():
-            share = NameSum.from_json(v)
+        for name, share in rank.items():
             if share.coverage in seen.setdefault(name, set()):
                 continue
             seen[name].add(share.coverage)
@@ -247,11 +258,13 @@ def compare_shares(trainer: Dict[str, NameSum], engine: Dict[str, NameSum],
     return differ, uncovered
 
 
-def check_version(ranks: Sequence[dict], version: int) -> List[Dict[str, list]]:
-    """The per-rank share dicts of an engine's reply, refusing a reply about another version."""
+def check_version(ranks: Sequence[dict], version: int) -> List[Dict[str, NameSum]]:
+    """The per-rank shares of an engine's ``/weights_checker`` reply, refusing a reply about another version."""
     out = []
     for r in ranks:
-        if r.get("version") != version:
-            raise DeltaError(f"engine fingerprint is of version {r.get('version')}, expected {version}")
-        out.append(r["names"])
+        checksums = dict(r["checksums"])
+        got = checksums.pop(VERSION_KEY, None)
+        if got != str(version):
+            raise DeltaError(f"engine fingerprint is of version {got}, expected {version}")
+        out.append({n: NameSum.from_str(v) for n, v in checksums.items()})
     return out

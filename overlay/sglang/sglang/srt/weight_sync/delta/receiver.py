@@ -405,11 +405,9 @@ def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version:
                   f"({len(names)} params, {nnz} values){' (final)' if state.pending is None else ''}.")
 
 
-def fingerprint_payload(model: torch.nn.Module) -> dict:
-    """This rank's share of the weight fingerprint (``/weights_checker`` action ``delta_fingerprint``).
-
-    ``per_gpu_checksum`` (the rank's total) is what SGLang's checker reply expects of every rank.
-    """
+def fingerprint_payload(model: torch.nn.Module, parallelism_info=None) -> dict:
+    """This rank's share of the weight fingerprint (``/weights_checker`` action ``delta_fingerprint``),
+    shaped as SGLang's ``ChecksumInfo`` so the checker's TP gather and HTTP reply carry it unchanged."""
     state = receiver_state(model)
     if state.copies is None:
         raise DeltaError("no full sync has been applied yet: there is nothing to fingerprint")
@@ -417,9 +415,7 @@ def fingerprint_payload(model: torch.nn.Module) -> dict:
         raise DeltaError(f"version {state.pending} is being applied: fingerprint it after its final flush")
     with torch.no_grad():
         shares = fingerprint.engine_shares(state.copies)
-    total = sum(s.total for s in shares.values()) & 0xFFFFFFFFFFFFFFFF
-    return {"per_gpu_checksum": f"{total:016x}", "version": state.version, "dirty": state.dirty,
-            "names": {n: s.to_json() for n, s in shares.items()}}
+    return fingerprint.rank_payload(shares, state.version, parallelism_info)
 
 
 def _kill_point() -> None:

@@ -264,11 +264,11 @@ class DeltaSender:
                 run.final_segment = k == len(segments) - 1
                 run.pipeline_pass(segment())
                 run.flush_and_publish()
-            t_encode = time.perf_counter() - t0
+            t_encode = time.perf_counter() - t0 - run.fingerprint_s
             results = run.finish()
         except Exception as e:  # what reached which engine is unknown: every engine gets a full sync next
             logger.exception("delta sync v%d aborted", v)
-            t_encode = time.perf_counter() - t0
+            t_encode = time.perf_counter() - t0 - run.fingerprint_s
             results = {i: (False, f"transport: sync aborted: {e!r}") for i in self.status}
         finally:
             for e in paused:
@@ -276,7 +276,7 @@ class DeltaSender:
                     e.continue_generation()
                 except Exception:  # the engine's own failure shows in its result; keep the others going
                     logger.exception("continue_generation failed")
-        t_finalize = time.perf_counter() - t0 - t_encode
+        t_finalize = time.perf_counter() - t0 - t_encode - run.fingerprint_s
         acked = [i for i, (ok, _) in results.items() if ok]
         for i, (ok, msg) in results.items():
             st = self.status[i]
@@ -296,11 +296,14 @@ class DeltaSender:
         else:
             self.state.stage()
         self._metrics = run.metrics(t_encode, t_finalize)
+        timings = getattr(self.transport, "timings", None)
+        if timings is not None:
+            self._metrics.update({f"perf/update_weights_{k}": v for k, v in timings().items()})
         if run.fingerprints is not None and len(acked) == len(self.engines):
-            self._check_fingerprints(run.fingerprints, results)
+            self._check_fingerprints(run.fingerprints, results, run.fingerprint_s)
         return results
 
-    def _check_fingerprints(self, mine: Dict[str, "fingerprint.NameSum"], results) -> None:
+    def _check_fingerprints(self, mine: Dict[str, "fingerprint.NameSum"], results, hashing_s: float) -> None:
         """Every engine's fingerprint of this version against the trainer's; a mismatch means a full sync next."""
         t0, uncovered = time.perf_counter(), set()
         for i, engine in enumerate(self.engines):
@@ -317,7 +320,7 @@ class DeltaSender:
                                      f"param(s), e.g. {differ[:3]}: the engine needs a full sync")
                 logger.error("delta sync v%d: engine %d %s", self.version, i, results[i][1])
         p = "perf/update_weights_"
-        self._metrics[p + "fingerprint_s"] = time.perf_counter() - t0
+        self._metrics[p + "fingerprint_s"] = hashing_s + time.perf_counter() - t0
         self._metrics[p + "fingerprint_uncovered"] = float(len(uncovered))
         if uncovered:
             logger.warning("fingerprint cannot cover %d param(s) the engines' loaders transform, e.g. %s",
@@ -339,6 +342,7 @@ class _SyncRun:
                  fingerprint: bool = False):
         self.s, self.v = sender, version
         self.fingerprints: Optional[Dict[str, "fingerprint.NameSum"]] = {} if fingerprint else None
+        self.fingerprint_s = 0.0  # trainer-side hashing, reported apart from encode
         self.targets = {"delta": delta_targets, "full": full_targets}
         self.buckets = {k: DeltaBucket(sender.encoding, sender.buffer_bytes) for k, t in self.targets.items() if t}
         self.flush = 0  # request index within the sync (shared by all files of one disk publish)
@@ -372,7 +376,9 @@ class _SyncRun:
                 self.buckets["full"].add(name, tensor, None)
             state.record(name, tensor, idx)
             if self.fingerprints is not None:  # hashed where the tensor lives (on the GPU during training)
+                t0 = time.perf_counter()
                 self.fingerprints[name] = fingerprint.tensor_fingerprint(name, tensor)
+                self.fingerprint_s += time.perf_counter() - t0
             for kind, bucket in self.buckets.items():
                 if bucket.should_flush():
                     self._flush(kind)

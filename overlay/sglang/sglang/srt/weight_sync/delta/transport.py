@@ -21,6 +21,7 @@ import contextlib
 import logging
 import os
 import shutil
+import time
 from typing import Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -41,11 +42,13 @@ class AsyncSafetensorsWriter:
     def __init__(self, zstd_level: Optional[int] = None):
         self.zstd_level = zstd_level
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="delta-writer")
+        self.busy_s = 0.0  # time spent serializing, compressing and writing (one thread)
 
     def submit(self, path: str, payload: DeltaPayload) -> concurrent.futures.Future:
         return self.pool.submit(self._write, path, payload)
 
     def _write(self, path: str, payload: DeltaPayload) -> int:
+        t0 = time.perf_counter()
         data = write_safetensors(payload.spec, payload.positions, payload.values)
         if self.zstd_level is not None:
             import zstandard
@@ -57,6 +60,7 @@ class AsyncSafetensorsWriter:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        self.busy_s += time.perf_counter() - t0
         return len(data)
 
     def close(self) -> None:
@@ -80,6 +84,7 @@ class DiskTransport:
         self._publishes: List[concurrent.futures.Future] = []
         self._results: Results = {}
         self.wire_bytes = 0
+        self._apply_s: Dict[int, float] = {}
 
     def _dir(self, kind: str) -> str:
         return self.vdir if kind == "delta" else os.path.join(self.vdir, "full")
@@ -88,7 +93,7 @@ class DiskTransport:
         self.version = version
         self.vdir = os.path.join(self.root, f"weight_v{version:06d}")
         self._file_no, self._pending, self._publishes, self._results = 0, {}, [], {}
-        self.wire_bytes = 0
+        self.wire_bytes, self.writer.busy_s, self._apply_s = 0, 0.0, {}
 
     def pending(self, kind: str) -> int:
         return len(self._pending.get(kind, []))
@@ -116,10 +121,12 @@ class DiskTransport:
             for i in engines:
                 if i in self._results and not self._results[i][0]:
                     continue  # this engine already failed this sync; its later flushes would be refused
+                t0 = time.perf_counter()
                 try:
                     ok, msg = self.engines[i].update_weights_from_disk(self._dir(kind), names, str(self.version))
                 except Exception as e:  # unreachable engine
                     ok, msg = False, f"transport: {e!r}"
+                self._apply_s[i] = self._apply_s.get(i, 0.0) + time.perf_counter() - t0
                 if i not in self._results or not ok:
                     self._results[i] = (bool(ok), msg)
 
@@ -139,6 +146,10 @@ class DiskTransport:
             shutil.rmtree(self.vdir, ignore_errors=True)
         return self._results
 
+    def timings(self) -> Dict[str, float]:
+        """This sync's seconds: writing files (transfer) and the slowest engine's read + apply."""
+        return {"transfer_s": self.writer.busy_s, "apply_s": max(self._apply_s.values(), default=0.0)}
+
     def close(self) -> None:
         self.writer.close()
         self.announcer.shutdown(wait=True)
@@ -155,9 +166,10 @@ class NcclTransport:
         self.reconnect, self.broken = reconnect, False
         self.guard = guard or contextlib.nullcontext  # e.g. slime's engine lock around each transfer
         self.calls = concurrent.futures.ThreadPoolExecutor(max(1, len(self.engines)), thread_name_prefix="delta-rpc")
+        self._transfer_s = self._apply_s = 0.0
 
     def begin(self, version: int) -> None:
-        self.version = version
+        self.version, self._transfer_s, self._apply_s = version, 0.0, 0.0
         if self.broken and self.reconnect is not None:
             logger.warning("re-creating weight-update group %s after a failed broadcast", self.group_name)
             self.group, self.broken = self.reconnect(), False
@@ -174,12 +186,15 @@ class NcclTransport:
                 self.group_name, payload.spec.to_json(), str(self.version))
         futs = {i: self.calls.submit(self.engines[i].update_weights_from_distributed, *args) for i in targets}
         broadcast_error = None
+        t0 = time.perf_counter()
         try:
             for h in [torch.distributed.broadcast(t, src=0, group=self.group, async_op=True) for t in (pos, vals)]:
                 h.wait()
         except Exception as e:
             self.broken, broadcast_error = True, f"transport: broadcast failed: {e!r}"
             logger.error("delta broadcast on %s failed: %r", self.group_name, e)
+        t1 = time.perf_counter()
+        self._transfer_s += t1 - t0
         results = {}
         for i, fut in futs.items():
             try:
@@ -187,7 +202,12 @@ class NcclTransport:
             except Exception as e:
                 ok, msg = False, f"transport: {e!r}"
             results[i] = (bool(ok) and broadcast_error is None, broadcast_error or msg)
+        self._apply_s += time.perf_counter() - t1
         return results
+
+    def timings(self) -> Dict[str, float]:
+        """This sync's seconds: broadcasting (transfer) and waiting for the engines' applies after it."""
+        return {"transfer_s": self._transfer_s, "apply_s": self._apply_s}
 
     def close(self) -> None:
         self.calls.shutdown(wait=True)

@@ -1,0 +1,5 @@
+import sys
+
+from sglang.srt.weight_sync.delta.tools import main
+
+sys.exit(main())
