@@ -40,18 +40,32 @@ def _i64(c: int) -> int:
     return c - (1 << 64) if c >= 1 << 63 else c
 
 
-def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift on int64 (torch's ``>>`` is arithmetic)."""
-    return (z >> s) & ((1 << (64 - s)) - 1)
+class Scratch:
+    """Reused int64 buffers: in-place ops on them run ~2x faster on CPU than fresh tensors per op."""
+
+    def __init__(self):
+        self.bufs: List[torch.Tensor] = []
+
+    def take(self, n: int, device, k: int = 2) -> List[torch.Tensor]:
+        if len(self.bufs) < k or self.bufs[0].numel() < n or self.bufs[0].device != torch.device(device):
+            self.bufs = [torch.empty(max(n, 1), dtype=torch.int64, device=device) for _ in range(k)]
+        return [b[:n] for b in self.bufs[:k]]
 
 
-def _mix(z: torch.Tensor) -> torch.Tensor:
+def _xorshift_(z: torch.Tensor, s: int, tmp: torch.Tensor) -> None:
+    """z ^= z >>> s (logical shift on int64: torch's ``>>`` is arithmetic)."""
+    torch.bitwise_right_shift(z, s, out=tmp)
+    tmp &= (1 << (64 - s)) - 1
+    z ^= tmp
+
+
+def _mix_(z: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
     """splitmix64's finalizer, in place; int64 multiplication wraps mod 2**64 on CPU and CUDA."""
-    z ^= _shr(z, 30)
+    _xorshift_(z, 30, tmp)
     z *= _i64(_C2)
-    z ^= _shr(z, 27)
+    _xorshift_(z, 27, tmp)
     z *= _i64(_C3)
-    z ^= _shr(z, 31)
+    _xorshift_(z, 31, tmp)
     return z
 
 
@@ -59,19 +73,24 @@ def name_seed(name: str) -> int:
     return _i64(int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little"))
 
 
-def _value_bits(values: torch.Tensor) -> torch.Tensor:
-    """The raw bits of each element, zero-extended into int64."""
-    size = values.element_size()
-    bits = values.contiguous().view(_BITS[size]).to(torch.int64)
-    return bits & ((1 << (8 * size)) - 1) if size < 8 else bits
-
-
-def _sum_block(seed: int, idx: torch.Tensor, values: torch.Tensor, coverage: bool = False) -> Tuple[int, int]:
+def _sum_block(seed: int, idx: torch.Tensor, values: torch.Tensor, scratch: Scratch,
+               coverage: bool = False) -> Tuple[int, int]:
     """(sum of element hashes, coverage signature or 0) of one block, both mod 2**64."""
-    z = idx * _i64(_C1) + seed
-    z ^= _value_bits(values.reshape(-1)) * _i64(_C2)
-    total = int(_mix(z).sum()) & _M
-    return total, (int(((idx + _i64(_C3)) * idx).sum()) & _M) if coverage else 0
+    z, t = scratch.take(idx.numel(), idx.device)
+    torch.mul(idx, _i64(_C1), out=z)
+    z += seed
+    size = values.element_size()
+    t.copy_(values.reshape(-1).view(_BITS[size]))  # sign-extends: mask back to the raw bits
+    if size < 8:
+        t &= (1 << (8 * size)) - 1
+    t *= _i64(_C2)
+    z ^= t
+    total = int(_mix_(z, t).sum()) & _M
+    if not coverage:
+        return total, 0
+    torch.add(idx, _i64(_C3), out=t)
+    t *= idx
+    return total, int(t.sum()) & _M
 
 
 @dataclasses.dataclass
@@ -97,16 +116,19 @@ class NameSum:
         return cls(int(total, 16), int(coverage, 16), int(count), dtype)
 
 
-def tensor_fingerprint(name: str, tensor: torch.Tensor, dtype: Optional[torch.dtype] = None) -> NameSum:
+def tensor_fingerprint(name: str, tensor: torch.Tensor, dtype: Optional[torch.dtype] = None,
+                       scratch: Optional[Scratch] = None) -> NameSum:
     """A whole HF tensor's share (the sender's side), hashed in ``dtype`` (the engine's) if given."""
     t = tensor.detach().reshape(-1)
     if dtype is not None and dtype != t.dtype:
         t = t.to(dtype)
+    scratch = scratch or Scratch()
     seed, out = name_seed(name), NameSum(dtype=dtype_to_str(t.dtype))
+    idx_buf = torch.empty(min(t.numel(), _BLOCK), dtype=torch.int64, device=t.device)
     for start in range(0, t.numel(), _BLOCK):
         block = t[start:start + _BLOCK]
-        idx = torch.arange(start, start + block.numel(), dtype=torch.int64, device=t.device)
-        out.add(*_sum_block(seed, idx, block), block.numel())
+        idx = torch.arange(start, start + block.numel(), dtype=torch.int64, device=t.device, out=idx_buf[:block.numel()])
+        out.add(*_sum_block(seed, idx, block, scratch), block.numel())
     return out
 
 
@@ -200,6 +222,7 @@ def _flat_index(sizes, strides, offset, device) -> torch.Tensor:
 def engine_shares(copies: Dict[str, List[_Copy]]) -> Dict[str, NameSum]:
     """This rank's share of every recorded name, read through the recorded views."""
     out: Dict[str, NameSum] = {}
+    scratch = Scratch()
     for name, entries in copies.items():
         seed, acc = name_seed(name), NameSum(dtype=dtype_to_str(entries[0].param.dtype))
         for c in entries:
@@ -207,7 +230,7 @@ def engine_shares(copies: Dict[str, List[_Copy]]) -> Dict[str, NameSum]:
             for sizes, dshift, sshift in _pieces(dsz, dst, sst):
                 d = c.param.as_strided(sizes, dst, doff + dshift)
                 idx = _flat_index(sizes, sst, soff + sshift, d.device)
-                acc.add(*_sum_block(seed, idx, d, coverage=True), d.numel())
+                acc.add(*_sum_block(seed, idx, d, scratch, coverage=True), d.numel())
         out[name] = acc
     return out
 

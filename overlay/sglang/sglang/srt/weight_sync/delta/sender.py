@@ -249,7 +249,7 @@ class DeltaSender:
             self._counters["resyncs"] += 1
         t0 = time.perf_counter()
         run = _SyncRun(self, v, delta_targets, full_targets,
-                       fingerprint=bool(self.fingerprint_every) and v % self.fingerprint_every == 0)
+                       fingerprint_on=bool(self.fingerprint_every) and v % self.fingerprint_every == 0)
         paused = []
         try:
             for e in self.engines:  # no forward pass sees a sync half-applied (slime pauses on its own)
@@ -339,10 +339,11 @@ class _SyncRun:
     """The working set of one sync: buckets, the 1-step lookahead, flush counters, engine results."""
 
     def __init__(self, sender: DeltaSender, version: int, delta_targets: List[int], full_targets: List[int],
-                 fingerprint: bool = False):
+                 fingerprint_on: bool = False):
         self.s, self.v = sender, version
-        self.fingerprints: Optional[Dict[str, "fingerprint.NameSum"]] = {} if fingerprint else None
+        self.fingerprints: Optional[Dict[str, "fingerprint.NameSum"]] = {} if fingerprint_on else None
         self.fingerprint_s = 0.0  # trainer-side hashing, reported apart from encode
+        self.fp_scratch = fingerprint.Scratch() if fingerprint_on else None
         self.targets = {"delta": delta_targets, "full": full_targets}
         self.buckets = {k: DeltaBucket(sender.encoding, sender.buffer_bytes) for k, t in self.targets.items() if t}
         self.flush = 0  # request index within the sync (shared by all files of one disk publish)
@@ -377,7 +378,7 @@ class _SyncRun:
             state.record(name, tensor, idx)
             if self.fingerprints is not None:  # hashed where the tensor lives (on the GPU during training)
                 t0 = time.perf_counter()
-                self.fingerprints[name] = fingerprint.tensor_fingerprint(name, tensor)
+                self.fingerprints[name] = fingerprint.tensor_fingerprint(name, tensor, scratch=self.fp_scratch)
                 self.fingerprint_s += time.perf_counter() - t0
             for kind, bucket in self.buckets.items():
                 if bucket.should_flush():
