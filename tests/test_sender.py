@@ -76,14 +76,25 @@ def test_training_loop_into_inprocess_receivers(tmp_path, arch, encoding):
     transport.close()
 
 
-def test_unreachable_engine_gets_a_full_sync_and_both_end_identical(tmp_path):
-    cfg = hf_config("qwen2")
+def two_engines(tmp_path, arch, encoding, steps, **sender_kw):
+    """A trainer, two in-process engines over disk, and a sender that already brought both to version 1."""
+    cfg = hf_config(arch)
     trainer = hf_model(cfg)
     a, b = LocalEngine(cfg), LocalEngine(cfg)
-    transport = DiskTransport(str(tmp_path), [a, b])
-    sender = DeltaSender(transport, [a, b], encoding="deltas", buffer_bytes=32 << 10)
-    steps = rl_steps(trainer, 3)
+    sender = DeltaSender(DiskTransport(str(tmp_path), [a, b]), [a, b], encoding=encoding, buffer_bytes=32 << 10,
+                         **sender_kw)
     assert all(ok for ok, _ in sender.update(segments(bf16_state(trainer))).values())
+    return cfg, rl_steps(trainer, steps), a, b, sender
+
+
+def assert_both_hold(cfg, state, *engines):
+    ref = reference(cfg, state)
+    for e in engines:
+        assert_params_equal(e.host.model, ref)
+
+
+def test_unreachable_engine_gets_a_full_sync_and_both_end_identical(tmp_path):
+    cfg, steps, a, b, sender = two_engines(tmp_path, "qwen2", "deltas", 3)
     b.down = True
     results = sender.update(segments(next(steps)))
     assert results[0][0] and not results[1][0] and "unreachable" in results[1][1]
@@ -96,27 +107,17 @@ def test_unreachable_engine_gets_a_full_sync_and_both_end_identical(tmp_path):
     assert m["perf/update_weights_full_sync_engines"] == 1 and m["perf/update_weights_failures"] == 1
     assert m["perf/update_weights_resyncs"] == 1
     assert sender.state.version == 3
-    ref = reference(cfg, state)
-    assert_params_equal(a.host.model, ref)
-    assert_params_equal(b.host.model, ref)
+    assert_both_hold(cfg, state, a, b)
     state = next(steps)  # and the next sync is a delta for both
     assert all(ok for ok, _ in sender.update(segments(state)).values())
     assert sender.pop_metrics()["perf/update_weights_full_sync_engines"] == 0
-    ref = reference(cfg, state)
-    assert_params_equal(a.host.model, ref)
-    assert_params_equal(b.host.model, ref)
+    assert_both_hold(cfg, state, a, b)
 
 
 def test_an_engine_loaded_outside_the_chain_refuses_deltas_then_gets_a_full_sync(tmp_path):
     from sglang.srt.weight_sync.delta.receiver import note_outside_load
 
-    cfg = hf_config("qwen3")
-    trainer = hf_model(cfg)
-    a, b = LocalEngine(cfg), LocalEngine(cfg)
-    transport = DiskTransport(str(tmp_path), [a, b])
-    sender = DeltaSender(transport, [a, b], encoding="indices", buffer_bytes=32 << 10)
-    steps = rl_steps(trainer, 3)
-    assert all(ok for ok, _ in sender.update(segments(bf16_state(trainer))).values())
+    cfg, steps, a, b, sender = two_engines(tmp_path, "qwen3", "indices", 3)
     note_outside_load(b.host, "update_weights_from_disk")  # what the patched plain load paths call first
     b.host.model.load_weights(list(bf16_state(hf_model(cfg, seed=7)).items()))
     results = sender.update(segments(next(steps)))
@@ -128,9 +129,7 @@ def test_an_engine_loaded_outside_the_chain_refuses_deltas_then_gets_a_full_sync
     results = sender.update(segments(state))
     assert results[0][0] and results[1][0], results
     assert sender.pop_metrics()["perf/update_weights_full_sync_engines"] == 1
-    ref = reference(cfg, state)
-    assert_params_equal(a.host.model, ref)
-    assert_params_equal(b.host.model, ref)
+    assert_both_hold(cfg, state, a, b)
 
 
 def test_a_restarted_trainer_continues_the_version_chain_of_running_engines(tmp_path):
@@ -151,12 +150,7 @@ def test_a_restarted_trainer_continues_the_version_chain_of_running_engines(tmp_
 
 
 def test_a_silently_corrupted_engine_is_caught_by_the_fingerprint_and_fully_resynced(tmp_path):
-    cfg = hf_config("qwen2-moe")
-    trainer = hf_model(cfg)
-    a, b = LocalEngine(cfg), LocalEngine(cfg)
-    sender = DeltaSender(DiskTransport(str(tmp_path), [a, b]), [a, b], encoding="deltas", fingerprint_every=2)
-    steps = rl_steps(trainer, 4)
-    assert all(ok for ok, _ in sender.update(segments(bf16_state(trainer))).values())
+    cfg, steps, a, b, sender = two_engines(tmp_path, "qwen2-moe", "deltas", 4, fingerprint_every=2)
     assert all(ok for ok, _ in sender.update(segments(next(steps))).values())  # v2: checked, all equal
     m = sender.pop_metrics()
     assert m["perf/update_weights_fingerprint_mismatches"] == 0 and m["perf/update_weights_fingerprint_uncovered"] == 0
@@ -171,9 +165,7 @@ def test_a_silently_corrupted_engine_is_caught_by_the_fingerprint_and_fully_resy
     state = next(steps)
     assert all(ok for ok, _ in sender.update(segments(state)).values())
     assert sender.pop_metrics()["perf/update_weights_full_sync_engines"] == 1
-    ref = reference(cfg, state)
-    assert_params_equal(a.host.model, ref)
-    assert_params_equal(b.host.model, ref)
+    assert_both_hold(cfg, state, a, b)
 
 
 def test_deltas_zstd_is_refused_over_nccl():

@@ -26,11 +26,12 @@ from sglang.srt.weight_sync.delta.wire import (
     DeltaError,
     changed_positions,
     dtype_to_str,
+    encode_flush,
+    encode_positions,
     maybe_zstd_decompress,
     read_safetensors,
     sparse_allowed,
     validate_payload,
-    wsum64,
     write_safetensors,
 )
 
@@ -71,7 +72,13 @@ class Checkpoint:
         return self._open[self._where[name]].get_tensor(name)
 
     def fingerprint(self) -> Dict[str, str]:
-        return {n: f"{fingerprint.tensor_fingerprint(n, self.get(n)).total:016x}" for n in self.names()}
+        return _fingerprints((n, self.get(n)) for n in self.names())
+
+
+def _fingerprints(named) -> Dict[str, str]:
+    """Per-name fingerprint totals of ``(name, tensor)`` pairs: what ``delta.json`` records of a checkpoint."""
+    scratch = fingerprint.Scratch()
+    return {n: f"{fingerprint.tensor_fingerprint(n, t, scratch=scratch).total:016x}" for n, t in named}
 
 
 def _progress(items, desc):
@@ -111,19 +118,25 @@ def diff(old_dir: str, new_dir: str, out: str, encoding: str = "deltas_zstd", bu
     bucket = DeltaBucket(enc.value, buffer_bytes)  # groups by dtype: one flush file per dtype
     files, stats, flush = [], {"elements": 0, "changed": 0}, [0]
 
-    def write(payloads):
-        for pl in payloads:
-            pl.spec.flush = flush[0]
-            data = write_safetensors(pl.spec, pl.positions, pl.values)
-            if enc is DeltaEncoding.DELTAS_ZSTD:
-                import zstandard
+    held = []  # the newest flush waits: only at the end is it known to be the final one
 
-                data = zstandard.ZstdCompressor(level=3).compress(data)
-            name = f"rank0000_flush{flush[0]:06d}.safetensors"
-            with open(os.path.join(out, name), "wb") as f:
-                f.write(data)
-            files.append(name)
-            flush[0] += 1
+    def write(pl):
+        pl.spec.flush = flush[0]
+        data = write_safetensors(pl.spec, pl.positions, pl.values)
+        if enc is DeltaEncoding.DELTAS_ZSTD:
+            import zstandard
+
+            data = zstandard.ZstdCompressor(level=3).compress(data)
+        name = f"rank0000_flush{flush[0]:06d}.safetensors"
+        with open(os.path.join(out, name), "wb") as f:
+            f.write(data)
+        files.append(name)
+        flush[0] += 1
+
+    def emit(payloads):
+        held.extend(payloads)
+        while len(held) > 1:
+            write(held.pop(0))
 
     spec = dict(version=version, base_version=version - 1, full=False, final=False)
     for name in _progress(new.names(), "diff"):
@@ -138,19 +151,13 @@ def diff(old_dir: str, new_dir: str, out: str, encoding: str = "deltas_zstd", bu
             continue
         bucket.add(name, b, idx if sparse_allowed(b.dtype) else None)
         if bucket.should_flush():
-            write(bucket.take(**spec))
+            emit(bucket.take(**spec))
     if len(bucket):
-        write(bucket.take(**spec))
-    if not files:  # identical checkpoints: one empty flush still carries the versions
-        from sglang.srt.weight_sync.delta.wire import encode_flush
-
-        write([encode_flush([], enc.value, **spec)])
-    last = _read_flush(os.path.join(out, files[-1]))  # mark the last flush final, re-signed
-    last.spec.final = True
-    last.spec.checksum = wsum64(last.positions, last.values)
-    flush[0] -= 1
-    files.pop()
-    write([last])
+        emit(bucket.take(**spec))
+    if not held:  # identical checkpoints: one empty flush still carries the versions
+        held.append(encode_flush([], enc.value, **spec))
+    held[0].spec.final = True  # metadata only: the checksum covers the blobs
+    write(held.pop())
     manifest = {"format": "delta-weight-sync/1", "encoding": enc.value, "files": files,
                 "base_fingerprint": old.fingerprint(), "new_fingerprint": new.fingerprint(),
                 "elements": stats["elements"], "changed": stats["changed"]}
@@ -167,7 +174,7 @@ def apply(base_dir: str, delta_dir: str, out: str) -> None:
         manifest = json.load(f)
     base = Checkpoint(base_dir)
     state = {n: base.get(n).clone() for n in _progress(base.names(), "load base")}
-    got = {n: f"{fingerprint.tensor_fingerprint(n, t).total:016x}" for n, t in state.items()}
+    got = _fingerprints(state.items())
     wrong = sorted(n for n in set(got) | set(manifest["base_fingerprint"])
                    if got.get(n) != manifest["base_fingerprint"].get(n))
     if wrong:
@@ -186,8 +193,7 @@ def apply(base_dir: str, delta_dir: str, out: str) -> None:
                 flat.copy_(vals)
             else:
                 flat[idx] = vals
-    new_fp = {n: f"{fingerprint.tensor_fingerprint(n, t).total:016x}" for n, t in state.items()}
-    if new_fp != manifest["new_fingerprint"]:
+    if _fingerprints(state.items()) != manifest["new_fingerprint"]:
         raise DeltaError("the rebuilt checkpoint's fingerprint differs from the one recorded by diff")
     _save_like(base_dir, state, out)
 
@@ -253,8 +259,6 @@ def density(old_dir: str, new_dir: str) -> dict:
             wire["indices"] += (n * size if k else 0)
             wire["deltas"] += (n * size if k else 0)
         else:
-            from sglang.srt.weight_sync.delta.wire import encode_positions
-
             wire["indices"] += encode_positions(idx, "indices")[0].numel() + k * size
             wire["deltas"] += encode_positions(idx, "deltas")[0].numel() + k * size
         m = _LAYER.search(name)
