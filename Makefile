@@ -35,11 +35,12 @@ demo:
 	@scripts/build_venv.sh $(PIN) $(BUILD)
 	$(BUILD)/venv-$(PIN)/bin/python scripts/demo.py --workdir $(BUILD)/demo --steps $(STEPS) --transport $(TRANSPORT) $(if $(ENCODING),--encoding $(ENCODING))
 
-# Sender diff+encode vs a memory copy, wire bytes per encoding; receiver apply vs a full load_weights (ratios).
+# Full sync vs delta on a Qwen2.5-0.5B-shaped model: wire bytes, sender vs memcpy, apply vs load_weights,
+# modeled sync time, peak memory -> docs/benchmarks.md + docs/benchmarks.png (BENCH_ARGS="--steps 5" etc.).
+BENCH_ARGS ?=
 bench:
 	@scripts/build_venv.sh $(PIN) $(BUILD)
-	$(BUILD)/venv-$(PIN)/bin/python scripts/bench_sender.py
-	$(BUILD)/venv-$(PIN)/bin/python scripts/bench_receiver.py
+	$(BUILD)/venv-$(PIN)/bin/python scripts/bench.py --workdir $(BUILD)/bench $(BENCH_ARGS)
 
 # 200 syncs into a real server with random (seeded) faults; `make test` runs the same with 50.
 soak:

@@ -1,0 +1,493 @@
+"""``make bench``: full sync vs delta sync, side by side in one run, on a Qwen2.5-0.5B-shaped model in bf16.
+
+Three phases, so the numbers share one process and the memory run repeats them exactly:
+
+1. **states** — a Qwen2.5-0.5B-shaped HF model (494M params, tied embeddings; HF's init, std 0.02 as
+   the released config's ``initializer_range``) takes real AdamW steps (fp32 master weights, lr 1e-6,
+   forward/backward on random tokens); the bf16 state after each step is saved (cached under the
+   work dir while the shape, steps and seed are unchanged).
+2. **measure** (a subprocess, run twice) — per step and per encoding, the sender core diffs, encodes
+   and advances its snapshot (``DeltaState`` + ``DeltaBucket``, the code the slime updater runs),
+   disk encodings also serialize (safetensors, zstd level 1 as ``AsyncSafetensorsWriter``), and a
+   real SGLang ``Qwen2ForCausalLM`` applies the very same flushes through the receiver
+   (``_apply_delta_payload`` for tensors as a broadcast delivers them; ``_apply_delta`` reading the
+   files for ``deltas_zstd``). The first run checks every step and encoding bit-identical by the
+   weight fingerprint. The second run sets ``MALLOC_MMAP_THRESHOLD_=65536`` so every tensor buffer is its own mapping and
+   RSS follows live tensors; a 1 ms sampling thread records the peak RSS above the baseline before
+   each phase (that run's times are inflated by page faults and are not used).
+3. **report** — ``docs/benchmarks.md`` (tables + method) and ``docs/benchmarks.png``.
+
+    python scripts/bench.py [--shape qwen2.5-0.5b|tiny] [--steps 4] [--workdir build/bench] [--out docs]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+SHAPES = {
+    # Qwen2.5-0.5B's config.json (hidden 896, 24 layers, 14 heads / 2 KV heads, intermediate 4864, vocab 151936, tied)
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
+                         rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.02),
+    # the same architecture, small enough for the test that keeps this script from rotting
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512, max_position_embeddings=256, tie_word_embeddings=True,
+                 initializer_range=0.02),
+}
+ENCODINGS = ("indices", "deltas", "deltas_zstd")
+TRANSPORT = {"indices": "nccl", "deltas": "nccl", "deltas_zstd": "disk"}  # the apply path each is measured on
+BUFFER_BYTES = 512 << 20  # slime's default --update-weight-buffer-size
+LINKS = {"300 MB/s": 300e6, "1 GB/s": 1e9}
+# Published figures, quoted as their authors state them (see the seed article's references).
+ANCHORS = [
+    ("PULSE (arXiv 2602.03839)", "NCCL, sparse bf16 patch", "~79x on average, >100x typical"),
+    ("SparrowRL (arXiv 2602.11456)", "Qwen3-8B payload", "79x"),
+    ("TRL delta weight sync", "Qwen3-0.6B, Hub bucket", "1.2 GB -> 20-35 MB (34-60x)"),
+    ("slime delta-weight-sync.md", "355B, ~3% density", "~5 GB per sync"),
+]
+
+
+def qwen2_config(shape: str):
+    import transformers
+
+    return transformers.Qwen2Config(**SHAPES[shape])
+
+
+# ---------------------------------------------------------------- phase 1: states
+
+
+def train_states(shape: str, steps: int, workdir: str, seed: int = 1) -> list:
+    """Paths of the bf16 states at steps 0..steps (safetensors), reused while shape, steps and seed are unchanged."""
+    from safetensors.torch import save_file
+
+    from cpu_harness import bf16_state, hf_model, rl_steps
+
+    key = {"shape": SHAPES[shape], "steps": steps, "seed": seed, "lr": 1e-6, "torch": torch.__version__}
+    paths = [os.path.join(workdir, f"state-{k}.safetensors") for k in range(steps + 1)]
+    stamp = os.path.join(workdir, "states.json")
+    if os.path.exists(stamp) and json.load(open(stamp)) == key and all(map(os.path.exists, paths)):
+        print(f"states: reusing {len(paths)} saved bf16 states in {workdir}")
+        return paths
+    os.makedirs(workdir, exist_ok=True)
+    cfg = qwen2_config(shape)
+    t0 = time.time()
+    model = hf_model(cfg, seed=seed)
+
+    def save(state, path):
+        if cfg.tie_word_embeddings:  # a tied checkpoint holds the embedding once, as Qwen2.5-0.5B's does
+            state.pop("lm_head.weight", None)
+        save_file(state, path)
+
+    save(bf16_state(model), paths[0])
+    for k, state in enumerate(rl_steps(model, steps, lr=1e-6, seed=seed, batch=2, seq=32), start=1):
+        save(state, paths[k])
+        print(f"states: step {k}/{steps} trained and saved ({time.time() - t0:.0f}s)")
+    json.dump(key, open(stamp, "w"))
+    return paths
+
+
+# ---------------------------------------------------------------- phase 2: measure
+
+
+class PeakRSS:
+    """Peak process RSS above the baseline while the block runs (1 ms sampling thread)."""
+
+    def __enter__(self):
+        import psutil
+
+        self.proc = psutil.Process()
+        self.base = self.peak = self.proc.memory_info().rss
+        self.stop = False
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self):
+        while not self.stop:
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            time.sleep(0.001)
+
+    def __exit__(self, *exc):
+        self.stop = True
+        self.thread.join()
+        self.peak = max(self.peak, self.proc.memory_info().rss)
+        self.extra = self.peak - self.base
+
+
+def measured(fn, *args):
+    """(result, seconds, peak extra RSS bytes) of ``fn(*args)``."""
+    with PeakRSS() as m:
+        t = time.perf_counter()
+        out = fn(*args)
+        dt = time.perf_counter() - t
+    return out, dt, m.extra
+
+
+def sender_sync(snapshot, new, encoding: str, version: int):
+    """One delta sync on the sender: diff vs the snapshot, encode into bounded buckets, advance the snapshot."""
+    from sglang.srt.weight_sync.delta.sender import DeltaBucket, DeltaState
+
+    state = DeltaState(torch.device("cpu"))
+    state.snapshot = snapshot
+    bucket, payloads = DeltaBucket(encoding, BUFFER_BYTES), []
+    for name, t in new.items():
+        if bucket.should_flush():
+            payloads += bucket.take(version=version, base_version=version - 1, flush=len(payloads), final=False)
+        idx = state.positions(name, t, snapshot[name])
+        state.record(name, t, idx)
+        bucket.add(name, t, idx)
+    payloads += bucket.take(version=version, base_version=version - 1, flush=len(payloads), final=True)
+    state.commit(version)
+    return payloads
+
+
+def serialize(payloads, zstd: bool):
+    """The file bytes of each flush, as the disk transport's writer produces them."""
+    import zstandard
+
+    from sglang.srt.weight_sync.delta.wire import write_safetensors
+
+    files = [write_safetensors(p.spec, p.positions, p.values) for p in payloads]
+    return [zstandard.ZstdCompressor(level=1).compress(f) for f in files] if zstd else files
+
+
+def measure(paths: list, shape: str, out_json: str, check: bool) -> None:
+    from safetensors.torch import load_file
+
+    from cpu_harness import Host, full_flushes, sglang_model
+    from sglang.srt.weight_sync.delta import fingerprint
+    from sglang.srt.weight_sync.delta.receiver import receiver_state
+    from sglang.srt.weight_sync.delta.wire import changed_positions
+
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    states = [load_file(p) for p in paths]
+    n = sum(t.numel() for t in states[0].values())
+    full_bytes = sum(t.numel() * t.element_size() for t in states[0].values())
+    model = sglang_model(qwen2_config(shape))
+    host = Host(model)
+    res = {"params": n, "full_bytes": full_bytes, "steps": []}
+
+    _, res["full_wire_s"], res["full_wire_mem"] = measured(host.call, "_apply_delta_payload", full_flushes(states[0], version=1))
+    full = [measured(model.load_weights, list(states[0].items())) for _ in range(3)]
+    res["full_load_s"] = statistics.median(t for _, t, _ in full)
+    res["full_load_mem"] = max(m for _, _, m in full)
+    items = list(states[0].items())
+    _, res["fingerprint_engine_s"], res["fingerprint_engine_mem"] = measured(
+        fingerprint.engine_shares, receiver_state(model).copies)
+    _, res["fingerprint_trainer_s"], res["fingerprint_trainer_mem"] = measured(
+        lambda: [fingerprint.tensor_fingerprint(k, v) for k, v in items])
+    version, wire_dir = 1, os.path.join(os.path.dirname(out_json), "wire")
+    os.makedirs(wire_dir, exist_ok=True)
+
+    def publish(payloads, files):
+        """The file names the disk transport would announce, after writing them (outside the timed apply)."""
+        names = [f"v{payloads[0].spec.version}-{k}.safetensors" for k in range(len(files))]
+        for name, data in zip(names, files):
+            with open(os.path.join(wire_dir, name), "wb") as f:
+                f.write(data)
+        return names
+
+    def apply(payloads, names):
+        if names:  # disk: the engine reads and decompresses the files the writer left in the shared dir
+            return host.call("_apply_delta", wire_dir, names)
+        return host.call("_apply_delta_payload", payloads)
+
+    for step in range(1, len(states)):
+        old, new = states[step - 1], states[step]
+        nnz = sum(changed_positions(old[k], new[k]).numel() for k in new)
+        row = {"step": step, "density": nnz / n, "enc": {}}
+        trainer = {k: fingerprint.tensor_fingerprint(k, v) for k, v in new.items()} if check else None
+        _, row["memcpy_s"], _ = measured(lambda: [t.clone() for t in new.values()])
+        _, row["diff_s"], _ = measured(lambda: [changed_positions(old[k], new[k]) for k in new])
+        for i, encoding in enumerate(ENCODINGS):
+            snapshot = {k: v.clone() for k, v in old.items()}
+            version += 1
+            payloads, t_enc, m_enc = measured(sender_sync, snapshot, new, encoding, version)
+            assert all(torch.equal(snapshot[k].view(torch.int16), new[k].view(torch.int16)) for k in new)
+            files, t_ser, m_ser = measured(serialize, payloads, encoding == "deltas_zstd")
+            names = publish(payloads, files) if TRANSPORT[encoding] == "disk" else None
+            (ok, msg), t_apply, m_apply = measured(apply, payloads, names)
+            assert ok, msg
+            if check:
+                engine = fingerprint.engine_shares(receiver_state(model).copies)
+                mismatched, uncovered = fingerprint.compare_shares(trainer, engine, new)
+                assert not mismatched and not uncovered, (encoding, step, mismatched[:3], uncovered[:3])
+            row["enc"][encoding] = {
+                "wire_bytes": sum(map(len, files)), "flushes": len(payloads), "encode_s": t_enc, "encode_mem": m_enc,
+                "serialize_s": t_ser if TRANSPORT[encoding] == "disk" else 0.0, "apply_s": t_apply,
+                "apply_mem": m_apply}
+            if i < len(ENCODINGS) - 1:  # back to the step's base for the next encoding (untimed)
+                version += 1
+                ok, msg = host.call("_apply_delta_payload", sender_sync({k: v.clone() for k, v in new.items()},
+                                                                        old, "indices", version))
+                assert ok, msg
+        res["steps"].append(row)
+        print(f"measure: step {step}/{len(states) - 1} density {row['density']:.2%}"
+              + (", every encoding bit-identical on the engine" if check else ""), flush=True)
+    json.dump(res, open(out_json, "w"), indent=1)
+
+
+# ---------------------------------------------------------------- phase 3: report
+
+
+def mean(xs):
+    xs = list(xs)
+    return sum(xs) / len(xs)
+
+
+def summarize(t: dict, m: dict) -> dict:
+    """Per-encoding means over the steps (times from the timing run, memory from the memory run)."""
+    out = {}
+    for e in ENCODINGS:
+        tr = [s["enc"][e] for s in t["steps"]]
+        mr = [s["enc"][e] for s in m["steps"]]
+        out[e] = {"wire": mean(r["wire_bytes"] for r in tr), "encode": mean(r["encode_s"] for r in tr),
+                  "serialize": mean(r["serialize_s"] for r in tr), "apply": mean(r["apply_s"] for r in tr),
+                  "encode_mem": max(r["encode_mem"] for r in mr), "apply_mem": max(r["apply_mem"] for r in mr)}
+    return out
+
+
+def faster(before: float, after: float) -> str:
+    r = before / after
+    return f"{r:.1f}x faster" if r >= 1 else f"{1 / r:.1f}x slower"
+
+
+def modeled(full_bytes, full_load_s, s: dict, bw: float):
+    """Seconds per sync, phases back to back (no overlap of encode, transfer and apply: an upper bound)."""
+    full = full_bytes / bw + full_load_s
+    delta = s["encode"] + s["serialize"] + s["wire"] / bw + s["apply"]
+    return full, delta
+
+
+def plot(t: dict, summ: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
+    steps = [s["step"] for s in t["steps"]]
+    a.xaxis.set_major_locator(MaxNLocator(integer=True))
+    a.axhline(t["full_bytes"] / 1e6, color="gray", linestyle="--", label="full sync (bf16)")
+    for e in ENCODINGS:
+        a.plot(steps, [s["enc"][e]["wire_bytes"] / 1e6 for s in t["steps"]], marker="o", label=e)
+    for s in t["steps"]:
+        a.annotate(f"{s['density']:.2%}", (s["step"], s["enc"]["indices"]["wire_bytes"] / 1e6),
+                   textcoords="offset points", xytext=(0, 8), ha="center", fontsize=8)
+    a.set_yscale("log")
+    a.set_xlabel("AdamW step (labels: changed bf16 elements)")
+    a.set_ylabel("wire MB per sync (log)")
+    a.set_title("wire bytes per sync")
+    a.legend(fontsize=8)
+    labels, encode, transfer, apply = [], [], [], []
+    for link, bw in LINKS.items():
+        labels.append(f"full\n{link}")
+        encode.append(0)
+        transfer.append(t["full_bytes"] / bw)
+        apply.append(t["full_load_s"])
+        for e in ENCODINGS:
+            labels.append(f"{e}\n{link}")
+            encode.append(summ[e]["encode"] + summ[e]["serialize"])
+            transfer.append(summ[e]["wire"] / bw)
+            apply.append(summ[e]["apply"])
+    x = range(len(labels))
+    b.bar(x, encode, label="sender diff + encode (+ serialize)")
+    b.bar(x, transfer, bottom=encode, label="transfer")
+    b.bar(x, apply, bottom=[p + q for p, q in zip(encode, transfer)], label="engine apply / load_weights")
+    b.set_xticks(list(x), labels, fontsize=7)
+    b.set_ylabel("seconds per sync (modeled)")
+    b.set_title("modeled sync time, phases back to back")
+    b.set_ylim(top=1.35 * max(p + q + r for p, q, r in zip(encode, transfer, apply)))
+    b.legend(fontsize=8, loc="upper center", ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def report(t: dict, m: dict, args, env: str) -> str:
+    summ = summarize(t, m)
+    full_bytes, n = t["full_bytes"], t["params"]
+    mib = lambda b: f"{b / 2**20:,.0f} MiB"  # noqa: E731
+    mb = lambda b: f"{b / 1e6:,.1f} MB"  # noqa: E731
+    ms = lambda s: f"{1e3 * s:,.0f}"  # noqa: E731
+    dens = [s["density"] for s in t["steps"]]
+    memcpy = mean(s["memcpy_s"] for s in t["steps"])
+    L = [
+        "# Benchmarks: full sync vs delta sync",
+        "",
+        f"Written by `make bench` (`scripts/bench.py`); one run on {env}. Model: "
+        f"{'Qwen2.5-0.5B' if args.shape == 'qwen2.5-0.5b' else args.shape}-shaped, {n / 1e6:.0f}M params, "
+        f"{mb(full_bytes)} in bf16 (a full sync). {len(t['steps'])} real AdamW steps at lr 1e-6 changed "
+        f"{min(dens):.2%}–{max(dens):.2%} of bf16 elements (mean {mean(dens):.2%}). Figures are ratios within this run; "
+        "absolute times depend on the machine.",
+        "",
+        "![wire bytes and modeled sync time](benchmarks.png)",
+        "",
+        "## Wire bytes and sync time (mean over steps)",
+        "",
+        "| sync | path | wire bytes | vs full | sender ms | vs memcpy | engine ms | vs full load | "
+        + " | ".join(f"modeled @ {k}" for k in LINKS) + " |",
+        "|---|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(LINKS),
+    ]
+    full_cells = [f"{modeled(full_bytes, t['full_load_s'], summ['indices'], bw)[0]:.2f} s" for bw in LINKS.values()]
+    L.append(f"| full | bf16 tensors, `load_weights` | {mb(full_bytes)} | 1.0x | — | — | {ms(t['full_load_s'])} | — | "
+             + " | ".join(full_cells) + " |")
+    for e in ENCODINGS:
+        s = summ[e]
+        sender = s["encode"] + s["serialize"]
+        cells = []
+        for bw in LINKS.values():
+            f, d = modeled(full_bytes, t["full_load_s"], s, bw)
+            cells.append(f"{d:.2f} s ({faster(f, d)})")
+        L.append(f"| delta `{e}` | {TRANSPORT[e]} | {mb(s['wire'])} | {full_bytes / s['wire']:.1f}x smaller | "
+                 f"{ms(sender)} | {memcpy / sender:.2f}x | {ms(s['apply'])} | {faster(t['full_load_s'], s['apply'])} | "
+                 + " | ".join(cells) + " |")
+    L += [
+        "",
+        "- **sender ms**: diff against the snapshot + encode into ≤512 MiB buckets + advance the snapshot "
+        "(`DeltaState`, `DeltaBucket`), plus for `disk` serializing the files (safetensors, zstd level 1). "
+        f"**vs memcpy**: the throughput of that as a ratio to `torch.clone` of the same {mb(full_bytes)} "
+        f"({ms(memcpy)} ms here; higher is faster). The bytewise diff alone takes "
+        f"{ms(mean(s['diff_s'] for s in t['steps']))} ms ({memcpy / mean(s['diff_s'] for s in t['steps']):.2f}x memcpy).",
+        "- **engine ms**: the receiver applying that sync to a real SGLang `Qwen2ForCausalLM` on CPU — validate the "
+        "whole request, densify, masked `load_weights` — from the received tensors (`nccl`) or by reading and "
+        "decompressing the files (`disk`); **vs full load**: against upstream `model.load_weights` of the full state "
+        f"({ms(t['full_load_s'])} ms). After every apply the engine's weight fingerprint equals the trainer's "
+        "(bit-identical, checked for every step and encoding).",
+        "- **modeled**: encode + serialize + wire bytes / link + apply, back to back (the sender overlaps flushes, so "
+        "real syncs are no slower); a full sync is wire bytes / link + `load_weights`. Common costs (gathering and "
+        "converting params to HF names, pausing generation) are left out of both.",
+        "",
+        "**Reading it.** The wire shrinks by the ratios above at every step. Whether the sync gets faster depends on "
+        "where the compute runs: a full sync's engine side is one memcpy-speed `load_weights`, while a delta apply "
+        "validates every position, densifies each changed param with NaN sentinels and runs the NaN-masked copy over "
+        "it — passes over the whole model, "
+        f"{mean(summ[e]['apply'] for e in ENCODINGS) / t['full_load_s']:.0f}x a plain load on these CPU cores — and "
+        "the sender's bytewise diff is a pass over the model too. On a CPU those passes cost about as much as the "
+        "link saves; on a GPU they run at device memory bandwidth (`make gpu-check` measures them there), and the "
+        "link term is what remains. Over a shared filesystem or a WAN, where full syncs are slowest, the wire "
+        "bytes decide.",
+        "",
+        "## Per step",
+        "",
+        "| step | density | " + " | ".join(f"`{e}` bytes" for e in ENCODINGS) + " | " + " | ".join(f"`{e}` ratio" for e in ENCODINGS) + " |",
+        "|---:|---:|" + "---:|" * (2 * len(ENCODINGS)),
+    ]
+    for s in t["steps"]:
+        L.append(f"| {s['step']} | {s['density']:.2%} | "
+                 + " | ".join(f"{s['enc'][e]['wire_bytes']:,}" for e in ENCODINGS) + " | "
+                 + " | ".join(f"{full_bytes / s['enc'][e]['wire_bytes']:.1f}x" for e in ENCODINGS) + " |")
+    L += [
+        "",
+        "## Peak extra memory",
+        "",
+        "| side | what | peak extra |",
+        "|---|---|---:|",
+        f"| sender | snapshot of the last acknowledged version (held for the whole run; pinned host memory on CUDA) | "
+        f"{mib(full_bytes)} (= the bf16 model) |",
+    ]
+    for e in ENCODINGS:
+        L.append(f"| sender | one sync, `{e}` (diff, buckets, staged values) | {mib(summ[e]['encode_mem'])} |")
+    L.append(f"| engine | full `load_weights` (upstream) | {mib(m['full_load_mem'])} |")
+    for e in ENCODINGS:
+        L.append(f"| engine | apply one sync, `{e}` ({TRANSPORT[e]}) | {mib(summ[e]['apply_mem'])} |")
+    L += [
+        f"| engine | weight fingerprint (all params) | {mib(m['fingerprint_engine_mem'])} |",
+        "",
+        "Measured as the peak RSS above the baseline just before the phase, sampled every millisecond, in a second run "
+        "with `MALLOC_MMAP_THRESHOLD_=65536` (every tensor buffer is its own mapping and goes back to the OS when freed, "
+        "so RSS follows live tensors). The received payload itself is counted on the engine side for `disk` (it reads "
+        "the files) and not for `nccl` (the broadcast buffers exist before the apply starts).",
+        "",
+        "## Fingerprint (the periodic bit-identity check)",
+        "",
+        f"Engine side over all params: {ms(t['fingerprint_engine_s'])} ms "
+        f"({t['fingerprint_engine_s'] / t['full_load_s']:.1f}x a full `load_weights`); trainer side: "
+        f"{ms(t['fingerprint_trainer_s'])} ms. With `--update-weight-delta-fingerprint-interval 10` (the default) it "
+        "runs every tenth sync.",
+        "",
+        "## Against published figures",
+        "",
+        "| who | setting | reported | this run |",
+        "|---|---|---|---|",
+        f"| **this bench** | {args.shape}, {mean(dens):.2%} mean density, bf16 | — | "
+        + ", ".join(f"`{e}` {full_bytes / summ[e]['wire']:.0f}x" for e in ENCODINGS) + " |",
+    ]
+    for who, setting, figure in ANCHORS:
+        L.append(f"| {who} (theirs) | {setting} | {figure} | — |")
+    L += [
+        "",
+        "Their figures are quoted, not reproduced: other models, trained weights and their own encodings. Density is "
+        "what moves the ratio: it depends on the learning rate and on the scale of each weight relative to its bf16 "
+        "step. This bench uses random weights at the released config's init scale (std 0.02), so its density is "
+        "indicative; `python -m sglang.srt.weight_sync.delta density OLD NEW` measures it on your own checkpoints.",
+        "",
+        "## Method",
+        "",
+        "```",
+        f"make bench            # = python scripts/bench.py --shape {args.shape} --steps {args.steps}",
+        "```",
+        "",
+        "The states come from a transformers `Qwen2ForCausalLM` at the shape of Qwen2.5-0.5B's `config.json` (HF "
+        "init, seed 1), trained with `torch.optim.AdamW(lr=1e-6, weight_decay=0)` on fp32 master weights, "
+        "forward/backward on 2x32 random tokens per step; each step's bf16 cast is what the trainer ships. The "
+        "engine is SGLang's own `Qwen2ForCausalLM` (patched tree, CPU, bf16). Times are wall-clock in one process "
+        "with all cores; the memory figures come from a second identical run (see above).",
+        "",
+    ]
+    return "\n".join(L)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--workdir", default="build/bench")
+    ap.add_argument("--out", default="docs", help="where benchmarks.md and benchmarks.png go")
+    ap.add_argument("--report-only", action="store_true", help="rewrite the report from the last run's measurements")
+    ap.add_argument("--measure", help=argparse.SUPPRESS)  # internal: the measuring subprocess writes this JSON
+    args = ap.parse_args()
+    workdir = os.path.join(args.workdir, args.shape)
+    if args.measure:
+        memory_run = "MALLOC_MMAP_THRESHOLD_" in os.environ  # repeats the timing run, which checked bit-identity
+        measure(json.loads(os.environ["DELTA_BENCH_PATHS"]), args.shape, args.measure, check=not memory_run)
+        return 0
+    paths = None if args.report_only else train_states(args.shape, args.steps, workdir)
+    results = {}
+    for run, extra_env in (("timing", {}), ("memory", {"MALLOC_MMAP_THRESHOLD_": "65536"})):
+        out = os.path.join(workdir, f"{run}.json")
+        if paths:
+            print(f"measure: {run} run", flush=True)
+            subprocess.run([sys.executable, os.path.abspath(__file__), "--shape", args.shape, "--workdir",
+                            args.workdir, "--measure", out], check=True,
+                           env=dict(os.environ, DELTA_BENCH_PATHS=json.dumps(paths), **extra_env))
+        results[run] = json.load(open(out))
+    args.steps = len(results["timing"]["steps"])
+    import platform
+
+    import sglang
+
+    env = (f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, SGLang {sglang.__version__} "
+           f"(patched), {time.strftime('%Y-%m-%d')}")
+    os.makedirs(args.out, exist_ok=True)
+    summ = summarize(results["timing"], results["memory"])
+    plot(results["timing"], summ, os.path.join(args.out, "benchmarks.png"))
+    text = report(results["timing"], results["memory"], args, env)
+    with open(os.path.join(args.out, "benchmarks.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,22 @@
+"""`make bench` end to end at a tiny shape: states from real AdamW steps, the timing and memory runs (each applying
+every encoding to a real SGLang model and checking the fingerprint), then the report and the plot."""
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_bench_writes_its_report(tmp_path):
+    out = tmp_path / "docs"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench.py"), "--shape", "tiny", "--steps", "2",
+                        "--workdir", str(tmp_path / "work"), "--out", str(out)], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.stdout.count("every encoding bit-identical on the engine") == 2  # per step, in the timing run
+    text = (out / "benchmarks.md").read_text()
+    for e, path in (("indices", "nccl"), ("deltas", "nccl"), ("deltas_zstd", "disk")):
+        assert f"| delta `{e}` | {path} |" in text
+    assert "| 1 | " in text and "| 2 | " in text and "| 3 | " not in text  # one row per step
+    assert "(theirs)" in text
+    assert (out / "benchmarks.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
