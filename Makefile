@@ -9,7 +9,7 @@ TRANSPORT ?= disk
 ENCODING  ?=
 IMAGE     ?= delta-weight-sync:latest
 
-.PHONY: venvs test test-slime soak demo bench image image-lint check-image-tree clean
+.PHONY: venvs test test-slime soak demo bench gpu-check gpu-bundle image image-lint check-image-tree clean
 
 venvs:
 	@for p in $(PINS); do scripts/build_venv.sh $$p $(BUILD) || exit 1; done
@@ -41,6 +41,17 @@ BENCH_ARGS ?=
 bench:
 	@scripts/build_venv.sh $(PIN) $(BUILD)
 	$(BUILD)/venv-$(PIN)/bin/python scripts/bench.py --workdir $(BUILD)/bench $(BENCH_ARGS)
+
+# On a GPU host: the CUDA sender and receiver paths checked and measured (scripts/gpu_check.py; exits 2 without
+# CUDA). Where SGLang is not installed it runs from build/gpu-bundle/site.zip (`make gpu-bundle` on a machine
+# with PyPI access; carry build/gpu-bundle along).
+GPU_PYTHON ?= python3
+GPU_REPORT ?= $(BUILD)/gpu-check/report.md
+gpu-check:
+	$(GPU_PYTHON) scripts/gpu_check.py --bundle $(BUILD)/gpu-bundle/site.zip --report $(GPU_REPORT)
+
+gpu-bundle:
+	scripts/gpu_bundle.sh $(BUILD)
 
 # 200 syncs into a real server with random (seeded) faults; `make test` runs the same with 50.
 soak:

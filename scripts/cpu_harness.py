@@ -99,7 +99,7 @@ def rl_steps(model, steps: int, lr: float = 1e-6, seed: int = 0, batch: int = 2,
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     g = torch.Generator().manual_seed(seed)
     for _ in range(steps):
-        ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=g)
+        ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=g).to(model.device)
         loss = model(input_ids=ids, labels=ids).loss
         opt.zero_grad()
         loss.backward()

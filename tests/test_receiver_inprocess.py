@@ -99,3 +99,50 @@ def test_delta_sync_bit_identical(request, tmp_path, arch, kind, encoding):
         assert all(ok for ok, _ in results), results
         assert_params_equal(host.model, reference(cfg, new))
     assert receiver_state(host.model).version == 3
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_params_loaded_by_view_copies_alone_take_deltas_directly(arch):
+    """The full sync records each loader's view copies; those params skip densify + loader on a delta."""
+    cfg, states = trained(arch)
+    host = Host(nan_filled(sglang_model(cfg)))
+    ok, msg = host.call("_apply_delta_payload", full_flushes(states[0], version=1))
+    assert ok, msg
+    state = receiver_state(host.model)
+    assert state.direct and set(state.direct) == set(state.copies), sorted(set(state.copies) - set(state.direct))
+    native, calls = host.model.load_weights, []
+    host.model.load_weights = lambda weights: calls.append([n for n, _ in weights]) or native(weights)
+    ok, msg = host.call("_apply_delta_payload", delta_flushes(states[0], states[1], "deltas", version=2, base_version=1))
+    assert ok, msg
+    assert all(n not in state.direct for c in calls for n in c), calls  # only names off the direct path
+    assert_params_equal(host.model, reference(cfg, states[1]))
+
+
+def test_a_loader_copying_a_transformed_tensor_stays_on_the_loader_path():
+    """A copy from a temporary (no view of the HF tensor left to follow) keeps that load call's names off the
+    direct path; their deltas go through the loader and the NaN mask, and land bit-identically."""
+    cfg, states = trained("qwen3")
+    host = Host(nan_filled(sglang_model(cfg)), chunk_bytes=64 << 10)
+    params, native = dict(host.model.named_parameters()), host.model.load_weights
+
+    def load_weights(weights):
+        rest = []
+        for n, t in weights:
+            if n == "model.norm.weight":
+                params[n].copy_(t.clone())
+            else:
+                rest.append((n, t))
+        return native(rest)
+
+    host.model.load_weights = load_weights
+    for pl in full_flushes(states[0], version=1, max_params=7):
+        ok, msg = host.call("_apply_delta_payload", [pl])
+        assert ok, msg
+    direct = receiver_state(host.model).direct
+    assert "model.norm.weight" not in direct and direct  # other load calls stay direct
+    new = dict(states[1])
+    new["model.norm.weight"] = states[0]["model.norm.weight"].clone()
+    new["model.norm.weight"].view(-1)[:3] += 0.5
+    ok, msg = host.call("_apply_delta_payload", delta_flushes(states[0], new, "deltas", version=2, base_version=1))
+    assert ok, msg
+    assert_params_equal(host.model, reference(cfg, new))

@@ -75,11 +75,19 @@ def bypassing_loader(host, target, write):
      "refused before that write"),
 ])
 def test_loader_bypasses_fail_the_sync_then_a_full_sync_restores(write, error):
-    cfg, states, host = synced("qwen3")
+    # The bypassing loader is the model's from the start: the full sync sees it (no recorded view copy
+    # for the norm), so the delta goes through the loader, where the guard must catch it.
+    cfg = hf_config("qwen3")
+    states = rl_states(cfg, 1, seed=0)
+    host = Host(nan_filled(sglang_model(cfg)))
+    restore = bypassing_loader(host, ("model.norm.weight", "model.norm.weight"), write)
+    for pl in full_flushes(states[0], version=1):
+        ok, msg = host.call("_apply_delta_payload", [pl])
+        assert ok, msg
+    assert "model.norm.weight" not in receiver_state(host.model).direct
     state = dict(states[1])
     state["model.norm.weight"] = states[0]["model.norm.weight"].clone()
     state["model.norm.weight"].view(-1)[:3] += 0.5  # a sparse change: the rest travels as NaN sentinels
-    restore = bypassing_loader(host, ("model.norm.weight", "model.norm.weight"), write)
     (pl,) = delta_flushes(states[0], state, "deltas", version=2, base_version=1)
     ok, msg = host.call("_apply_delta_payload", [pl])
     restore()

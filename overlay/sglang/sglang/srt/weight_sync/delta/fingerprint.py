@@ -142,6 +142,7 @@ class _Copy:
     param: torch.Tensor
     dst: Tuple[Tuple[int, ...], Tuple[int, ...], int]  # sizes, strides, storage offset (elements)
     src: Tuple[Tuple[int, ...], Tuple[int, ...], int]  # the same, in the HF tensor's flat index
+    ptr: int = 0  # the param's data_ptr when recorded (a later ``param.data = ...`` makes the views stale)
 
 
 class FingerprintRecorder:
@@ -151,6 +152,9 @@ class FingerprintRecorder:
         self._params = self._ranges((p.data_ptr(), p.numel() * p.element_size(), p) for p in params)
         self._sources = self._ranges(())
         self.copies: Dict[str, List[_Copy]] = {}
+        self.current: List[str] = []  # names of the load_weights call in progress
+        self.in_copy = False  # inside a recorded copy_ (its aten write is explained)
+        self.tainted: set = set()  # names loaded alongside a write into the model that no recorded copy explains
 
     @staticmethod
     def _ranges(items):
@@ -166,19 +170,22 @@ class FingerprintRecorder:
     def sources(self, named: Sequence[Tuple[str, torch.Tensor]]) -> None:
         """The HF tensors handed to the next ``load_weights`` call."""
         self._sources = self._ranges((t.data_ptr(), t.numel() * t.element_size(), n, t) for n, t in named)
+        self.current = [n for n, _ in named]
 
-    def observe(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def observe(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
+        """Record ``dst.copy_(src)`` if it copies a view of a source into a param; True when recorded."""
         if not isinstance(src, torch.Tensor) or dst.shape != src.shape or not dst.numel():
-            return
+            return False
         owner = self._find(self._params, dst.data_ptr())
         source = self._find(self._sources, src.data_ptr())
         if owner is None or source is None or src.dtype != source[3].dtype:
-            return
+            return False
         base = source[3]
         offset = (src.data_ptr() - base.data_ptr()) // src.element_size()
         self.copies.setdefault(source[2], []).append(_Copy(
             owner[2], (tuple(dst.shape), tuple(dst.stride()), dst.storage_offset()),
-            (tuple(src.shape), tuple(src.stride()), offset)))
+            (tuple(src.shape), tuple(src.stride()), offset), owner[2].data_ptr()))
+        return True
 
 
 @contextlib.contextmanager
@@ -187,8 +194,11 @@ def recording(recorder: FingerprintRecorder):
     orig = torch.Tensor.copy_
 
     def copy_(dst, src, non_blocking=False):
-        recorder.observe(dst, src)
-        return orig(dst, src, non_blocking)
+        recorder.in_copy = recorder.observe(dst, src)
+        try:
+            return orig(dst, src, non_blocking)
+        finally:
+            recorder.in_copy = False
 
     torch.Tensor.copy_ = copy_
     try:

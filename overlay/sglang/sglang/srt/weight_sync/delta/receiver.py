@@ -6,11 +6,15 @@ Contract (see the wire module for the format):
   one disk publish) is validated *whole* before the first write: checksum, offsets, positions,
   NaN among values, names/shapes/dtypes against the manifest of the first full sync, and the
   version rules below. A refused request leaves every weight untouched.
-* Sparse params are densified into a full-shape NaN tensor and fed, in chunks capped by
-  ``--update-weight-delta-chunk-bytes``, to the model's **own** ``load_weights`` inside
-  :func:`_delta_apply_context`, where ``Tensor.copy_`` into model storage keeps the old value
-  wherever the source is NaN and ``Tensor.fill_(nan)`` into model storage is ignored. Reusing the
-  loader inherits every model's name mapping, QKV/gate-up fusion and TP/EP sharding.
+* The model's **own** ``load_weights`` defines where each HF element lives (name mapping, QKV/gate-up
+  fusion, TP/EP sharding). Every full sync runs it and records each view copy it makes
+  (:class:`fingerprint.FingerprintRecorder`). A param whose loader did nothing else — no transformed
+  copy, no in-place arithmetic, no index-assignment, no post-processing (:class:`_FullSyncWatch`) —
+  takes its changed elements straight through those views (:func:`_write_direct`, O(changed)).
+* Every other sparse param is densified into a full-shape NaN tensor and fed, in chunks capped by
+  ``--update-weight-delta-chunk-bytes``, to ``load_weights`` inside :func:`_delta_apply_context`,
+  where ``Tensor.copy_`` into model storage keeps the old value wherever the source is NaN and
+  ``Tensor.fill_(nan)`` into model storage is ignored.
 * Versions: an engine accepts a request iff its committed version lies in
   ``[base_version, version)`` (or it is mid-way through this same version and this is the next
   flush), and commits ``version`` on the ``final`` request. Full syncs (every param dense) are
@@ -78,6 +82,7 @@ class ReceiverState:
     max_payload_bytes: int = 0  # bound on one decompressed flush, from the model's size (see _max_file_bytes)
     recorder: Optional[fingerprint.FingerprintRecorder] = None  # watching the full sync being applied
     copies: Optional[dict] = None  # where the last full sync's HF tensors landed (fingerprint.engine_shares)
+    direct: Optional[dict] = None  # name -> [_Direct]: params a delta writes through those views, no loader call
 
 
 _STATES: "weakref.WeakKeyDictionary[torch.nn.Module, ReceiverState]" = weakref.WeakKeyDictionary()
@@ -164,6 +169,22 @@ def _is_nan_scalar(value) -> bool:
     return isinstance(value, float) and math.isnan(value)
 
 
+def _model_storages(model: torch.nn.Module) -> set:
+    return {t.untyped_storage().data_ptr() for t in _model_tensors(model) if t.numel()}
+
+
+def _model_write(func, args, kwargs, storages: set) -> Optional[torch.Tensor]:
+    """The model tensor an aten op writes (by its schema's write annotations), else None."""
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        v = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
+        for t in (v if isinstance(v, (list, tuple)) else [v]):
+            if isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage().data_ptr() in storages:
+                return t
+    return None
+
+
 class _WriteGuard(TorchDispatchMode):
     """Sees every aten op of a delta apply; masks or refuses writes into model storage that bypass ``copy_``.
 
@@ -175,24 +196,14 @@ class _WriteGuard(TorchDispatchMode):
 
     def __init__(self, model: torch.nn.Module, owner: Callable[[torch.Tensor], Optional[str]]):
         super().__init__()
-        self.storages = {t.untyped_storage().data_ptr() for t in _model_tensors(model) if t.numel()}
+        self.storages = _model_storages(model)
         self.owner = owner
         self.masked = 0  # >0 inside the Python-level masked copy_/fill_
         self.caught: Dict[str, int] = {}  # aten op -> bypassing writes masked here
 
-    def _model_write(self, func, args, kwargs) -> Optional[torch.Tensor]:
-        for i, a in enumerate(func._schema.arguments):
-            if a.alias_info is None or not a.alias_info.is_write:
-                continue
-            v = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
-            for t in (v if isinstance(v, (list, tuple)) else [v]):
-                if isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage().data_ptr() in self.storages:
-                    return t
-        return None
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        dst = None if self.masked else self._model_write(func, args, kwargs)
+        dst = None if self.masked else _model_write(func, args, kwargs, self.storages)
         if dst is None:
             return func(*args, **kwargs)
         op, aten = func.overloadpacket, torch.ops.aten
@@ -285,6 +296,108 @@ def _delta_apply_context(model: torch.nn.Module):
                              "sentinels")
 
 
+class _FullSyncWatch(TorchDispatchMode):
+    """During a full sync: any write into model storage that a recorded view copy does not explain
+    (a transformed copy, in-place arithmetic, an index-assignment) keeps the names of that loader
+    call off the direct path. Constant fills (vocab padding) derive from no weight and pass."""
+
+    def __init__(self, model: torch.nn.Module, recorder: fingerprint.FingerprintRecorder):
+        super().__init__()
+        self.storages, self.recorder = _model_storages(model), recorder
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        op, aten = func.overloadpacket, torch.ops.aten
+        explained = (op is aten.copy_ and self.recorder.in_copy) or op is aten.zero_ or func is aten.fill_.Scalar
+        if not explained and _model_write(func, args, kwargs, self.storages) is not None:
+            self.recorder.tainted.update(self.recorder.current)
+        return func(*args, **kwargs)
+
+
+# ---------------------------------------------------------------- direct writes
+
+
+def _contiguous_strides(sizes) -> Tuple[int, ...]:
+    out, step = [], 1
+    for n in reversed(sizes):
+        out.append(step)
+        step *= n
+    return tuple(reversed(out))
+
+
+@dataclasses.dataclass
+class _Direct:
+    """Where one recorded copy puts HF flat positions: ``flat`` (the param's whole storage) at
+    ``doff + sum(i_d * dst_stride_d)`` for the multi-index ``i`` with ``p = soff + sum(i_d * src_stride_d)``."""
+
+    flat: torch.Tensor
+    soff: int
+    doff: int
+    numel: int  # elements the view spans in the HF tensor
+    dims: List[Tuple[int, int, int]]  # (size, src stride, dst stride), outer to inner; [] = one contiguous block
+
+    @classmethod
+    def of(cls, c) -> Optional["_Direct"]:
+        """None when the source view cannot be inverted by division (overlapping or interleaved strides)."""
+        (dsz, dstr, doff), (ssz, sstr, soff) = c.dst, c.src
+        if c.param.data_ptr() != c.ptr:
+            return None  # the param's tensor was replaced after this copy: the recorded offsets are stale
+        keep = [d for d in range(len(ssz)) if ssz[d] > 1]
+        numel = math.prod(ssz)
+        block = all(sstr[d] == _contiguous_strides(ssz)[d] and dstr[d] == _contiguous_strides(dsz)[d] for d in keep)
+        dims = sorted(((ssz[d], sstr[d], dstr[d]) for d in keep), key=lambda x: -x[1])
+        span = 1
+        for size, stride, _ in reversed(dims):
+            if stride < span:
+                return None
+            span += stride * (size - 1)
+        storage = c.param.untyped_storage().nbytes() // c.param.element_size()
+        flat = torch.as_strided(c.param.detach(), (storage,), (1,), 0)
+        return cls(flat, soff, doff, numel, [] if block else dims)
+
+    def targets(self, idx: torch.Tensor, whole: bool) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
+        """(which entries of ``idx`` this view holds, or None for all; their offsets in ``flat``)."""
+        if not self.dims:
+            if whole:
+                return None, idx + (self.doff - self.soff)
+            sel = ((idx >= self.soff) & (idx < self.soff + self.numel)).nonzero().squeeze(1)
+            return sel, idx[sel] + (self.doff - self.soff)
+        rem = idx - self.soff
+        ok = rem >= 0
+        out = torch.full_like(idx, self.doff)
+        for size, sstride, dstride in self.dims:
+            i = torch.div(rem, sstride, rounding_mode="floor")
+            ok &= (i >= 0) & (i < size)
+            rem -= i * sstride
+            out += i * dstride
+        sel = (ok & (rem == 0)).nonzero().squeeze(1)
+        return sel, out[sel]
+
+
+def _direct_plan(model: torch.nn.Module, recorder: fingerprint.FingerprintRecorder) -> Dict[str, List[_Direct]]:
+    """Names whose loader the full sync saw doing nothing but view copies into live params."""
+    if getattr(model, "post_load_weights", None) is not None:
+        return {}  # post-processing derives weights from loaded ones: every delta goes through the loader
+    plan = {}
+    for name, copies in recorder.copies.items():
+        if name in recorder.tainted:
+            continue
+        targets = [_Direct.of(c) for c in copies]
+        if all(t is not None for t in targets):
+            plan[name] = targets
+    return plan
+
+
+def _write_direct(targets: List[_Direct], idx: torch.Tensor, values: torch.Tensor, numel: int) -> None:
+    """Overwrite the changed elements of one param in place, through every view its loader used."""
+    device = targets[0].flat.device
+    idx, values = idx.to(device, non_blocking=True), values.to(device, non_blocking=True)
+    for t in targets:
+        sel, offsets = t.targets(idx, whole=t.soff == 0 and t.numel == numel)
+        v = values if sel is None else values[sel]
+        t.flat.index_copy_(0, offsets, v.to(t.flat.dtype))
+
+
 def _decode_delta_one_param(p: DeltaParam, idx: Optional[torch.Tensor], values: torch.Tensor,
                             device) -> torch.Tensor:
     """Full-shape source tensor for the loader: NaN where unchanged, the trainer's bytes elsewhere."""
@@ -369,26 +482,43 @@ def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version:
         model.load_weights(chunk)
         _kill_point()
 
+    direct = {} if head.full else (state.direct or {})
+    via_loader = []  # (param, positions or None, values) the model's loader writes
+    for payload, idxs in zip(payloads, decoded):
+        for p, idx in zip(payload.spec.params, idxs):
+            if head.full:
+                state.pending_manifest[p.name] = (list(p.shape), p.dtype)
+            if idx is not None and not idx.numel():
+                continue  # nothing of this param changed: no write at all
+            if idx is None or p.name not in direct:
+                via_loader.append((p, idx, payload.values))
     try:
-        with torch.no_grad(), (fingerprint.recording(state.recorder) if head.full else _delta_apply_context(model)):
-            chunk, chunk_bytes = [], 0
+        with torch.no_grad():
             for payload, idxs in zip(payloads, decoded):
-                values = payload.values.to(device, non_blocking=True)
                 for p, idx in zip(payload.spec.params, idxs):
-                    if idx is not None and not idx.numel():
-                        continue  # nothing of this param changed: no densify, no loader call
+                    if idx is not None and idx.numel() and p.name in direct:
+                        _write_direct(direct[p.name], idx, payload.values[p.val_start:p.val_end], p.numel)
+                        _kill_point()
+        if via_loader:
+            context = contextlib.ExitStack()
+            if head.full:
+                context.enter_context(fingerprint.recording(state.recorder))
+                context.enter_context(_FullSyncWatch(model, state.recorder))
+            else:
+                context.enter_context(_delta_apply_context(model))
+            with torch.no_grad(), context:
+                chunk, chunk_bytes = [], 0
+                for p, idx, values in via_loader:
                     size = p.numel * values.element_size()
                     if chunk and chunk_bytes + size > chunk_cap:
                         load(chunk)
                         chunk, chunk_bytes = [], 0
-                    chunk.append((p.name, _decode_delta_one_param(p, idx, values, device)))
+                    chunk.append((p.name, _decode_delta_one_param(p, idx, values.to(device, non_blocking=True), device)))
                     chunk_bytes += size
-                    if head.full:
-                        state.pending_manifest[p.name] = (list(p.shape), p.dtype)
-            if chunk:
-                load(chunk)
-                del chunk
-    except Exception as e:  # a loader failed mid-way: some weights are written
+                if chunk:
+                    load(chunk)
+                    del chunk
+    except Exception as e:  # a write failed mid-way: some weights are written
         state.dirty = True
         state.pending = None
         logger.exception("delta apply failed after writing")
@@ -399,6 +529,7 @@ def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version:
         state.version, state.pending, state.next_flush = head.version, None, 0
         if head.full:
             state.manifest, state.dirty, state.outside_load = state.pending_manifest, False, None
+            state.direct = _direct_plan(model, state.recorder)
             state.copies, state.recorder, state.pending_manifest = state.recorder.copies, None, {}
     kind = "full sync" if head.full else "delta"
     return True, (f"Succeeded to apply {kind} version {head.version} flush {head.flush} "
@@ -420,7 +551,7 @@ def fingerprint_payload(model: torch.nn.Module, parallelism_info=None) -> dict:
 
 def _kill_point() -> None:
     """Fault injection for tests: when ``$SGLANG_DELTA_TEST_KILL_FILE`` names an existing file, the
-    engine process dies here, between two loader calls of an apply (the file is consumed)."""
+    engine process dies here, between two writes of an apply (the file is consumed)."""
     path = os.environ.get("SGLANG_DELTA_TEST_KILL_FILE")
     if path and os.path.exists(path):
         os.remove(path)

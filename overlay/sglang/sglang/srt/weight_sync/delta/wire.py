@@ -284,16 +284,18 @@ _BLOCK_WORDS = 1 << 22  # bounds the checksum's scratch memory to a few 32 MiB t
 def _wsum(blob: torch.Tensor) -> int:
     """sum_i w_i * (2i+1) mod 2**64 over the blob read as little-endian u64 words (zero-padded)."""
     b = blob.reshape(-1).view(torch.uint8) if blob.dtype != torch.uint8 else blob.reshape(-1)
-    pad = (-b.numel()) % 8
-    if pad:
-        b = torch.cat([b, torch.zeros(pad, dtype=torch.uint8, device=b.device)])
-    words = b.view(torch.int64)  # int64 arithmetic wraps mod 2**64 on CPU and CUDA alike
+    n = b.numel() // 8
+    body = b[:8 * n]
+    if body.storage_offset() % 8:  # an int64 view needs an aligned offset
+        body = body.clone()
+    words = body.view(torch.int64)  # int64 arithmetic wraps mod 2**64 on CPU and CUDA alike
     total = torch.zeros((), dtype=torch.int64, device=b.device)
     for start in range(0, words.numel(), _BLOCK_WORDS):
         w = words[start:start + _BLOCK_WORDS]
         mult = torch.arange(start, start + w.numel(), dtype=torch.int64, device=b.device).mul_(2).add_(1)
         total += (w * mult).sum()
-    return int(total.item()) & 0xFFFFFFFFFFFFFFFF
+    tail = int.from_bytes(bytes(b[8 * n:].tolist()), "little")  # the last word, zero-padded
+    return (int(total.item()) + tail * (2 * n + 1)) & 0xFFFFFFFFFFFFFFFF
 
 
 def wsum64(positions: torch.Tensor, values: torch.Tensor) -> str:
@@ -329,12 +331,10 @@ def encode_positions(idx: torch.Tensor, encoding: str) -> Tuple[torch.Tensor, in
 
 
 def decode_positions(blob: torch.Tensor, width: int, encoding: str) -> torch.Tensor:
-    """uint8 little-endian bytes -> int64 flat positions (bitwise unpack: no alignment needed)."""
-    n = blob.numel() // width
-    b = blob.reshape(n, width).to(torch.int64)
-    ints = b[:, 0].clone()
-    for k in range(1, width):
-        ints |= b[:, k] << (8 * k)
+    """uint8 little-endian bytes -> int64 flat positions (gaps decode strictly increasing)."""
+    if blob.storage_offset() % width:  # a dtype view needs an aligned offset; a param's slice may not have one
+        blob = blob.clone()
+    ints = blob.view(torch.uint16 if width == 2 else torch.uint32).to(torch.int64)  # little-endian, as encoded
     if DeltaEncoding(encoding) is DeltaEncoding.INDICES:
         return ints
     return torch.cumsum(ints + 1, 0) - 1
@@ -403,9 +403,11 @@ def validate_payload(payload: DeltaPayload, manifest: Optional[Dict[str, Tuple[L
                 raise DeltaError(f"{tag}: {p.nnz} positions for {numel} elements")
             idx = decode_positions(pos[p.pos_start:p.pos_end], p.pos_width, spec.encoding)
             if idx.numel():
-                if int(idx.min()) < 0 or int(idx.max()) >= numel:
-                    raise DeltaError(f"{tag}: position {int(idx.max())} out of range for {numel} elements")
-                if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
+                gaps = spec.encoding != DeltaEncoding.INDICES.value  # increasing by construction: ends are extremes
+                top = int(idx[-1]) if gaps else int(idx.max())
+                if top >= numel:
+                    raise DeltaError(f"{tag}: position {top} out of range for {numel} elements")
+                if not gaps and idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
                     s = torch.sort(idx).values
                     dup = (s[1:] == s[:-1]).nonzero()
                     if dup.numel():

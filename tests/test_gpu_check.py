@@ -1,0 +1,30 @@
+"""`make gpu-check` rehearsed on the CPU (the script's own dry-run: every check, tiny model), and its refusal
+to pretend without CUDA."""
+import os
+import subprocess
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.py")
+
+
+def test_dry_run_passes_every_check(tmp_path):
+    report = tmp_path / "report.md"
+    r = subprocess.run([sys.executable, SCRIPT, "--dry-run", "--report", str(report)], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    text = report.read_text()
+    assert "FAIL" not in text and text.rstrip().splitlines()[-1].startswith("all checks passed")
+    for enc in ("indices", "deltas", "deltas_zstd"):
+        assert f"step 3 {enc}: delta v4" in text
+    assert "wsum64 equal on CPU and device" in text and "delta apply `deltas`" in text
+
+
+def test_without_cuda_it_fails_and_says_why(tmp_path):
+    assert not torch.cuda.is_available()
+    r = subprocess.run([sys.executable, SCRIPT, "--report", str(tmp_path / "r.md")], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2
+    assert "gpu-check: CUDA is not available here" in r.stderr
