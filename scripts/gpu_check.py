@@ -6,9 +6,10 @@ Checks (each PASS or FAIL in the report; any FAIL exits 1):
 * The sender on CUDA — diff on the device, pinned host snapshot prefetched one chunk ahead on its
   own stream, changed values copied back on another, events ordering them — drives a receiver on
   the GPU (SGLang's own ``Qwen3ForCausalLM``, in-process) over the disk transport for every
-  encoding and several AdamW steps: after every sync every engine param equals, bit for bit, a
-  second SGLang model loaded in full with the trainer's weights, and the sender's fingerprint
-  check agrees.
+  encoding, and over the broadcast transport (NCCL to an engine on a second GPU where there is
+  one, else gloo), for several AdamW steps: after every sync every engine param equals, bit for
+  bit, a second SGLang model loaded in full with the trainer's weights, and the sender's
+  fingerprint check agrees.
 
 Figures: diff + encode throughput against a device copy of the same bytes; host<->device bytes
 per delta sync against the 4N bytes of copying whole chunks both ways; the overlap of the
@@ -111,10 +112,47 @@ class InProcessEngine:
 
         return receiver._apply_delta(self.host, model_path, files, weight_version)
 
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name, delta, weight_version):
+        from sglang.srt.weight_sync.delta import receiver
+
+        return receiver._apply_delta_from_distributed(self.host, delta, names, dtypes, shapes, group_name,
+                                                      weight_version)
+
     def fingerprint(self):
         from sglang.srt.weight_sync.delta import receiver
 
         return [receiver.fingerprint_payload(self.host.model)]
+
+
+def update_group(host, backend: str, name: str):
+    """Both ranks of one weight-update group in this process: rank 0 (the trainer's, returned) here, rank 1
+    (the engine's, stored on the host as SGLang's init_weights_update_group does) in a thread beside it."""
+    import threading
+
+    from cpu_harness import free_port
+    from sglang.srt.utils.common import init_custom_process_group
+
+    from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
+    from torch.distributed.distributed_c10d import _world
+
+    init, box, lock = f"tcp://127.0.0.1:{free_port()}", {}, threading.Lock()
+
+    def create(rank):
+        """A group name is registered once per process: each rank, once created, moves its registration aside."""
+        pg = init_custom_process_group(backend=backend, init_method=init, world_size=2, rank=rank, group_name=name)
+        with lock:
+            _unregister_process_group(name)
+            _world.pg_names[pg] = f"{name}:rank{rank}"
+            _register_process_group(f"{name}:rank{rank}", pg)
+        box[rank] = pg
+
+    peer = threading.Thread(target=create, args=(1,))
+    peer.start()
+    peer.join(5)  # gloo connects lazily, so the peer may be done before rank 0 starts; NCCL waits for it
+    create(0)
+    peer.join(120)
+    host._model_update_group[name] = box[1]
+    return box[0]
 
 
 def engine_model(cfg, device):
@@ -127,8 +165,8 @@ def first_difference(model, ref):
     """The first param whose bytes differ between two SGLang models of one class, else None."""
     theirs = dict(ref.named_parameters())
     for name, p in model.named_parameters():
-        q = theirs[name]
-        if p.shape != q.shape or not torch.equal(p.detach().view(torch.uint8), q.detach().view(torch.uint8)):
+        q = theirs[name].detach().to(p.device)  # the broadcast lane's engine may sit on a second GPU
+        if p.shape != q.shape or not torch.equal(p.detach().view(torch.uint8), q.view(torch.uint8)):
             return name
     return None
 
@@ -205,7 +243,7 @@ def run(args, device, report) -> None:
                              sglang_model)
     from sglang.srt.weight_sync.delta import receiver
     from sglang.srt.weight_sync.delta.sender import DeltaBucket, DeltaSender
-    from sglang.srt.weight_sync.delta.transport import DiskTransport
+    from sglang.srt.weight_sync.delta.transport import DiskTransport, NcclTransport
     from sglang.srt.weight_sync.delta.wire import changed_positions
 
     check_hashes(report, device)
@@ -224,7 +262,18 @@ def run(args, device, report) -> None:
         transport = DiskTransport(os.path.join(workdir, enc), [engine], zstd=enc == "deltas_zstd")
         lanes[enc] = (host, DeltaSender(transport, [engine], encoding=enc, buffer_bytes=64 << 20, device=device,
                                         fingerprint_every=1), transport)
-    states, per_sync = [bf16_state(trainer)], {enc: [] for enc in ENCODINGS}
+    # The broadcast transport: NCCL between two GPUs (the engine on the second), else gloo.
+    two = device.type == "cuda" and torch.cuda.device_count() > 1
+    backend, engine_device = ("nccl", torch.device("cuda", 1)) if two else ("gloo", device)
+    host = Host(engine_model(cfg, engine_device))
+    host.device = engine_device
+    engine = InProcessEngine(host)
+    transport = NcclTransport(update_group(host, backend, "gpu-check"), "gpu-check", [engine],
+                              device=device if backend == "nccl" else torch.device("cpu"))
+    lanes[f"broadcast:{backend}"] = (host, DeltaSender(transport, [engine], encoding="indices",
+                                                       buffer_bytes=16 << 20, device=device, fingerprint_every=1),
+                                     transport)
+    states, per_sync = [bf16_state(trainer)], {enc: [] for enc in lanes}
     steps = rl_steps(trainer, args.steps, lr=1e-6, batch=2, seq=64)
     for step in range(args.steps + 1):
         if step:
@@ -262,6 +311,8 @@ def run(args, device, report) -> None:
         report.add(f"- diff + encode `{enc}` (checksum incl.): {1e3 * t:.2f} ms ({nbytes / t / 1e9:.1f} GB/s, "
                    f"{t_copy / t:.2f}x the copy)")
     for enc, ms in per_sync.items():
+        if enc not in ENCODINGS:
+            continue
         h2d = [b["perf/update_weights_h2d_bytes"] - a["perf/update_weights_h2d_bytes"] for a, b in zip(ms, ms[1:])]
         d2h = [b["perf/update_weights_d2h_bytes"] - a["perf/update_weights_d2h_bytes"] for a, b in zip(ms, ms[1:])]
         moved = statistics.mean(x + y for x, y in zip(h2d, d2h))
@@ -299,8 +350,9 @@ def run(args, device, report) -> None:
     items = list(new.items())
     with torch.no_grad():
         t_full = median_s(lambda: host.model.load_weights(items), device, repeats=3)
+    ratio = f"{t_full / t_apply:.2f}x faster" if t_apply <= t_full else f"{t_apply / t_full:.2f}x slower"
     report.check(ok and ok2, f"delta apply `deltas` {1e3 * t_apply:.2f} ms vs full load_weights {1e3 * t_full:.2f} ms "
-                             f"({t_full / t_apply:.2f}x)" + ("" if ok and ok2 else f" — {msg} / {msg2}"))
+                             f"({ratio})" + ("" if ok and ok2 else f" — {msg} / {msg2}"))
 
 
 def main():

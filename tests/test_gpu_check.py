@@ -17,8 +17,8 @@ def test_dry_run_passes_every_check(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     text = report.read_text()
     assert "FAIL" not in text and text.rstrip().splitlines()[-1].startswith("all checks passed")
-    for enc in ("indices", "deltas", "deltas_zstd"):
-        assert f"step 3 {enc}: delta v4" in text
+    for lane in ("indices", "deltas", "deltas_zstd", "broadcast:gloo"):
+        assert f"PASS: step 3 {lane}: delta v4" in text
     assert "wsum64 equal on CPU and device" in text and "delta apply `deltas`" in text
 
 

@@ -157,6 +157,43 @@ def test_the_example_parses_with_slimes_own_arguments():
         parser.parse_known_args(argv + ["--update-weight-delta-encoding", "lz4"])
 
 
+def test_the_single_gpu_example_attaches_to_an_external_patched_server(world):
+    """The example's one-GPU variant: slime discovers a real patched server by its address, and a plain launch of
+    that server passes slime's own sanity check of external engines (the fields it compares)."""
+    import argparse
+    import shlex
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    from delta_gsm8k import train_args
+    from slime.backends.sglang_utils.arguments import add_sglang_arguments
+    from slime.backends.sglang_utils.external import apply_external_engine_info_to_args, get_server_info
+    from slime.backends.sglang_utils.sglang_engine import _compute_server_args
+    from slime.utils.arguments import get_slime_extra_args_provider
+
+    server = world["server"]
+    addr = f"127.0.0.1:{server.port}"
+    argv = shlex.split(train_args("disk", "/shared", 4, external_engine=addr))
+    parser = argparse.ArgumentParser()
+    parser = get_slime_extra_args_provider()(parser) or parser
+    ns, _ = parser.parse_known_args(argv)
+    sglang_parser = argparse.ArgumentParser(add_help=False)  # slime parses its --sglang-* flags apart
+    add_sglang_arguments(sglang_parser)
+    vars(ns).update(vars(sglang_parser.parse_known_args(argv)[0]))
+    assert ns.rollout_external_engine_addrs == [addr] and ns.update_weight_transport == "disk"
+    apply_external_engine_info_to_args(ns)
+    assert (ns.rollout_num_engines, ns.rollout_num_gpus) == (1, 1)
+    ns.seed, ns.fp16, ns.num_gpus_per_node = 1234, False, 1  # Megatron's flags and the launcher's
+    ns.offload_rollout = False  # what slime's validation resolves for a non-colocated run
+    expect, fields = _compute_server_args(ns, 0, addr, None, "127.0.0.1", server.port, base_gpu_id=0,
+                                          num_gpus_per_engine=1)
+    actual = get_server_info(server.url)
+    assert fields and all(actual.get(f) == expect.get(f) for f in fields), \
+        [(f, expect.get(f), actual.get(f)) for f in fields]
+    with pytest.raises(SystemExit, match="use --transport disk"):
+        train_args("nccl", "/shared", 4, external_engine=addr)
+
+
 def test_argument_rules():
     import argparse
 

@@ -152,9 +152,8 @@ class FingerprintRecorder:
         self._params = self._ranges((p.data_ptr(), p.numel() * p.element_size(), p) for p in params)
         self._sources = self._ranges(())
         self.copies: Dict[str, List[_Copy]] = {}
-        self.current: List[str] = []  # names of the load_weights call in progress
         self.in_copy = False  # inside a recorded copy_ (its aten write is explained)
-        self.tainted: set = set()  # names loaded alongside a write into the model that no recorded copy explains
+        self.unexplained: Optional[str] = None  # the first write into the model that no recorded copy explains
 
     @staticmethod
     def _ranges(items):
@@ -170,7 +169,6 @@ class FingerprintRecorder:
     def sources(self, named: Sequence[Tuple[str, torch.Tensor]]) -> None:
         """The HF tensors handed to the next ``load_weights`` call."""
         self._sources = self._ranges((t.data_ptr(), t.numel() * t.element_size(), n, t) for n, t in named)
-        self.current = [n for n, _ in named]
 
     def observe(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
         """Record ``dst.copy_(src)`` if it copies a view of a source into a param; True when recorded."""

@@ -8,9 +8,9 @@ Contract (see the wire module for the format):
   version rules below. A refused request leaves every weight untouched.
 * The model's **own** ``load_weights`` defines where each HF element lives (name mapping, QKV/gate-up
   fusion, TP/EP sharding). Every full sync runs it and records each view copy it makes
-  (:class:`fingerprint.FingerprintRecorder`). A param whose loader did nothing else — no transformed
-  copy, no in-place arithmetic, no index-assignment, no post-processing (:class:`_FullSyncWatch`) —
-  takes its changed elements straight through those views (:func:`_write_direct`, O(changed)).
+  (:class:`fingerprint.FingerprintRecorder`). If the loader did nothing else — no transformed copy,
+  no in-place arithmetic, no index-assignment, no post-processing (:class:`_FullSyncWatch`) — deltas
+  are written straight through those views (:func:`_write_direct`, O(changed)).
 * Every other sparse param is densified into a full-shape NaN tensor and fed, in chunks capped by
   ``--update-weight-delta-chunk-bytes``, to ``load_weights`` inside :func:`_delta_apply_context`,
   where ``Tensor.copy_`` into model storage keeps the old value wherever the source is NaN and
@@ -298,8 +298,9 @@ def _delta_apply_context(model: torch.nn.Module):
 
 class _FullSyncWatch(TorchDispatchMode):
     """During a full sync: any write into model storage that a recorded view copy does not explain
-    (a transformed copy, in-place arithmetic, an index-assignment) keeps the names of that loader
-    call off the direct path. Constant fills (vocab padding) derive from no weight and pass."""
+    (a transformed or deferred copy, in-place arithmetic, an index-assignment, a fill with a value)
+    keeps the whole model off the direct path — which name it derives from is unknowable here.
+    Zero fills (vocab padding) derive from no weight and pass."""
 
     def __init__(self, model: torch.nn.Module, recorder: fingerprint.FingerprintRecorder):
         super().__init__()
@@ -308,9 +309,12 @@ class _FullSyncWatch(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         op, aten = func.overloadpacket, torch.ops.aten
-        explained = (op is aten.copy_ and self.recorder.in_copy) or op is aten.zero_ or func is aten.fill_.Scalar
-        if not explained and _model_write(func, args, kwargs, self.storages) is not None:
-            self.recorder.tainted.update(self.recorder.current)
+        explained = (op is aten.copy_ and self.recorder.in_copy) or op is aten.zero_ or \
+            (func is aten.fill_.Scalar and args[1] == 0)
+        if not explained and self.recorder.unexplained is None:
+            dst = _model_write(func, args, kwargs, self.storages)
+            if dst is not None:
+                self.recorder.unexplained = f"{func} into {tuple(dst.shape)}"
         return func(*args, **kwargs)
 
 
@@ -375,13 +379,17 @@ class _Direct:
 
 
 def _direct_plan(model: torch.nn.Module, recorder: fingerprint.FingerprintRecorder) -> Dict[str, List[_Direct]]:
-    """Names whose loader the full sync saw doing nothing but view copies into live params."""
+    """Names whose view copies can take deltas directly: all of them, if the full sync saw the loader write
+    nothing else; none otherwise (then every delta goes through the loader)."""
     if getattr(model, "post_load_weights", None) is not None:
-        return {}  # post-processing derives weights from loaded ones: every delta goes through the loader
+        logger.info("delta: the model post-processes loaded weights; deltas go through its loader")
+        return {}
+    if recorder.unexplained is not None:
+        logger.info("delta: the loader wrote %s outside a view copy; deltas go through its loader",
+                    recorder.unexplained)
+        return {}
     plan = {}
     for name, copies in recorder.copies.items():
-        if name in recorder.tainted:
-            continue
         targets = [_Direct.of(c) for c in copies]
         if all(t is not None for t in targets):
             plan[name] = targets
