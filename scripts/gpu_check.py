@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import os
 import statistics
 import sys
@@ -375,22 +376,20 @@ def main():
         if getattr(args, k) is None:
             setattr(args, k, v)
     os.makedirs(os.path.dirname(os.path.abspath(args.report)), exist_ok=True)
-    try:
-        import sglang  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("sglang") is None:  # found, not imported: the kernel stub must come first
         if not args.bundle or not os.path.exists(args.bundle):
             print("gpu-check: SGLang is not installed and no --bundle (make gpu-bundle) was given", file=sys.stderr)
             return 2
         use_bundle(args.bundle, tempfile.gettempdir())
     stubbed = install_sgl_kernel_stub() if device.type == "cuda" else False
-    import sglang
-
     report = Report()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (dry run)"
-    report.add(f"# gpu-check: {name}; torch {torch.__version__}; SGLang {sglang.__version__} "
-               f"(patched){'; sgl_kernel: import stub' if stubbed else ''}\n")
     t0 = time.time()
     try:
+        import sglang  # a missing dependency on a bare GPU host shows up in the report
+
+        report.add(f"# gpu-check: {name}; torch {torch.__version__}; SGLang {sglang.__version__} "
+                   f"(patched){'; sgl_kernel: import stub' if stubbed else ''}\n")
         run(args, device, report)
     except Exception as e:
         import traceback
