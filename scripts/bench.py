@@ -153,12 +153,9 @@ def sender_sync(snapshot, new, encoding: str, version: int):
 
 def serialize(payloads, zstd: bool):
     """The file bytes of each flush, as the disk transport's writer produces them."""
-    import zstandard
+    from sglang.srt.weight_sync.delta.wire import flush_file
 
-    from sglang.srt.weight_sync.delta.wire import write_safetensors
-
-    files = [write_safetensors(p.spec, p.positions, p.values) for p in payloads]
-    return [zstandard.ZstdCompressor(level=1).compress(f) for f in files] if zstd else files
+    return [flush_file(p, 1 if zstd else None) for p in payloads]
 
 
 def measure(paths: list, shape: str, out_json: str, check: bool) -> None:

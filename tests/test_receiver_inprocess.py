@@ -3,12 +3,11 @@ import os
 
 import pytest
 import torch
-import zstandard
 
 from cpu_harness import Host, delta_flushes, full_flushes, hf_config, nan_filled, rl_states, sglang_model
 from delta_helpers import ARCHS, GlooSender, assert_params_equal
 from sglang.srt.weight_sync.delta.receiver import receiver_state
-from sglang.srt.weight_sync.delta.wire import POSITIONS, VALUES, dtype_to_str, write_safetensors
+from sglang.srt.weight_sync.delta.wire import POSITIONS, VALUES, dtype_to_str, flush_file
 
 ENCODINGS = ["indices", "deltas", "deltas_zstd"]
 _TRAINED = {}
@@ -32,9 +31,7 @@ class DiskTransport:
             vdir = os.path.join(self.root, f"weight_v{pl.spec.version:06d}")
             os.makedirs(vdir, exist_ok=True)
             name = f"rank0000_flush{pl.spec.flush:06d}.safetensors"
-            data = write_safetensors(pl.spec, pl.positions, pl.values)
-            if encoding == "deltas_zstd":
-                data = zstandard.ZstdCompressor(level=1).compress(data)
+            data = flush_file(pl, 1 if encoding == "deltas_zstd" else None)
             with open(os.path.join(vdir, name), "wb") as f:
                 f.write(data)
             results.append(host.call("_apply_delta", vdir, [name], str(pl.spec.version)))

@@ -3,7 +3,6 @@ import threading
 
 import pytest
 import torch
-import zstandard
 
 from cpu_harness import (
     Server,
@@ -18,7 +17,7 @@ from cpu_harness import (
     write_hf_checkpoint,
 )
 from delta_helpers import SGLANG_VERSION
-from sglang.srt.weight_sync.delta.wire import POSITIONS, VALUES, dtype_to_str, write_safetensors
+from sglang.srt.weight_sync.delta.wire import POSITIONS, VALUES, dtype_to_str, flush_file
 
 SESSIONS = not SGLANG_VERSION.startswith("0.5.15")  # v0.5.23 wraps distributed updates in a session
 
@@ -42,8 +41,7 @@ def publish(world, payloads, zstd=False):
         vdir = world["root"] / f"weight_v{pl.spec.version:06d}"
         vdir.mkdir(exist_ok=True)
         name = f"rank0000_flush{pl.spec.flush:06d}.safetensors"
-        data = write_safetensors(pl.spec, pl.positions, pl.values)
-        (vdir / name).write_bytes(zstandard.ZstdCompressor(level=1).compress(data) if zstd else data)
+        (vdir / name).write_bytes(flush_file(pl, 1 if zstd else None))
         out.append(world["server"].post("/update_weights_from_disk", {
             "model_path": str(vdir), "load_format": "delta", "files": [name], "weight_version": str(pl.spec.version)}))
     return out

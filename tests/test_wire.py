@@ -13,6 +13,7 @@ from sglang.srt.weight_sync.delta.wire import (
     decode_positions,
     encode_flush,
     encode_positions,
+    flush_file,
     maybe_zstd_decompress,
     read_safetensors,
     validate_payload,
@@ -34,11 +35,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _roundtrip(payload: DeltaPayload, encoding: str) -> DeltaPayload:
-    data = write_safetensors(payload.spec, payload.positions, payload.values)
-    if encoding == "deltas_zstd":
-        import zstandard
-
-        data = zstandard.ZstdCompressor(level=1).compress(data)
+    data = flush_file(payload, 1 if encoding == "deltas_zstd" else None)
     return read_safetensors(maybe_zstd_decompress(data, 1 << 30, "f"), "f")
 
 

@@ -28,11 +28,11 @@ from sglang.srt.weight_sync.delta.wire import (
     dtype_to_str,
     encode_flush,
     encode_positions,
+    flush_file,
     maybe_zstd_decompress,
     read_safetensors,
     sparse_allowed,
     validate_payload,
-    write_safetensors,
 )
 
 MANIFEST = "delta.json"
@@ -122,11 +122,7 @@ def diff(old_dir: str, new_dir: str, out: str, encoding: str = "deltas_zstd", bu
 
     def write(pl):
         pl.spec.flush = flush[0]
-        data = write_safetensors(pl.spec, pl.positions, pl.values)
-        if enc is DeltaEncoding.DELTAS_ZSTD:
-            import zstandard
-
-            data = zstandard.ZstdCompressor(level=3).compress(data)
+        data = flush_file(pl, 3 if enc is DeltaEncoding.DELTAS_ZSTD else None)
         name = f"rank0000_flush{flush[0]:06d}.safetensors"
         with open(os.path.join(out, name), "wb") as f:
             f.write(data)

@@ -26,7 +26,7 @@ from typing import Callable, ContextManager, Dict, List, Optional, Sequence, Tup
 
 import torch
 
-from sglang.srt.weight_sync.delta.wire import POSITIONS, VALUES, DeltaPayload, dtype_to_str, write_safetensors
+from sglang.srt.weight_sync.delta.wire import POSITIONS, VALUES, DeltaPayload, dtype_to_str, flush_file
 
 logger = logging.getLogger(__name__)
 
@@ -49,11 +49,7 @@ class AsyncSafetensorsWriter:
 
     def _write(self, path: str, payload: DeltaPayload) -> int:
         t0 = time.perf_counter()
-        data = write_safetensors(payload.spec, payload.positions, payload.values)
-        if self.zstd_level is not None:
-            import zstandard
-
-            data = zstandard.ZstdCompressor(level=self.zstd_level).compress(data)
+        data = flush_file(payload, self.zstd_level)
         tmp = path + ".tmp"
         with open(tmp, "wb") as f:
             f.write(data)

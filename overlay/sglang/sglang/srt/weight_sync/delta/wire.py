@@ -41,6 +41,7 @@ __all__ = [
     "decode_positions",
     "validate_payload",
     "write_safetensors",
+    "flush_file",
     "read_safetensors",
     "maybe_zstd_decompress",
     "changed_positions",
@@ -441,6 +442,16 @@ def write_safetensors(payload_spec: DeltaSpec, positions: torch.Tensor, values: 
     h = json.dumps(header, separators=(",", ":")).encode()
     h += b" " * ((-len(h)) % 8)
     return struct.pack("<Q", len(h)) + h + pos_b + val_b
+
+
+def flush_file(payload: DeltaPayload, zstd_level: Optional[int] = None) -> bytes:
+    """One flush as a disk file: safetensors, zstd-compressed when ``zstd_level`` is given."""
+    data = write_safetensors(payload.spec, payload.positions, payload.values)
+    if zstd_level is None:
+        return data
+    import zstandard
+
+    return zstandard.ZstdCompressor(level=zstd_level).compress(data)
 
 
 def maybe_zstd_decompress(data: bytes, max_bytes: int, name: str = "") -> bytes:
