@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+from statistics import mean
 
 import torch
 
@@ -235,11 +236,6 @@ def measure(paths: list, shape: str, out_json: str, check: bool) -> None:
 
 
 # ---------------------------------------------------------------- phase 3: report
-
-
-def mean(xs):
-    xs = list(xs)
-    return sum(xs) / len(xs)
 
 
 def summarize(t: dict, m: dict) -> dict:

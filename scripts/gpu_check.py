@@ -156,10 +156,13 @@ def update_group(host, backend: str, name: str):
     return box[0]
 
 
-def engine_model(cfg, device):
-    from cpu_harness import nan_filled, sglang_model
+def engine_host(cfg, device):
+    """An in-process engine: SGLang's own model class on ``device`` behind the runner attributes the receiver reads."""
+    from cpu_harness import Host, nan_filled, sglang_model
 
-    return nan_filled(sglang_model(cfg).to(device))  # NaN: a name the loader skipped would show
+    host = Host(nan_filled(sglang_model(cfg).to(device)))  # NaN: a name the loader skipped would show
+    host.device = device
+    return host
 
 
 def first_difference(model, ref):
@@ -240,8 +243,7 @@ def check_hashes(report, device) -> None:
 
 
 def run(args, device, report) -> None:
-    from cpu_harness import (Host, bf16_state, delta_flushes, full_flushes, hf_config, hf_model, rl_steps, segments,
-                             sglang_model)
+    from cpu_harness import bf16_state, delta_flushes, full_flushes, hf_config, hf_model, rl_steps, segments, sglang_model
     from sglang.srt.weight_sync.delta import receiver
     from sglang.srt.weight_sync.delta.sender import DeltaBucket, DeltaSender
     from sglang.srt.weight_sync.delta.transport import DiskTransport, NcclTransport
@@ -257,8 +259,7 @@ def run(args, device, report) -> None:
     workdir = tempfile.mkdtemp(prefix="delta-gpu-check-")
     lanes = {}
     for enc in ENCODINGS:
-        host = Host(engine_model(cfg, device))
-        host.device = device
+        host = engine_host(cfg, device)
         engine = InProcessEngine(host)
         transport = DiskTransport(os.path.join(workdir, enc), [engine], zstd=enc == "deltas_zstd")
         lanes[enc] = (host, DeltaSender(transport, [engine], encoding=enc, buffer_bytes=64 << 20, device=device,
@@ -266,8 +267,7 @@ def run(args, device, report) -> None:
     # The broadcast transport: NCCL between two GPUs (the engine on the second), else gloo.
     two = device.type == "cuda" and torch.cuda.device_count() > 1
     backend, engine_device = ("nccl", torch.device("cuda", 1)) if two else ("gloo", device)
-    host = Host(engine_model(cfg, engine_device))
-    host.device = engine_device
+    host = engine_host(cfg, engine_device)
     engine = InProcessEngine(host)
     transport = NcclTransport(update_group(host, backend, "gpu-check"), "gpu-check", [engine],
                               device=device if backend == "nccl" else torch.device("cpu"))
@@ -339,8 +339,7 @@ def run(args, device, report) -> None:
             sender.transport.close()
     else:
         report.add("- stream overlap: n/a on CPU (one synchronous path)")
-    host = Host(engine_model(cfg, device))
-    host.device = device
+    host = engine_host(cfg, device)
     ok, msg = receiver._apply_delta_payload(host, full_flushes(old, version=1))
     sync(device)
     payloads = delta_flushes(old, new, "deltas", version=2, base_version=1)

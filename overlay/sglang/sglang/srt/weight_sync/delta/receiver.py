@@ -343,12 +343,13 @@ class _Direct:
     @classmethod
     def of(cls, c) -> Optional["_Direct"]:
         """None when the source view cannot be inverted by division (overlapping or interleaved strides)."""
-        (dsz, dstr, doff), (ssz, sstr, soff) = c.dst, c.src
+        (_, dstr, doff), (ssz, sstr, soff) = c.dst, c.src
         if c.param.data_ptr() != c.ptr:
             return None  # the param's tensor was replaced after this copy: the recorded offsets are stale
         keep = [d for d in range(len(ssz)) if ssz[d] > 1]
         numel = math.prod(ssz)
-        block = all(sstr[d] == _contiguous_strides(ssz)[d] and dstr[d] == _contiguous_strides(dsz)[d] for d in keep)
+        dense = _contiguous_strides(ssz)  # sizes are equal on both sides (the recorder checks)
+        block = all(sstr[d] == dense[d] and dstr[d] == dense[d] for d in keep)
         dims = sorted(((ssz[d], sstr[d], dstr[d]) for d in keep), key=lambda x: -x[1])
         span = 1
         for size, stride, _ in reversed(dims):
@@ -491,22 +492,20 @@ def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version:
         _kill_point()
 
     direct = {} if head.full else (state.direct or {})
-    via_loader = []  # (param, positions or None, values) the model's loader writes
+    via_views, via_loader = [], []  # (param, positions or None, the flush's values on the device)
     for payload, idxs in zip(payloads, decoded):
+        values = payload.values.to(device, non_blocking=True)  # once per flush, not per param
         for p, idx in zip(payload.spec.params, idxs):
             if head.full:
                 state.pending_manifest[p.name] = (list(p.shape), p.dtype)
             if idx is not None and not idx.numel():
                 continue  # nothing of this param changed: no write at all
-            if idx is None or p.name not in direct:
-                via_loader.append((p, idx, payload.values))
+            (via_views if idx is not None and p.name in direct else via_loader).append((p, idx, values))
     try:
         with torch.no_grad():
-            for payload, idxs in zip(payloads, decoded):
-                for p, idx in zip(payload.spec.params, idxs):
-                    if idx is not None and idx.numel() and p.name in direct:
-                        _write_direct(direct[p.name], idx, payload.values[p.val_start:p.val_end], p.numel)
-                        _kill_point()
+            for p, idx, values in via_views:
+                _write_direct(direct[p.name], idx, values[p.val_start:p.val_end], p.numel)
+                _kill_point()
         if via_loader:
             context = contextlib.ExitStack()
             if head.full:
@@ -521,7 +520,7 @@ def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version:
                     if chunk and chunk_bytes + size > chunk_cap:
                         load(chunk)
                         chunk, chunk_bytes = [], 0
-                    chunk.append((p.name, _decode_delta_one_param(p, idx, values.to(device, non_blocking=True), device)))
+                    chunk.append((p.name, _decode_delta_one_param(p, idx, values, device)))
                     chunk_bytes += size
                 if chunk:
                     load(chunk)
