@@ -16,7 +16,7 @@ from cpu_harness import Server, bf16_state, engine_mismatch, hf_config, hf_model
 from sglang.srt.weight_sync.delta import fingerprint
 from sglang.srt.weight_sync.delta.sender import DeltaSender
 from sglang.srt.weight_sync.delta.transport import DiskTransport, HttpEngine
-from sglang.srt.weight_sync.delta.wire import read_safetensors, write_safetensors, wsum64
+from sglang.srt.weight_sync.delta.wire import read_safetensors, write_safetensors
 
 SERVER_FLAGS = ["--update-weight-delta-chunk-bytes", "16384", "--update-weight-group-timeout", "5"]
 
@@ -137,7 +137,7 @@ def resigned(edit):
         path = first_file(vdir)
         pl = read_safetensors(open(path, "rb").read(), os.path.basename(path))
         edit(pl)
-        pl.spec.checksum = wsum64(pl.positions, pl.values)
+        pl.seal()
         open(path, "wb").write(write_safetensors(pl.spec, pl.positions, pl.values))
     return hook
 

@@ -20,7 +20,7 @@ from cpu_harness import free_port, join_update_group, segments
 from fault_world import World, blob_range, fault, first_file, flip_bit, positions_of, resigned, sparse_param
 from sglang.srt.weight_sync.delta.sender import DeltaSender
 from sglang.srt.weight_sync.delta.transport import HttpEngine, NcclTransport
-from sglang.srt.weight_sync.delta.wire import POSITIONS, VALUES, dtype_to_str
+from sglang.srt.weight_sync.delta.wire import POSITIONS, VALUES, dtype_to_str, read_safetensors, write_safetensors
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +61,33 @@ def test_two_values_swapped(world):
         j = next(j for j in range(start + 2, end - 1, 2) if data[j:j + 2] != data[start:start + 2])
         data[start:start + 2], data[j:j + 2] = data[j:j + 2], data[start:start + 2]
         open(path, "wb").write(bytes(data))
+    fault(world, "checksum mismatch", hook=hook)
+
+
+def test_two_sign_bits_flipped(world):
+    """Sign bits at bit 63 of two u64 words: a linear checksum (2 * 2**63 = 0 mod 2**64) accepted this."""
+    def hook(vdir):
+        path = first_file(vdir)
+        start, end = blob_range(path, VALUES)
+        data = bytearray(open(path, "rb").read())
+        assert start + 16 <= end
+        data[start + 7] ^= 0x80  # bit 63 of the values blob's words 0 and 1
+        data[start + 15] ^= 0x80
+        open(path, "wb").write(bytes(data))
+    fault(world, "checksum mismatch", hook=hook)
+
+
+def test_two_names_swapped_in_the_spec(world):
+    """Same shape and dtype, blobs and checksum untouched: every byte checks out, the values would land swapped."""
+    def hook(vdir):
+        path = first_file(vdir)
+        pl = read_safetensors(open(path, "rb").read(), os.path.basename(path))
+        by_kind = {}
+        for p in pl.spec.params:
+            by_kind.setdefault((tuple(p.shape), p.dtype, p.pos_width > 0), []).append(p)
+        a, b = next(ps for ps in by_kind.values() if len(ps) >= 2)[:2]
+        a.name, b.name = b.name, a.name
+        open(path, "wb").write(write_safetensors(pl.spec, pl.positions, pl.values))
     fault(world, "checksum mismatch", hook=hook)
 
 

@@ -19,7 +19,8 @@ def test_dry_run_passes_every_check(tmp_path):
     assert "FAIL" not in text and text.rstrip().splitlines()[-1].startswith("all checks passed")
     for lane in ("indices", "deltas", "deltas_zstd", "broadcast:gloo"):
         assert f"PASS: step 3 {lane}: delta v4" in text
-    assert "wsum64 equal on CPU and device" in text and "delta apply `deltas`" in text
+    assert "skipped (no device): mix64 blob sums equal on CPU and device" in text and "delta apply `deltas`" in text
+    assert "PASS: mix64" not in text and "PASS: weight fingerprint equal on CPU" not in text
 
 
 def test_without_cuda_it_fails_and_says_why(tmp_path):

@@ -7,7 +7,7 @@ import zstandard
 
 from cpu_harness import Host, delta_flushes, full_flushes, hf_config, rl_states, sglang_model
 from sglang.srt.weight_sync.delta.receiver import receiver_state
-from sglang.srt.weight_sync.delta.wire import DeltaParam, encode_flush, write_safetensors, wsum64
+from sglang.srt.weight_sync.delta.wire import DeltaParam, encode_flush, write_safetensors
 
 _STATES = {}
 
@@ -45,8 +45,7 @@ def good_delta(version=2, base=1, encoding="indices"):
 
 
 def reseal(pl):
-    pl.spec.checksum = wsum64(pl.positions, pl.values)
-    return pl
+    return pl.seal()
 
 
 def write_file(host, data: bytes, name="rank0000_flush000000.safetensors", vdir="weight_v000002"):
@@ -97,25 +96,25 @@ def _nan_value(pl):
 
 def _unknown_name(pl):
     pl.spec.params[0].name = "model.layers.9.mlp.secret.weight"
-    return pl
+    return reseal(pl)
 
 
 def _shape_mismatch(pl):
     p = first_sparse(pl)
     p.shape = [p.numel]
-    return pl
+    return reseal(pl)
 
 
 def _not_tiled(pl):
     last = pl.spec.params[-1]  # one value (and its position) left over at the end of both blobs
     last.val_end -= 1
     last.pos_end -= last.pos_width
-    return pl
+    return reseal(pl)
 
 
 def _sparse_in_full(pl):
     pl.spec.full = True
-    return pl
+    return reseal(pl)
 
 
 def _sparse_int():
@@ -129,7 +128,40 @@ def _sparse_int():
     return reseal(pl)
 
 
+def _sign_bit_pair(pl):
+    """Two values whose sign bit is bit 63 of their u64 word (index 3 mod 4): a linear sum missed this."""
+    v = pl.values.view(torch.int16)
+    v[3] ^= -0x8000
+    v[7] ^= -0x8000
+    return pl
+
+
+def _same_shape_pair(pl):
+    by_shape = {}
+    for p in pl.spec.params:
+        by_shape.setdefault((tuple(p.shape), p.dtype), []).append(p)
+    return next(ps for ps in by_shape.values() if len(ps) >= 2)[:2]
+
+
+def _swap_names(pl):
+    a, b = _same_shape_pair(pl)
+    a.name, b.name = b.name, a.name
+    return pl
+
+
+def _shift_offsets(pl):
+    """Every param of the flush reads the next one's blob ranges: still tiles, still in the manifest."""
+    ps = pl.spec.params
+    ranges = [(p.pos_start, p.pos_end, p.pos_width, p.val_start, p.val_end) for p in ps]
+    for p, r in zip(ps, ranges[1:] + ranges[:1]):
+        p.pos_start, p.pos_end, p.pos_width, p.val_start, p.val_end = r
+    return pl
+
+
 REFUSALS = [
+    (lambda: _sign_bit_pair(good_delta()), "checksum mismatch"),
+    (lambda: _swap_names(good_delta()), "checksum mismatch"),
+    (lambda: _shift_offsets(good_delta()), "checksum mismatch"),
     (lambda: _flip_position_bit(good_delta()), "checksum mismatch"),
     (lambda: _flip_value_bit(good_delta()), "checksum mismatch"),
     (lambda: _swap_values(good_delta()), "checksum mismatch"),

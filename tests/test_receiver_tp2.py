@@ -43,7 +43,8 @@ def test_tp2_each_rank_narrows_the_global_delta(tmp_path):
         vdir = tmp_path / f"weight_v{v:06d}"
         vdir.mkdir()
         for k, pl in enumerate(payloads):  # one publish: every flush file of the sync in one request
-            pl.spec.flush, pl.spec.final = 0, True  # (the checksum covers the blobs, not the spec)
+            pl.spec.flush, pl.spec.final = 0, True
+            pl.seal(spec_only=True)
             (vdir / f"rank0000_flush{k:06d}.safetensors").write_bytes(write_safetensors(pl.spec, pl.positions, pl.values))
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()

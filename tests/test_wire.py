@@ -18,16 +18,10 @@ from sglang.srt.weight_sync.delta.wire import (
     read_safetensors,
     validate_payload,
     write_safetensors,
-    wsum64,
 )
 
 ENCODINGS = ["indices", "deltas", "deltas_zstd"]
 FLOATS = [torch.bfloat16, torch.float16, torch.float32]
-
-
-def _reference_wsum(blob: bytes) -> int:
-    blob += b"\0" * (-len(blob) % 8)
-    return sum(int.from_bytes(blob[i:i + 8], "little") * (2 * (i // 8) + 1) for i in range(0, len(blob), 8)) % 2**64
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -123,16 +117,6 @@ def test_dense_int_params():
         encode_flush([("steps", t, torch.tensor([1]))], "indices")
 
 
-@settings(max_examples=40, deadline=None)
-@given(st.binary(min_size=0, max_size=300))
-def test_wsum_matches_reference(blob):
-    t = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
-    p = _reference_wsum(blob)
-    rot = ((p << 1) | (p >> 63)) & (2**64 - 1)
-    assert wsum64(t, torch.empty(0, dtype=torch.uint8)) == f"{p:016x}"
-    assert wsum64(torch.empty(0, dtype=torch.uint8), t) == f"{rot:016x}"
-
-
 def _flush(seed=0, n=3000, dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
     old = torch.randn(n, generator=g).to(dtype)
@@ -148,9 +132,10 @@ def test_checksum_catches_every_single_bit_flip():
         for byte in range(0, blob.numel(), max(1, blob.numel() // 64)):
             for bit in range(8):
                 blob[byte] ^= 1 << bit
-                assert wsum64(payload.positions, payload.values) != payload.spec.checksum
+                with pytest.raises(DeltaError, match="checksum mismatch"):
+                    validate_payload(payload, None)
                 blob[byte] ^= 1 << bit
-    assert wsum64(payload.positions, payload.values) == payload.spec.checksum
+    validate_payload(payload, None)
 
 
 def test_checksum_catches_swaps():
@@ -170,7 +155,7 @@ def test_checksum_catches_swaps():
 
 def test_spec_json_and_metadata_roundtrip():
     spec = _flush().spec
-    spec.base_version, spec.version, spec.flush, spec.final = 3, 5, 2, False
+    spec.base_version, spec.version, spec.flush, spec.final = 3, 5, 2, False  # (the checksum is not re-sealed)
     assert DeltaSpec.from_json(spec.to_json()) == spec
     assert DeltaSpec.from_metadata(spec.to_metadata()) == spec
 

@@ -27,17 +27,11 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from sglang.srt.weight_sync.delta.wire import DeltaError, dtype_from_str, dtype_to_str
+from sglang.srt.weight_sync.delta.wire import _C1, _C2, _C3, DeltaError, _i64, dtype_from_str, dtype_to_str, mix64_
 
 _M = 0xFFFFFFFFFFFFFFFF
 _BLOCK = 1 << 22  # elements hashed at once: bounds the int64 scratch to a few 32 MiB tensors
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_C1, _C2, _C3 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-
-
-def _i64(c: int) -> int:
-    """A 64-bit constant as the signed value torch's int64 holds."""
-    return c - (1 << 64) if c >= 1 << 63 else c
 
 
 class Scratch:
@@ -50,23 +44,6 @@ class Scratch:
         if len(self.bufs) < k or self.bufs[0].numel() < n or self.bufs[0].device != torch.device(device):
             self.bufs = [torch.empty(max(n, 1), dtype=torch.int64, device=device) for _ in range(k)]
         return [b[:n] for b in self.bufs[:k]]
-
-
-def _xorshift_(z: torch.Tensor, s: int, tmp: torch.Tensor) -> None:
-    """z ^= z >>> s (logical shift on int64: torch's ``>>`` is arithmetic)."""
-    torch.bitwise_right_shift(z, s, out=tmp)
-    tmp &= (1 << (64 - s)) - 1
-    z ^= tmp
-
-
-def _mix_(z: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finalizer, in place; int64 multiplication wraps mod 2**64 on CPU and CUDA."""
-    _xorshift_(z, 30, tmp)
-    z *= _i64(_C2)
-    _xorshift_(z, 27, tmp)
-    z *= _i64(_C3)
-    _xorshift_(z, 31, tmp)
-    return z
 
 
 def name_seed(name: str) -> int:
@@ -85,7 +62,7 @@ def _sum_block(seed: int, idx: torch.Tensor, values: torch.Tensor, scratch: Scra
         t &= (1 << (8 * size)) - 1
     t *= _i64(_C2)
     z ^= t
-    total = int(_mix_(z, t).sum()) & _M
+    total = int(mix64_(z, t).sum()) & _M
     if not coverage:
         return total, 0
     torch.add(idx, _i64(_C3), out=t)

@@ -406,6 +406,7 @@ class _SyncRun:
     def _release_held(self, final: bool = False) -> None:
         for kind, payload in self.held:
             payload.spec.flush, payload.spec.final = self.flush, final
+            payload.seal(spec_only=True)
             self.wire_bytes += payload.positions.numel() + payload.values.numel() * payload.values.element_size()
             self._collect(self.s.transport.send(payload, self.targets[kind]))
             self.flush += 1

@@ -122,6 +122,7 @@ def diff(old_dir: str, new_dir: str, out: str, encoding: str = "deltas_zstd", bu
 
     def write(pl):
         pl.spec.flush = flush[0]
+        pl.seal(spec_only=True)
         data = flush_file(pl, 3 if enc is DeltaEncoding.DELTAS_ZSTD else None)
         name = f"rank0000_flush{flush[0]:06d}.safetensors"
         with open(os.path.join(out, name), "wb") as f:
@@ -152,7 +153,7 @@ def diff(old_dir: str, new_dir: str, out: str, encoding: str = "deltas_zstd", bu
         emit(bucket.take(**spec))
     if not held:  # identical checkpoints: one empty flush still carries the versions
         held.append(encode_flush([], enc.value, **spec))
-    held[0].spec.final = True  # metadata only: the checksum covers the blobs
+    held[0].spec.final = True  # write() seals the spec again
     write(held.pop())
     manifest = {"format": "delta-weight-sync/1", "encoding": enc.value, "files": files,
                 "base_fingerprint": old.fingerprint(), "new_fingerprint": new.fingerprint(),
