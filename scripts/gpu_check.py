@@ -124,6 +124,11 @@ class InProcessEngine:
 
         return [receiver.fingerprint_payload(self.host.model)]
 
+    def status(self):
+        from sglang.srt.weight_sync.delta import receiver
+
+        return [receiver.delta_status(self.host.model)]
+
 
 def update_group(host, backend: str, name: str):
     """Both ranks of one weight-update group in this process: rank 0 (the trainer's, returned) here, rank 1

@@ -40,6 +40,9 @@ class Tamperable:
     def fingerprint(self):
         return self.http.fingerprint()
 
+    def status(self):
+        return self.http.status()
+
 
 class World:
     def __init__(self, root):

@@ -17,7 +17,7 @@ from cpu_harness import (
     write_hf_checkpoint,
 )
 from delta_helpers import assert_params_equal
-from sglang.srt.weight_sync.delta.receiver import fingerprint_payload
+from sglang.srt.weight_sync.delta.receiver import delta_status, fingerprint_payload
 from sglang.srt.weight_sync.delta.sender import DeltaSender
 from sglang.srt.weight_sync.delta.transport import DiskTransport, HttpEngine, NcclTransport
 from sglang.srt.weight_sync.delta.wire import DeltaError
@@ -39,6 +39,11 @@ class LocalEngine:
 
     def fingerprint(self):
         return [fingerprint_payload(self.host.model)]
+
+    def status(self):
+        if self.down:
+            raise ConnectionError("engine unreachable")
+        return [delta_status(self.host.model)]
 
 
 def reference(cfg, state):
@@ -141,11 +146,32 @@ def test_a_restarted_trainer_continues_the_version_chain_of_running_engines(tmp_
     for state in (bf16_state(trainer), next(steps), next(steps)):
         assert first.update(segments(state))[0][0]
     restarted = DeltaSender(DiskTransport(str(tmp_path / "run2"), [engine]), [engine], encoding="deltas")
-    ok, msg = restarted.update(segments(state))[0]
-    assert not ok and "full sync version 1 is not newer than the committed version 3" in msg
-    state = next(steps)
+    # the engine's status says version 3: the new sender's first (full) sync is version 4, not a refused 1
     assert restarted.update(segments(state))[0][0] and restarted.version == 4
     assert restarted.pop_metrics()["perf/update_weights_full_sync_engines"] == 1
+    state = next(steps)
+    assert restarted.update(segments(state))[0][0] and restarted.version == 5
+    assert restarted.pop_metrics()["perf/update_weights_full_sync_engines"] == 0
+    assert_params_equal(engine.host.model, reference(cfg, state))
+
+
+def test_a_stale_full_sync_is_refused_and_the_sender_moves_above_the_engines_version(tmp_path):
+    """A sender that never asked (status learned before another trainer advanced the engine) is refused with
+    code off_chain and continues above the version the engine's status reports."""
+    cfg = hf_config("qwen2")
+    trainer = hf_model(cfg)
+    engine = LocalEngine(cfg)
+    late = DeltaSender(DiskTransport(str(tmp_path / "late"), [engine]), [engine], encoding="deltas")
+    late._learn([0])  # the engine is fresh now
+    state = bf16_state(trainer)
+    first = DeltaSender(DiskTransport(str(tmp_path / "first"), [engine]), [engine], encoding="deltas")
+    assert first.update(segments(state))[0][0] and first.update(segments(state))[0][0]
+    ok, msg = late.update(segments(state))[0]
+    assert not ok and "full sync version 1 is not newer than the committed version 2" in msg
+    st = engine.status()[0]
+    assert st.code == "off_chain" and st.request == [1, 0] and st.version == 2 and not st.needs_full
+    assert late.version == 2 and late.status[0].needs_full
+    assert late.update(segments(state))[0][0] and late.version == 3
     assert_params_equal(engine.host.model, reference(cfg, state))
 
 
@@ -217,7 +243,9 @@ def test_training_loop_into_a_server_over_disk_then_gloo(server):
     nccl.close()
 
 
-def test_a_sync_aborted_midway_is_counted_and_followed_by_a_full_sync(tmp_path):
+def test_a_sync_aborted_midway_is_counted_and_the_engines_status_decides_what_follows(tmp_path):
+    """Nothing of v2 was announced (its segment never ended): the engine's status says committed version 1, not
+    dirty, so the next delta — which re-sends every position v2 staged — makes it bit-identical, no full sync."""
     cfg = hf_config("qwen2")
     trainer = hf_model(cfg)
     engine = LocalEngine(cfg)
@@ -233,7 +261,9 @@ def test_a_sync_aborted_midway_is_counted_and_followed_by_a_full_sync(tmp_path):
     results = sender.update([broken])
     assert not results[0][0] and "sync aborted: RuntimeError('gather failed')" in results[0][1]
     assert sender.pop_metrics()["perf/update_weights_failures"] == 1 and sender.state.version == 1
+    st = engine.status()[0]
+    assert (st.version, st.needs_full, st.pending) == (1, False, None) and not sender.status[0].needs_full
     state = next(steps)
     assert sender.update(segments(state))[0][0]
-    assert sender.pop_metrics()["perf/update_weights_full_sync_engines"] == 1
+    assert sender.pop_metrics()["perf/update_weights_full_sync_engines"] == 0
     assert_params_equal(engine.host.model, reference(cfg, state))

@@ -42,6 +42,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sglang.srt.weight_sync.delta import fingerprint
+from sglang.srt.weight_sync.delta.collectives import CollectiveStuck, abort_group, await_collectives
 from sglang.srt.weight_sync.delta.wire import (
     HEADER_CAP,
     POSITIONS,
@@ -50,6 +51,8 @@ from sglang.srt.weight_sync.delta.wire import (
     DeltaParam,
     DeltaPayload,
     DeltaSpec,
+    DeltaStatus,
+    Refusal,
     dtype_from_str,
     maybe_zstd_decompress,
     read_safetensors,
@@ -83,6 +86,7 @@ class ReceiverState:
     recorder: Optional[fingerprint.FingerprintRecorder] = None  # watching the full sync being applied
     copies: Optional[dict] = None  # where the last full sync's HF tensors landed (fingerprint.engine_shares)
     direct: Optional[dict] = None  # name -> [_Direct]: params a delta writes through those views, no loader call
+    last: tuple = (None, None, None)  # ([version, flush], refusal code or None, received) of the last request
 
 
 _STATES: "weakref.WeakKeyDictionary[torch.nn.Module, ReceiverState]" = weakref.WeakKeyDictionary()
@@ -434,24 +438,62 @@ def _check_version(state: ReceiverState, specs: Sequence[DeltaSpec], weight_vers
     v, committed = head.version, state.version
     if head.full:
         if committed is not None and v <= committed:
-            raise DeltaError(f"full sync version {v} is not newer than the committed version {committed} (replayed?)")
-    else:
-        if state.manifest is None:
-            raise DeltaError("no full sync has been applied yet: the first sync must be full (engine needs a full sync)")
-        if state.outside_load:
-            raise DeltaError(f"weights were replaced by {state.outside_load} since version {committed}: "
-                             "the engine needs a full sync")
-        if state.dirty:
-            raise DeltaError("engine is dirty (a sync failed after part of it was written): it needs a full sync")
+            raise DeltaError(f"full sync version {v} is not newer than the committed version {committed} (replayed?)",
+                             Refusal.OFF_CHAIN)
+    elif _full_reason(state) is not None:
+        raise DeltaError({"fresh": "no full sync has been applied yet: the first sync must be full",
+                          "outside_load": f"weights were replaced by {state.outside_load} since version {committed}",
+                          "dirty": "engine is dirty (a sync failed after part of it was written)"}[_full_reason(state)]
+                         + ": the engine needs a full sync", Refusal.NEEDS_FULL)
     if state.pending == v and head.flush > 0:
         if head.flush != state.next_flush:
-            raise DeltaError(f"flush {head.flush} of version {v} is out of order (expected flush {state.next_flush})")
+            raise DeltaError(f"flush {head.flush} of version {v} is out of order (expected flush {state.next_flush})",
+                             Refusal.OFF_CHAIN)
     elif head.flush != 0:
-        raise DeltaError(f"flush {head.flush} of version {v} arrived without flush 0 (engine at version {committed})")
+        raise DeltaError(f"flush {head.flush} of version {v} arrived without flush 0 (engine at version {committed})",
+                         Refusal.OFF_CHAIN)
     elif not head.full and not (head.base_version <= committed < v):
         raise DeltaError(f"delta for versions [{head.base_version}, {v}] cannot apply to an engine at committed "
-                         f"version {committed} (duplicate, replayed or out-of-order): the engine needs a full sync")
+                         f"version {committed} (duplicate, replayed or out-of-order): the engine needs a full sync",
+                         Refusal.OFF_CHAIN)
     return head
+
+
+def _full_reason(state: ReceiverState) -> Optional[str]:
+    """Why every delta is refused until a full sync (None: deltas are welcome)."""
+    if state.manifest is None:
+        return "fresh"
+    if state.dirty:
+        return "dirty"
+    if state.outside_load:
+        return "outside_load"
+    return None
+
+
+def delta_status(model: torch.nn.Module) -> DeltaStatus:
+    """This rank's structured status (what the sender decides on)."""
+    state = receiver_state(model)
+    reason = _full_reason(state)
+    request, code, received = state.last
+    return DeltaStatus(version=state.version, needs_full=reason is not None, reason=reason, pending=state.pending,
+                       request=request, code=code, received=received, max_request_bytes=_max_file_bytes(model))
+
+
+def checker_action(action: str, model: torch.nn.Module, parallelism_info=None) -> dict:
+    """``/weights_checker`` actions of delta weight sync, one rank's reply in the shape SGLang's checker relays."""
+    if action == "delta_fingerprint":
+        return fingerprint_payload(model, parallelism_info)
+    if action == "delta_status":
+        return delta_status(model).checker_rank(parallelism_info)
+    raise DeltaError(f"unknown weights_checker action {action!r} (have: delta_fingerprint, delta_status)")
+
+
+def _refused(state: ReceiverState, e: DeltaError, request=None, received=None, note: str = "") -> Tuple[bool, str]:
+    """Record a refusal in the engine's status and phrase it for the reply."""
+    state.last = (request, e.code.value, received)
+    msg = f"delta refused: {e}{note}"
+    logger.error(msg)
+    return False, msg
 
 
 def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version: Optional[str] = None) -> Tuple[bool, str]:
@@ -459,8 +501,9 @@ def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version:
     model = _model(self)
     state = receiver_state(model)
     if not payloads:
-        return False, "delta request holds no payload"
+        return _refused(state, DeltaError("delta request holds no payload"))
     head = payloads[0].spec
+    request, received = [head.version, head.flush], payloads[0].source == "broadcast" or None
     continuing = state.pending == head.version and head.flush > 0
     try:
         _refuse_unsupported(self)
@@ -471,12 +514,11 @@ def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version:
         if len(set(names)) != len(names):
             raise DeltaError(f"param {next(n for n in names if names.count(n) > 1)!r} appears in two files of one request")
     except DeltaError as e:
-        msg = f"delta refused: {e}"
+        note = ""
         if continuing:  # earlier flushes of this version are written: the engine holds a mix
             state.dirty = True
-            msg += f"; engine is dirty (part of version {head.version} was written): it needs a full sync"
-        logger.error(msg)
-        return False, msg
+            note = f"; engine is dirty (part of version {head.version} was written): it needs a full sync"
+        return _refused(state, e, request, received, note)
 
     chunk_cap = int(_server_arg(self, "update_weight_delta_chunk_bytes", DEFAULT_CHUNK_BYTES))
     device = _device(self)
@@ -528,9 +570,11 @@ def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version:
     except Exception as e:  # a write failed mid-way: some weights are written
         state.dirty = True
         state.pending = None
+        state.last = (request, Refusal.APPLY_FAILED.value, received)
         logger.exception("delta apply failed after writing")
         return False, f"delta apply failed after a partial write, engine is dirty and needs a full sync: {e!r}"
 
+    state.last = (request, None, received)
     nnz = sum(p.nnz for pl in payloads for p in pl.spec.params)
     if any(p.spec.final for p in payloads):
         state.version, state.pending, state.next_flush = head.version, None, 0
@@ -578,7 +622,7 @@ def note_outside_load(host, entry_point: str) -> None:
 def _refuse_unsupported(host) -> None:
     quant = getattr(getattr(host, "model_config", None), "quantization", None)
     if quant:
-        raise DeltaError(f"quantized engines ({quant}) are not supported by delta weight sync")
+        raise DeltaError(f"quantized engines ({quant}) are not supported by delta weight sync", Refusal.UNSUPPORTED)
 
 
 # ---------------------------------------------------------------- transports
@@ -612,49 +656,79 @@ def _read_delta_file(model_path: str, name: str, max_bytes: int) -> DeltaPayload
 
 def _apply_delta(self, model_path: str, files: Optional[List[str]], weight_version: Optional[str] = None) -> Tuple[bool, str]:
     """Disk transport: read the announced files of one publish in parallel, then apply them as one request."""
+    state = receiver_state(_model(self))
     if not files:
-        return False, "delta refused: load_format 'delta' needs 'files' (the flush files of this publish)"
+        return _refused(state, DeltaError("load_format 'delta' needs 'files' (the flush files of this publish)"))
     if not os.path.isdir(model_path):
-        return False, f"delta refused: model_path {model_path!r} is not a directory"
+        return _refused(state, DeltaError(f"model_path {model_path!r} is not a directory"))
     workers = int(_server_arg(self, "update_weight_delta_read_workers", DEFAULT_READ_WORKERS))
     max_bytes = _max_file_bytes(_model(self))
     try:
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
             payloads = list(pool.map(lambda n: _read_delta_file(model_path, n, max_bytes), files))
     except DeltaError as e:
-        return False, f"delta refused: {e}"
+        return _refused(state, e)
     return _apply_delta_payload(self, payloads, weight_version)
 
 
-def _apply_delta_from_distributed(self, delta: Optional[str], names, dtypes, shapes, group_name: str,
-                                  weight_version: Optional[str] = None) -> Tuple[bool, str]:
-    """NCCL transport: receive both broadcasts first (the sender never hangs on a refusal), then validate."""
+def receive_broadcast(self, names, dtypes, shapes, group_name: str) -> List[Tuple[str, torch.Tensor]]:
+    """Receive one flush's two blobs on the weight-update group, in full, before anything is judged.
+
+    Refused without receiving only when the request cannot say what to receive (no such group, not two
+    blobs, an unknown dtype) or declares more than ``max_request_bytes`` — which the sender learns from
+    this engine's status and never exceeds. The wait is bounded by the group timeout; a broadcast given
+    up on aborts the group (the sender re-creates it and gives this engine a full sync).
+    """
+    try:
+        return _receive(self, names, dtypes, shapes, group_name)
+    except DeltaError as e:  # v0.5.23 reports it as a failed receive: the status must say so as well
+        receiver_state(_model(self)).last = (None, e.code.value, False)
+        raise
+
+
+def _receive(self, names, dtypes, shapes, group_name: str) -> List[Tuple[str, torch.Tensor]]:
     groups = self._model_update_group
     if group_name not in groups:
-        return False, f"delta refused: group {group_name!r} not in {list(groups)}; call init_weights_update_group first"
+        raise DeltaError(f"group {group_name!r} not in {list(groups)}; call init_weights_update_group first",
+                         Refusal.NOT_RECEIVED)
     try:
         if list(names) != [POSITIONS, VALUES] or len(dtypes) != 2 or len(shapes) != 2:
             raise DeltaError(f"names must be {[POSITIONS, VALUES]} with two dtypes and shapes, got {list(names)}")
         pos_dtype, val_dtype = dtype_from_str(dtypes[0]), dtype_from_str(dtypes[1])
         n_pos, n_val = (int(math.prod(s)) for s in shapes)
-        if n_pos + n_val * torch.empty((), dtype=val_dtype).element_size() > _max_file_bytes(_model(self)):
-            raise DeltaError(f"broadcast of {n_pos} position bytes and {n_val} values exceeds the model-size bound")
     except (DeltaError, TypeError, ValueError) as e:
-        return False, f"delta refused (nothing received; the sender's broadcast will time out): {e}"
+        raise DeltaError(f"malformed broadcast declaration: {e}", Refusal.NOT_RECEIVED) from None
+    declared = n_pos * pos_dtype.itemsize + n_val * val_dtype.itemsize
+    if min(n_pos, n_val) < 0 or declared > _max_file_bytes(_model(self)):
+        raise DeltaError(f"broadcast of {n_pos} position and {n_val} value elements exceeds this engine's "
+                         f"max_request_bytes {_max_file_bytes(_model(self))}", Refusal.NOT_RECEIVED)
     device = _device(self)
     received = [(POSITIONS, torch.empty(n_pos, dtype=pos_dtype, device=device)),
                 (VALUES, torch.empty(n_val, dtype=val_dtype, device=device))]
+    group = groups[group_name]
     try:
-        handles = [torch.distributed.broadcast(t, src=0, group=groups[group_name], async_op=True) for _, t in received]
-        for h in handles:
-            h.wait()
+        works = [torch.distributed.broadcast(t, src=0, group=group, async_op=True) for _, t in received]
+        await_collectives(works, update_group_timeout(self).total_seconds())
     except Exception as e:
-        return False, f"delta refused: broadcast on group {group_name!r} failed: {e!r}"
+        if isinstance(e, CollectiveStuck):
+            abort_group(group)
+            del groups[group_name]
+        raise DeltaError(f"broadcast on group {group_name!r} failed: {e}", Refusal.NOT_RECEIVED) from None
+    return received
+
+
+def _apply_delta_from_distributed(self, delta: Optional[str], names, dtypes, shapes, group_name: str,
+                                  weight_version: Optional[str] = None) -> Tuple[bool, str]:
+    """NCCL transport: receive both broadcasts first (see :func:`receive_broadcast`), then validate and apply."""
+    try:
+        received = receive_broadcast(self, names, dtypes, shapes, group_name)
+    except DeltaError as e:
+        return _refused(receiver_state(_model(self)), e, received=False)
     return _apply_received_delta(self, delta, received, weight_version)
 
 
 def _apply_received_delta(self, delta: Optional[str], named_tensors, weight_version: Optional[str] = None) -> Tuple[bool, str]:
-    """Apply the two received blobs of one flush (v0.5.23 receives them with its own upstream code)."""
+    """Apply the two received blobs of one flush (v0.5.23 receives them through :func:`receive_broadcast` too)."""
     try:
         tensors = dict(named_tensors)
         if list(tensors) != [POSITIONS, VALUES]:
@@ -663,7 +737,7 @@ def _apply_received_delta(self, delta: Optional[str], named_tensors, weight_vers
             raise DeltaError("load_format 'delta' needs the 'delta' field (a DeltaSpec as JSON)")
         spec = DeltaSpec.from_json(delta)
     except DeltaError as e:
-        return False, f"delta refused: {e}"
+        return _refused(receiver_state(_model(self)), e, received=True)
     payload = DeltaPayload(spec, tensors[POSITIONS].reshape(-1), tensors[VALUES].reshape(-1), source="broadcast")
     return _apply_delta_payload(self, [payload], weight_version)
 

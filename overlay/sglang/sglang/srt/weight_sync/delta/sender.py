@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 import time
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -37,6 +36,7 @@ from sglang.srt.weight_sync.delta.wire import (
     DeltaEncoding,
     DeltaError,
     DeltaPayload,
+    DeltaStatus,
     changed_positions,
     encode_flush,
     sparse_allowed,
@@ -201,14 +201,15 @@ class EngineStatus:
     version: Optional[int] = None  # last version it acknowledged
     needs_full: bool = True
     last_error: str = ""
+    max_request_bytes: int = 0  # from the engine's DeltaStatus (0: not known yet)
 
 
-_STALE_FULL = re.compile(r"is not newer than the committed version (\d+)")
-
-
-def _needs_full(message: str) -> bool:
-    """Receivers say 'needs a full sync' when no delta can fix them (dirty, fresh, off the version chain)."""
-    return "needs a full sync" in message
+def _engine_ranks(engine) -> List[DeltaStatus]:
+    """Every rank's structured status of one engine (``engine.status()``: ``/weights_checker`` ``delta_status``)."""
+    ranks = list(engine.status())
+    if not ranks:
+        raise DeltaError("the engine reported no ranks")
+    return ranks
 
 
 class DeltaSender:
@@ -237,8 +238,33 @@ class DeltaSender:
 
     # -- one sync -------------------------------------------------------------
 
+    def _learn(self, engines: Sequence[int]) -> None:
+        """Ask engines for their structured status and decide on its fields alone: an engine that refuses deltas
+        (fresh, dirty, loaded outside the chain), whose ranks disagree, or whose committed version the next
+        delta cannot serve gets a full sync; an engine ahead of this sender (a restarted trainer) moves the
+        chain above its version. An engine that cannot answer gets a full sync."""
+        for i in engines:
+            st = self.status[i]
+            try:
+                ranks = _engine_ranks(self.engines[i])
+            except Exception as e:
+                st.needs_full = True
+                logger.warning("engine %d: no delta status (%r); full sync next", i, e)
+                continue
+            versions = {r.version for r in ranks}
+            known = [v for v in versions if v is not None]
+            st.max_request_bytes = min(r.max_request_bytes for r in ranks)
+            if known and max(known) > self.version:
+                self.version = max(known)  # the engine outlived a trainer restart: continue its chain
+            st.version = known[0] if len(versions) == 1 and known else None
+            st.needs_full = st.needs_full or any(r.needs_full for r in ranks) or st.version is None \
+                or not (self.state.version <= st.version <= self.version)
+
     def update(self, segments: Sequence[Callable[[], Iterable[Chunk]]]) -> Dict[int, Tuple[bool, str]]:
         """One sync over ``segments`` (callables yielding chunks of HF ``(name, tensor)``); publishes after each."""
+        unknown = [i for i, s in self.status.items() if not s.max_request_bytes]
+        if unknown:
+            self._learn(unknown)
         v = self.version + 1
         self.version = v
         full_targets = [i for i, s in self.status.items() if s.needs_full]
@@ -278,23 +304,20 @@ class DeltaSender:
                     logger.exception("continue_generation failed")
         t_finalize = time.perf_counter() - t0 - t_encode - run.fingerprint_s
         acked = [i for i, (ok, _) in results.items() if ok]
-        for i, (ok, msg) in results.items():
-            st = self.status[i]
-            if ok:
-                st.version, st.needs_full, st.last_error = v, False, ""
-            else:
-                self._counters["failures"] += 1
-                st.last_error = msg
-                st.needs_full = st.needs_full or _needs_full(msg) or msg.startswith("transport:")
-                stale = _STALE_FULL.search(msg)
-                if stale:  # the engine outlived a trainer restart: continue its chain rather than rewind it
-                    self.version = max(self.version, int(stale.group(1)))
-                logger.error("delta sync v%d failed on engine %d (%s): %s", v, i,
-                             "full sync next" if st.needs_full else "next delta covers it", msg)
+        failed = [i for i in results if i not in acked]
+        for i in acked:
+            self.status[i].version, self.status[i].needs_full, self.status[i].last_error = v, False, ""
         if len(acked) == len(self.engines):
             self.state.commit(v)
         else:
             self.state.stage()
+        self._learn(failed)
+        for i in failed:
+            st = self.status[i]
+            self._counters["failures"] += 1
+            st.last_error = results[i][1]
+            logger.error("delta sync v%d failed on engine %d (%s): %s", v, i,
+                         "full sync next" if st.needs_full else "next delta covers it", results[i][1])
         self._metrics = run.metrics(t_encode, t_finalize)
         timings = getattr(self.transport, "timings", None)
         if timings is not None:
@@ -345,7 +368,10 @@ class _SyncRun:
         self.fingerprint_s = 0.0  # trainer-side hashing, reported apart from encode
         self.fp_scratch = fingerprint.Scratch() if fingerprint_on else None
         self.targets = {"delta": delta_targets, "full": full_targets}
-        self.buckets = {k: DeltaBucket(sender.encoding, sender.buffer_bytes) for k, t in self.targets.items() if t}
+        bounds = [sender.status[i].max_request_bytes for i in delta_targets + full_targets]
+        self.max_request = min([b for b in bounds if b], default=0)  # the engines' bound on one request
+        cap = min(sender.buffer_bytes, self.max_request or sender.buffer_bytes)
+        self.buckets = {k: DeltaBucket(sender.encoding, cap) for k, t in self.targets.items() if t}
         self.flush = 0  # request index within the sync (shared by all files of one disk publish)
         self.final_segment = False
         self.held: List[Tuple[str, DeltaPayload]] = []  # NCCL: the last flush waits to learn whether it is final
@@ -407,7 +433,11 @@ class _SyncRun:
         for kind, payload in self.held:
             payload.spec.flush, payload.spec.final = self.flush, final
             payload.seal(spec_only=True)
-            self.wire_bytes += payload.positions.numel() + payload.values.numel() * payload.values.element_size()
+            nbytes = payload.positions.numel() + payload.values.numel() * payload.values.element_size()
+            if self.max_request and nbytes > self.max_request:  # declaring it would be refused unreceived
+                raise DeltaError(f"a flush of {nbytes} bytes exceeds the engines' max_request_bytes "
+                                 f"{self.max_request} (one param larger than an engine rank's bound)")
+            self.wire_bytes += nbytes
             self._collect(self.s.transport.send(payload, self.targets[kind]))
             self.flush += 1
         self.held = []

@@ -7,7 +7,9 @@
   optional post-write hook's future (e.g. "the remote side of the shared FS sees them").
 * :class:`NcclTransport`: one request per flush — the engine's HTTP/RPC call goes out first, then the
   two blobs are broadcast on the existing weight-update group (gloo on CPU, NCCL on GPU). One
-  broadcast reaches every engine of the group, so the group shares one sync kind.
+  broadcast reaches every engine of the group, so the group shares one sync kind. Every broadcast
+  has a deadline: one that does not complete in time, or is still pending after every engine
+  answered (an engine refused it unreceived, or died), aborts the group; the next sync re-creates it.
 
 Engines are duck-typed clients with ``update_weights_from_disk(model_path, files, weight_version)`` and
 ``update_weights_from_distributed(names, dtypes, shapes, group_name, delta, weight_version)``, each
@@ -26,7 +28,8 @@ from typing import Callable, ContextManager, Dict, List, Optional, Sequence, Tup
 
 import torch
 
-from sglang.srt.weight_sync.delta.wire import POSITIONS, VALUES, DeltaPayload, dtype_to_str, flush_file
+from sglang.srt.weight_sync.delta.collectives import abort_group, await_collectives, group_named
+from sglang.srt.weight_sync.delta.wire import POSITIONS, VALUES, DeltaPayload, DeltaStatus, dtype_to_str, flush_file
 
 logger = logging.getLogger(__name__)
 
@@ -156,10 +159,12 @@ class NcclTransport:
 
     def __init__(self, group, group_name: str, engines: Sequence, device: Optional[torch.device] = None,
                  reconnect: Optional[Callable[[], object]] = None,
-                 guard: Optional[Callable[[], ContextManager]] = None):
+                 guard: Optional[Callable[[], ContextManager]] = None, timeout_s: float = 120.0):
         self.group, self.group_name, self.engines = group, group_name, list(engines)
         self.device = torch.device(device or "cpu")
-        self.reconnect, self.broken = reconnect, False
+        self.reconnect, self.broken = reconnect, False  # reconnect() re-creates the group, on both sides
+        self.timeout_s = timeout_s  # per broadcast; match the engines' --update-weight-group-timeout
+        self.reconnects = 0
         self.guard = guard or contextlib.nullcontext  # e.g. slime's engine lock around each transfer
         self.calls = concurrent.futures.ThreadPoolExecutor(max(1, len(self.engines)), thread_name_prefix="delta-rpc")
         self._transfer_s = self._apply_s = 0.0
@@ -169,6 +174,7 @@ class NcclTransport:
         if self.broken and self.reconnect is not None:
             logger.warning("re-creating weight-update group %s after a failed broadcast", self.group_name)
             self.group, self.broken = self.reconnect(), False
+            self.reconnects += 1
 
     def send(self, payload: DeltaPayload, targets: List[int]) -> Results:
         """One request: engines are called first (they block in their receive), then both blobs are broadcast."""
@@ -176,6 +182,8 @@ class NcclTransport:
             return self._send(payload, targets)
 
     def _send(self, payload: DeltaPayload, targets: List[int]) -> Results:
+        if self.broken:  # given up on earlier in this sync: no engine is asked to join a dead group
+            return {i: (False, f"transport: group {self.group_name} was aborted earlier in this sync") for i in targets}
         pos = payload.positions.to(self.device)
         vals = payload.values.to(self.device)
         args = ([POSITIONS, VALUES], ["uint8", dtype_to_str(vals.dtype)], [[pos.numel()], [vals.numel()]],
@@ -184,10 +192,11 @@ class NcclTransport:
         broadcast_error = None
         t0 = time.perf_counter()
         try:
-            for h in [torch.distributed.broadcast(t, src=0, group=self.group, async_op=True) for t in (pos, vals)]:
-                h.wait()
+            works = [torch.distributed.broadcast(t, src=0, group=self.group, async_op=True) for t in (pos, vals)]
+            await_collectives(works, self.timeout_s, peers_gone=lambda: all(f.done() for f in futs.values()))
         except Exception as e:
-            self.broken, broadcast_error = True, f"transport: broadcast failed: {e!r}"
+            abort_group(self.group)
+            self.broken, broadcast_error = True, f"transport: broadcast on {self.group_name} failed: {e}"
             logger.error("delta broadcast on %s failed: %r", self.group_name, e)
         t1 = time.perf_counter()
         self._transfer_s += t1 - t0
@@ -207,6 +216,42 @@ class NcclTransport:
 
     def close(self) -> None:
         self.calls.shutdown(wait=True)
+
+
+def http_update_group(engines: Sequence["HttpEngine"], group_name: str, *, backend: str = "nccl",
+                      master_address: str = "127.0.0.1", master_port: Optional[int] = None,
+                      ranks_per_engine: int = 1, timeout_s: float = 120.0):
+    """(Re-)create a weight-update group with plain SGLang servers: this process is rank 0, engine ``k``'s ranks
+    follow from ``1 + k * ranks_per_engine``. Any old group of that name is destroyed on the engines first, so
+    ``NcclTransport(reconnect=lambda: http_update_group(...))`` recovers a group a broadcast was given up on."""
+    import datetime
+    import socket
+
+    from sglang.srt.utils.common import init_custom_process_group
+
+    abort_group(group_named(group_name))
+    for e in engines:
+        e.session.post(e.url + "/destroy_weights_update_group", json={"group_name": group_name}, timeout=e.timeout)
+    if master_port is None:
+        with socket.socket() as s:
+            s.bind((master_address, 0))
+            master_port = s.getsockname()[1]
+    world = 1 + len(engines) * ranks_per_engine
+    calls = concurrent.futures.ThreadPoolExecutor(max(1, len(engines)))
+    futs = [calls.submit(e.session.post, e.url + "/init_weights_update_group", timeout=e.timeout, json={
+        "master_address": master_address, "master_port": master_port, "rank_offset": 1 + k * ranks_per_engine,
+        "world_size": world, "group_name": group_name, "backend": backend}) for k, e in enumerate(engines)]
+    try:
+        group = init_custom_process_group(backend=backend, init_method=f"tcp://{master_address}:{master_port}",
+                                          world_size=world, rank=0, group_name=group_name,
+                                          timeout=datetime.timedelta(seconds=timeout_s))
+    finally:
+        replies = [f.result() for f in futs]
+        calls.shutdown()
+    bad = [r.text[:300] for r in replies if r.status_code != 200]
+    if bad:
+        raise RuntimeError(f"init_weights_update_group {group_name!r} failed on an engine: {bad[0]}")
+    return group
 
 
 class HttpEngine:
@@ -252,13 +297,20 @@ class HttpEngine:
         if r.status_code != 200:
             raise RuntimeError(f"/continue_generation: HTTP {r.status_code}: {r.text[:500]}")
 
-    def fingerprint(self) -> List[dict]:
-        """Every rank's share of the weight fingerprint (``/weights_checker``, action ``delta_fingerprint``)."""
-        r = self.session.post(self.url + "/weights_checker", json={"action": "delta_fingerprint"}, timeout=self.timeout)
+    def _checker(self, action: str) -> List[dict]:
+        r = self.session.post(self.url + "/weights_checker", json={"action": action}, timeout=self.timeout)
         data = r.json()
         if r.status_code != 200 or not data.get("success"):
             raise RuntimeError(f"HTTP {r.status_code}: {data.get('message', r.text[:500])}")
         return data["ranks"]
+
+    def fingerprint(self) -> List[dict]:
+        """Every rank's share of the weight fingerprint (``/weights_checker``, action ``delta_fingerprint``)."""
+        return self._checker("delta_fingerprint")
+
+    def status(self) -> List[DeltaStatus]:
+        """Every rank's structured delta status (``/weights_checker``, action ``delta_status``)."""
+        return DeltaStatus.from_checker(self._checker("delta_status"))
 
     def update_weights_from_distributed(self, names, dtypes, shapes, group_name, delta, weight_version):
         if self._sessions is None:

@@ -37,6 +37,8 @@ __all__ = [
     "DeltaSpec",
     "DeltaPayload",
     "DeltaError",
+    "DeltaStatus",
+    "Refusal",
     "blob_sums",
     "canonical_spec",
     "flush_checksum",
@@ -84,8 +86,68 @@ _ST_DTYPES = {v: k for k, v in _ST_NAMES.items()}
 _SPARSE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
+class Refusal(str, enum.Enum):
+    """Why an engine refused a request: machine-readable, beside the human message."""
+
+    CHECKSUM = "checksum"  # blobs or spec corrupted
+    MALFORMED = "malformed"  # structure: offsets, positions, NaN, file layout, framing
+    MANIFEST = "manifest"  # a name, shape or dtype the first full sync did not have
+    NEEDS_FULL = "needs_full"  # fresh, dirty or loaded outside the chain: only a full sync helps
+    OFF_CHAIN = "off_chain"  # versions do not fit the engine's committed version (replay, out of order, engine ahead)
+    UNSUPPORTED = "unsupported"  # an engine or param this product does not serve
+    NOT_RECEIVED = "not_received"  # a broadcast refused before (or failing while) receiving it
+    APPLY_FAILED = "apply_failed"  # a write failed after others landed: the engine is dirty
+
+
 class DeltaError(ValueError):
-    """A request that must be refused; the message names the param and the cause."""
+    """A request that must be refused; the message names the param and the cause, ``code`` classifies it."""
+
+    def __init__(self, message: str, code: Refusal = Refusal.MALFORMED):
+        super().__init__(message)
+        self.code = Refusal(code)
+
+
+@dataclasses.dataclass
+class DeltaStatus:
+    """One engine rank's delta state, as ``/weights_checker`` action ``delta_status`` reports it.
+
+    The sender decides on these fields alone: a full sync when ``needs_full`` or when ``version`` is
+    outside what its next delta serves; ``version`` above its own continues the chain there.
+    """
+
+    version: Optional[int] = None  # committed version; None before the first full sync
+    needs_full: bool = True  # every delta is refused until a full sync
+    reason: Optional[str] = "fresh"  # why: "fresh" | "dirty" | "outside_load"; None when not needed
+    pending: Optional[int] = None  # a version whose flushes are being applied
+    request: Optional[List[int]] = None  # [version, flush] of the last delta request seen
+    code: Optional[str] = None  # that request's Refusal code; None when it was applied
+    received: Optional[bool] = None  # broadcasts: whether that request's blobs were received in full
+    max_request_bytes: int = 0  # the most bytes one request may declare (the sender never declares more)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d) -> "DeltaStatus":
+        if not isinstance(d, dict) or set(d) - {f.name for f in dataclasses.fields(cls)}:
+            raise DeltaError(f"malformed delta status {d!r}")
+        return cls(**d)
+
+    def checker_rank(self, parallelism_info=None) -> dict:
+        """One rank's ``/weights_checker`` reply: SGLang relays only its ``ChecksumInfo`` shape (name -> string)."""
+        return {"checksums": {STATUS_KEY: json.dumps(self.to_dict())}, "per_gpu_checksum": "",
+                "parallelism_info": parallelism_info}
+
+    @classmethod
+    def from_checker(cls, ranks: Sequence[dict]) -> List["DeltaStatus"]:
+        """Every rank's status from a ``delta_status`` reply's ``ranks``."""
+        try:
+            return [cls.from_dict(json.loads(r["checksums"][STATUS_KEY])) for r in ranks]
+        except (KeyError, TypeError, ValueError) as e:
+            raise DeltaError(f"malformed delta_status reply: {e!r}") from None
+
+
+STATUS_KEY = "__delta_status__"
 
 
 class DeltaEncoding(str, enum.Enum):
@@ -238,7 +300,8 @@ class DeltaSpec:
             if type(getattr(out, k)) is not bool:
                 raise DeltaError(f"delta spec {k!r} must be a boolean")
         if out.checksum_algo != CHECKSUM_ALGO:
-            raise DeltaError(f"unsupported checksum_algo {out.checksum_algo!r} (have: {CHECKSUM_ALGO})")
+            raise DeltaError(f"unsupported checksum_algo {out.checksum_algo!r} (have: {CHECKSUM_ALGO})",
+                             Refusal.UNSUPPORTED)
         if out.base_version > out.version:
             raise DeltaError(f"base_version {out.base_version} is above version {out.version}")
         return out
@@ -452,7 +515,7 @@ def validate_payload(payload: DeltaPayload, manifest: Optional[Dict[str, Tuple[L
     actual = flush_checksum(spec, pos, val)
     if actual != spec.checksum:
         raise DeltaError(f"checksum mismatch{where}: expected {spec.checksum or '<none>'}, got {actual} "
-                         f"(positions, values or the spec corrupted)")
+                         f"(positions, values or the spec corrupted)", Refusal.CHECKSUM)
     pos_at = val_at = 0
     seen = set()
     decoded: List[Optional[torch.Tensor]] = []
@@ -472,11 +535,12 @@ def validate_payload(payload: DeltaPayload, manifest: Optional[Dict[str, Tuple[L
             raise DeltaError(f"{tag}: {p.dtype} params cannot travel sparse (no NaN sentinel); send them dense")
         if manifest is not None:
             if p.name not in manifest:
-                raise DeltaError(f"{tag}: unknown parameter name (not in the manifest of the first full sync)")
+                raise DeltaError(f"{tag}: unknown parameter name (not in the manifest of the first full sync)",
+                                 Refusal.MANIFEST)
             shape, mdtype = manifest[p.name]
             if list(shape) != list(p.shape) or mdtype != dtype_to_str(dtype):
                 raise DeltaError(f"{tag}: shape/dtype {p.shape} {dtype_to_str(dtype)} differ from the manifest's "
-                                 f"{list(shape)} {mdtype}")
+                                 f"{list(shape)} {mdtype}", Refusal.MANIFEST)
         if pos_at > pos.numel() or val_at > val.numel():
             raise DeltaError(f"{tag}: offsets run past the blobs ({pos.numel()} position bytes, {val.numel()} values)")
         numel = p.numel

@@ -24,6 +24,7 @@ from slime.observability.timer import Timer
 from slime.utils.distributed_utils import get_gloo_group
 from sglang.srt.weight_sync.delta.sender import _EXPERT_SUBPASSES, DeltaSender
 from sglang.srt.weight_sync.delta.transport import DiskTransport, NcclTransport
+from sglang.srt.weight_sync.delta.wire import DeltaStatus
 
 from .update_weight_from_distributed import (
     UpdateWeightFromDistributed,
@@ -42,13 +43,11 @@ class _RayEngine:
 
     @staticmethod
     def _ack(ref) -> tuple[bool, str]:
+        """(ok, message) of one request; what to do after a failure the sender reads from :meth:`status`."""
         try:
             out = ray.get(ref)
-        except ray.exceptions.RayTaskError as e:  # HTTP 400 (a refusal) or a dead server
-            refusal = "HTTPError" in str(e) and "delta" in str(e)
-            return False, ("" if refusal else "transport: ") + str(e)[-2000:]
-        except ray.exceptions.RayError as e:
-            return False, f"transport: {e!r}"
+        except ray.exceptions.RayError as e:  # HTTP 400 (a refusal) or a dead server
+            return False, str(e)[-2000:]
         if out is None:  # only node_rank 0 of a multi-node engine posts
             return True, ""
         return bool(out.get("success", True)), out.get("message", "")
@@ -64,6 +63,9 @@ class _RayEngine:
 
     def fingerprint(self):
         return ray.get(self.actor.check_weights.remote("delta_fingerprint"))["ranks"]
+
+    def status(self):
+        return DeltaStatus.from_checker(ray.get(self.actor.check_weights.remote("delta_status"))["ranks"])
 
 
 class UpdateWeightFromDistributedDelta(UpdateWeightFromDistributed):

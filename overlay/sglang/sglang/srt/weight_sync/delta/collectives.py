@@ -1,0 +1,72 @@
+"""Bounded waits on weight-update broadcasts, for the sender and the engine alike.
+
+``Work.wait()`` is no bound: on NCCL it only orders the current stream after the collective and
+returns at once (a later host read then blocks for as long as a missing peer stays away), and on
+gloo it waits for the group's timeout. Here a collective is polled with ``is_completed()`` —
+non-blocking on both backends — until it completes, a deadline passes, or the caller learns that a
+peer will never join (every engine already answered). A group whose collective was given up on is
+aborted; its owner re-creates it before the next use.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Optional, Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.0005
+
+
+class CollectiveStuck(RuntimeError):
+    """A collective did not complete in time, or a peer will never join it; its group must be re-created."""
+
+
+def await_collectives(works: Sequence, timeout_s: float, peers_gone: Optional[Callable[[], bool]] = None,
+                      grace_s: float = 1.0) -> None:
+    """Return once every work completed (re-raising its error); raise :class:`CollectiveStuck` at the deadline,
+    or ``grace_s`` after ``peers_gone()`` first says that no peer is still on its way."""
+    deadline = time.monotonic() + timeout_s
+    gone_since = None
+    while not all(w.is_completed() for w in works):
+        now = time.monotonic()
+        if peers_gone is not None and gone_since is None and peers_gone():
+            gone_since = now
+        if gone_since is not None and now - gone_since > grace_s:
+            raise CollectiveStuck("every engine answered but the broadcast did not complete (a peer never joined it)")
+        if now > deadline:
+            raise CollectiveStuck(f"the broadcast did not complete within {timeout_s:g} s")
+        time.sleep(_POLL_S)
+    for w in works:
+        w.wait()  # a failed collective raises its own error here
+
+
+def group_named(name: str):
+    """This process's group of that name, if any (re-creating a group needs the old one gone first)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return next((pg for pg, n in c10d._world.pg_names.items() if n == name), None)
+
+
+def abort_group(group) -> None:
+    """Tear a group down without waiting on its pending collectives (NCCL aborts its communicators; gloo's
+    pending work ends at the group's own timeout). Never raises: the caller re-creates the group anyway."""
+    if group is None:
+        return
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        if hasattr(c10d, "_abort_process_group"):
+            c10d._abort_process_group(group)
+        elif hasattr(group, "abort"):
+            group.abort()
+    except Exception:  # a group that is already gone, or a backend without abort
+        logger.warning("aborting a weight-update group failed; dropping it", exc_info=True)
+    finally:
+        try:
+            torch.distributed.destroy_process_group(group)
+        except Exception:
+            pass
