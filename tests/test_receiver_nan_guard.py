@@ -11,7 +11,8 @@ import torch
 
 from cpu_harness import Host, delta_flushes, full_flushes, hf_config, nan_filled, rl_states, sglang_model
 from delta_helpers import assert_params_equal
-from sglang.srt.weight_sync.delta.receiver import _delta_apply_context, receiver_state
+from sglang.srt.weight_sync.delta.receiver import receiver_state
+from sglang.srt.weight_sync.delta.write_guard import delta_apply_context
 
 
 def synced(arch):
@@ -40,7 +41,7 @@ def test_moe_index_assigning_loaders_are_masked(arch, loader):
     new = torch.randn_like(param[1])
     sent = with_nan_sentinels(new)
     kwargs = dict(shard_id="w2") if loader == "_load_per_tensor_weight_scale" else {}
-    with torch.no_grad(), _delta_apply_context(host.model) as guard:
+    with torch.no_grad(), delta_apply_context(host.model) as guard:
         getattr(experts, loader)(param=param, loaded_weight=sent, expert_id=1, **kwargs)
     assert sum(guard.caught.values()) == 1, guard.caught  # the index-assignment bypassed copy_ and was masked
     keep = torch.isnan(sent)

@@ -23,6 +23,7 @@ import bisect
 import contextlib
 import dataclasses
 import hashlib
+import threading
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -129,8 +130,20 @@ class FingerprintRecorder:
         self._params = self._ranges((p.data_ptr(), p.numel() * p.element_size(), p) for p in params)
         self._sources = self._ranges(())
         self.copies: Dict[str, List[_Copy]] = {}
-        self.in_copy = False  # inside a recorded copy_ (its aten write is explained)
+        self._tls = threading.local()  # per loader thread: inside a recorded copy_ (its aten write is explained)
         self.unexplained: Optional[str] = None  # the first write into the model that no recorded copy explains
+
+    def in_copy(self) -> bool:
+        return getattr(self._tls, "in_copy", False)
+
+    @contextlib.contextmanager
+    def copying(self, recorded: bool):
+        """Mark this thread as inside a ``copy_`` the recorder explains (when ``recorded``)."""
+        self._tls.in_copy = recorded
+        try:
+            yield
+        finally:
+            self._tls.in_copy = False
 
     @staticmethod
     def _ranges(items):
@@ -161,25 +174,6 @@ class FingerprintRecorder:
             owner[2], (tuple(dst.shape), tuple(dst.stride()), dst.storage_offset()),
             (tuple(src.shape), tuple(src.stride()), offset), owner[2].data_ptr()))
         return True
-
-
-@contextlib.contextmanager
-def recording(recorder: FingerprintRecorder):
-    """Within: every ``copy_`` also reports to the recorder (then copies as usual)."""
-    orig = torch.Tensor.copy_
-
-    def copy_(dst, src, non_blocking=False):
-        recorder.in_copy = recorder.observe(dst, src)
-        try:
-            return orig(dst, src, non_blocking)
-        finally:
-            recorder.in_copy = False
-
-    torch.Tensor.copy_ = copy_
-    try:
-        yield
-    finally:
-        torch.Tensor.copy_ = orig
 
 
 def _pieces(sizes, dst_strides, src_strides):

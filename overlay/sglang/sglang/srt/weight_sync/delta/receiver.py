@@ -9,10 +9,10 @@ Contract (see the wire module for the format):
 * The model's **own** ``load_weights`` defines where each HF element lives (name mapping, QKV/gate-up
   fusion, TP/EP sharding). Every full sync runs it and records each view copy it makes
   (:class:`fingerprint.FingerprintRecorder`). If the loader did nothing else — no transformed copy,
-  no in-place arithmetic, no index-assignment, no post-processing (:class:`_FullSyncWatch`) — deltas
+  no in-place arithmetic, no index-assignment, no post-processing (``write_guard.FullSyncWatch``) — deltas
   are written straight through those views (:func:`_write_direct`, O(changed)).
 * Every other sparse param is densified into a full-shape NaN tensor and fed, in chunks capped by
-  ``--update-weight-delta-chunk-bytes``, to ``load_weights`` inside :func:`_delta_apply_context`,
+  ``--update-weight-delta-chunk-bytes``, to ``load_weights`` inside ``write_guard.delta_apply_context``,
   where ``Tensor.copy_`` into model storage keeps the old value wherever the source is NaN and
   ``Tensor.fill_(nan)`` into model storage is ignored.
 * Versions: an engine accepts a request iff its committed version lies in
@@ -21,14 +21,16 @@ Contract (see the wire module for the format):
   the only thing a fresh or dirty engine accepts. An engine that wrote part of a sync and then
   failed is *dirty* until a full sync.
 
+* Every request leaves a structured :class:`~wire.DeltaStatus` (``/weights_checker`` ``delta_status``):
+  committed version, whether only a full sync helps and why, the last request's refusal code. The
+  sender decides on those fields, never on the message.
+
 Not supported, refused loudly: quantized engines, sparse fp8/integer params (they travel dense).
-Writes that bypass ``copy_``/``fill_`` (``__setitem__``, ``param.data = ...``, kernels) are not
-masked; the loaders of unquantized dense and MoE models do not use them.
+How the loader is watched (per thread, aten-level bypasses, foreign threads): see ``write_guard``.
 """
 
 from __future__ import annotations
 
-import bisect
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -36,12 +38,12 @@ import logging
 import math
 import os
 import weakref
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from sglang.srt.weight_sync.delta import fingerprint
+from sglang.srt.weight_sync.delta.write_guard import delta_apply_context, full_sync_context, model_tensors
 from sglang.srt.weight_sync.delta.collectives import CollectiveStuck, abort_group, await_collectives
 from sglang.srt.weight_sync.delta.wire import (
     HEADER_CAP,
@@ -115,211 +117,6 @@ def _server_arg(host, name: str, default):
     args = getattr(_runner(host), "server_args", None)
     value = getattr(args, name, None)
     return default if value is None else value
-
-
-# ---------------------------------------------------------------- storage index + apply context
-
-
-def _model_tensors(model: torch.nn.Module) -> List[torch.Tensor]:
-    return [t for _, t in model.named_parameters(remove_duplicate=False)] + \
-        [t for _, t in model.named_buffers(remove_duplicate=False)]
-
-
-def _param_storage_index(model: torch.nn.Module) -> Callable[[torch.Tensor], Optional[str]]:
-    """Map a tensor to the name of the param/buffer whose storage holds it (views included), else None.
-
-    Sorted ``[data_ptr, data_ptr + nbytes)`` ranges and a bisect: a ``narrow``ed shard of a fused
-    QKV weight lands inside its owner, a loader's scratch tensor falls in a gap.
-    """
-    ranges = []
-    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
-        if t.numel():
-            ranges.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name))
-    ranges.sort()
-    starts, ends, names = [], [], []
-    for s, e, n in ranges:
-        if ends and s < ends[-1]:  # aliases or nested views: merge into the enclosing range
-            ends[-1] = max(ends[-1], e)
-            continue
-        starts.append(s)
-        ends.append(e)
-        names.append(n)
-
-    def owner(t: torch.Tensor) -> Optional[str]:
-        if not isinstance(t, torch.Tensor) or t.numel() == 0:
-            return None
-        ptr = t.data_ptr()
-        i = bisect.bisect_right(starts, ptr) - 1
-        return names[i] if i >= 0 and ptr < ends[i] else None
-
-    return owner
-
-
-_NAN_BITS = {torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80), torch.float16: (torch.int16, 0x7FFF, 0x7C00),
-              torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F800000)}
-
-
-def _nan_mask(t: torch.Tensor) -> torch.Tensor:
-    """``isnan`` from the raw bits (|bits| above the exponent mask): integer ops, ~1.5x faster on CPU."""
-    if t.dtype not in _NAN_BITS:
-        return torch.isnan(t)
-    int_dtype, abs_mask, inf_bits = _NAN_BITS[t.dtype]
-    return (t.view(int_dtype) & abs_mask) > inf_bits
-
-
-def _is_nan_scalar(value) -> bool:
-    if isinstance(value, torch.Tensor):
-        return value.numel() == 1 and value.is_floating_point() and bool(torch.isnan(value))
-    return isinstance(value, float) and math.isnan(value)
-
-
-def _model_storages(model: torch.nn.Module) -> set:
-    return {t.untyped_storage().data_ptr() for t in _model_tensors(model) if t.numel()}
-
-
-def _model_write(func, args, kwargs, storages: set) -> Optional[torch.Tensor]:
-    """The model tensor an aten op writes (by its schema's write annotations), else None."""
-    for i, a in enumerate(func._schema.arguments):
-        if a.alias_info is None or not a.alias_info.is_write:
-            continue
-        v = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
-        for t in (v if isinstance(v, (list, tuple)) else [v]):
-            if isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage().data_ptr() in storages:
-                return t
-    return None
-
-
-class _WriteGuard(TorchDispatchMode):
-    """Sees every aten op of a delta apply; masks or refuses writes into model storage that bypass ``copy_``.
-
-    Loaders that index-assign (``FusedMoE._load_per_tensor_weight_scale``, ``_load_single_value``) or
-    ``fill_`` reach the model as aten ``copy_`` / ``index_put_`` / ``fill_``: those get the same NaN
-    mask here. ``zero_`` cannot leak a NaN. Any other write (in-place arithmetic, an accumulating
-    ``index_put_``, a kernel with a write schema) is refused before it runs.
-    """
-
-    def __init__(self, model: torch.nn.Module, owner: Callable[[torch.Tensor], Optional[str]]):
-        super().__init__()
-        self.storages = _model_storages(model)
-        self.owner = owner
-        self.masked = 0  # >0 inside the Python-level masked copy_/fill_
-        self.caught: Dict[str, int] = {}  # aten op -> bypassing writes masked here
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        dst = None if self.masked else _model_write(func, args, kwargs, self.storages)
-        if dst is None:
-            return func(*args, **kwargs)
-        op, aten = func.overloadpacket, torch.ops.aten
-        if op is aten.zero_:
-            return func(*args, **kwargs)
-        name = self.owner(dst) or "a model buffer"
-        self.caught[str(op)] = self.caught.get(str(op), 0) + 1
-        if op is aten.fill_ and dst is args[0]:
-            return dst if _is_nan_scalar(args[1]) else func(*args, **kwargs)
-        if op is aten.copy_ and dst is args[0] and dst.is_floating_point():
-            src = args[1].to(device=dst.device, dtype=dst.dtype)
-            return func(dst, torch.where(_nan_mask(src), dst, src), *args[2:], **kwargs)
-        if op is aten.index_put_ and dst is args[0] and dst.is_floating_point() and not (args[3:4] and args[3]):
-            values = args[2].to(device=dst.device, dtype=dst.dtype)
-            values = torch.where(_nan_mask(values), aten.index.Tensor(dst, args[1]), values)
-            return func(dst, args[1], values, *args[3:], **kwargs)
-        raise DeltaError(f"param {name!r}: the model's loader writes it with {func} outside the NaN-masked "
-                         "copy_; refused before that write")
-
-
-@contextlib.contextmanager
-def _delta_apply_context(model: torch.nn.Module):
-    """Within: ``copy_`` into model storage writes only where the source is not NaN; ``fill_(nan)`` into it is a no-op.
-
-    The masked write is ``torch.where(isnan(src), dst, src)`` — no host sync, no boolean
-    indexing. Writes that bypass ``copy_``/``fill_`` go through :class:`_WriteGuard`; a param whose
-    tensor a loader replaced (``param.data = …``, invisible to both) is scanned for NaN at the end.
-    ``post_load_weights`` (arithmetic post-processing) runs with the original ops, unguarded.
-    """
-    owner = _param_storage_index(model)
-    guard = _WriteGuard(model, owner)
-    orig_copy, orig_fill = torch.Tensor.copy_, torch.Tensor.fill_
-    ptrs = {n: t.data_ptr() for n, t in model.named_parameters()}
-
-    def copy_(dst, src, non_blocking=False):
-        if owner(dst) is None:
-            return orig_copy(dst, src, non_blocking)
-        guard.masked += 1
-        try:
-            if isinstance(src, torch.Tensor) and src.is_floating_point() and dst.is_floating_point():
-                src = src.to(device=dst.device, dtype=dst.dtype, non_blocking=non_blocking)
-                keep = _nan_mask(src)
-                if src.shape == dst.shape:  # one pass, written in place
-                    return torch.where(keep, dst, src, out=dst)
-                src = torch.where(keep, dst, src)
-            return orig_copy(dst, src, non_blocking)
-        finally:
-            guard.masked -= 1
-
-    def fill_(dst, value):
-        if owner(dst) is None:
-            return orig_fill(dst, value)
-        if _is_nan_scalar(value):
-            return dst
-        guard.masked += 1
-        try:
-            return orig_fill(dst, value)
-        finally:
-            guard.masked -= 1
-
-    def native_ops():
-        torch.Tensor.copy_, torch.Tensor.fill_ = orig_copy, orig_fill
-        guard.masked += 1
-
-    def patched_ops():
-        torch.Tensor.copy_, torch.Tensor.fill_ = copy_, fill_
-        guard.masked -= 1
-
-    post = getattr(model, "post_load_weights", None)
-    if post is not None:
-        def post_with_native_ops(*a, **kw):
-            native_ops()
-            try:
-                return post(*a, **kw)
-            finally:
-                patched_ops()
-
-        model.post_load_weights = post_with_native_ops
-    torch.Tensor.copy_, torch.Tensor.fill_ = copy_, fill_
-    try:
-        with guard:
-            yield guard
-    finally:
-        torch.Tensor.copy_, torch.Tensor.fill_ = orig_copy, orig_fill
-        if post is not None:
-            del model.post_load_weights
-    for n, t in model.named_parameters():
-        if t.data_ptr() != ptrs.get(n) and t.is_floating_point() and bool(_nan_mask(t).any()):
-            raise DeltaError(f"param {n!r}: the loader replaced its tensor (param.data = ...) with unmasked NaN "
-                             "sentinels")
-
-
-class _FullSyncWatch(TorchDispatchMode):
-    """During a full sync: any write into model storage that a recorded view copy does not explain
-    (a transformed or deferred copy, in-place arithmetic, an index-assignment, a fill with a value)
-    keeps the whole model off the direct path — which name it derives from is unknowable here.
-    Zero fills (vocab padding) derive from no weight and pass."""
-
-    def __init__(self, model: torch.nn.Module, recorder: fingerprint.FingerprintRecorder):
-        super().__init__()
-        self.storages, self.recorder = _model_storages(model), recorder
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        op, aten = func.overloadpacket, torch.ops.aten
-        explained = (op is aten.copy_ and self.recorder.in_copy) or op is aten.zero_ or \
-            (func is aten.fill_.Scalar and args[1] == 0)
-        if not explained and self.recorder.unexplained is None:
-            dst = _model_write(func, args, kwargs, self.storages)
-            if dst is not None:
-                self.recorder.unexplained = f"{func} into {tuple(dst.shape)}"
-        return func(*args, **kwargs)
 
 
 # ---------------------------------------------------------------- direct writes
@@ -524,7 +321,7 @@ def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version:
     device = _device(self)
     if head.flush == 0:
         state.pending_manifest = {}
-        state.recorder = fingerprint.FingerprintRecorder(_model_tensors(model)) if head.full else None
+        state.recorder = fingerprint.FingerprintRecorder(model_tensors(model)) if head.full else None
     state.pending, state.next_flush = head.version, head.flush + 1
 
     def load(chunk):
@@ -551,10 +348,9 @@ def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version:
         if via_loader:
             context = contextlib.ExitStack()
             if head.full:
-                context.enter_context(fingerprint.recording(state.recorder))
-                context.enter_context(_FullSyncWatch(model, state.recorder))
+                context.enter_context(full_sync_context(model, state.recorder))
             else:
-                context.enter_context(_delta_apply_context(model))
+                context.enter_context(delta_apply_context(model))
             with torch.no_grad(), context:
                 chunk, chunk_bytes = [], 0
                 for p, idx, values in via_loader:
