@@ -142,6 +142,11 @@ def update_group(host, backend: str, name: str):
     from torch.distributed.distributed_c10d import _world
 
     init, box, lock = f"tcp://127.0.0.1:{free_port()}", {}, threading.Lock()
+    for rank in (0, 1):  # a group re-created under the same name (after an abort) replaces the old one
+        try:
+            _unregister_process_group(f"{name}:rank{rank}")
+        except Exception:
+            pass
 
     def create(rank):
         """A group name is registered once per process: each rank, once created, moves its registration aside."""
@@ -257,6 +262,50 @@ def check_hashes(report, device) -> None:
     report.check((a.total, a.coverage) == (b.total, b.coverage), what[1])
 
 
+def check_stranded_broadcast(report, cfg, device, backend, engine_device, states, ref) -> None:
+    """The engine refuses a request before receiving it: the sender aborts its pending broadcast at once (NCCL:
+    the communicator, whose kernel would spin forever), re-creates the group through ``reconnect`` and the next
+    sync lands bit-identically."""
+    from cpu_harness import segments
+    from sglang.srt.weight_sync.delta.collectives import abort_group
+    from sglang.srt.weight_sync.delta.sender import DeltaSender
+    from sglang.srt.weight_sync.delta.transport import NcclTransport
+
+    class Refusing(InProcessEngine):
+        wrong_group = False
+
+        def update_weights_from_distributed(self, names, dtypes, shapes, group_name, delta, weight_version):
+            group_name, self.wrong_group = ("no-such-group" if self.wrong_group else group_name), False
+            return super().update_weights_from_distributed(names, dtypes, shapes, group_name, delta, weight_version)
+
+    host, name = engine_host(cfg, engine_device), "gpu-check-stranded"
+    engine = Refusing(host)
+
+    def connect():
+        abort_group(host._model_update_group.pop(name, None))
+        return update_group(host, backend, name)
+
+    transport = NcclTransport(connect(), name, [engine], device=device if backend == "nccl" else torch.device("cpu"),
+                              reconnect=connect, timeout_s=60)
+    sender = DeltaSender(transport, [engine], encoding="indices", buffer_bytes=16 << 20, device=device)
+    first_ok = sender.update(segments(states[0]))[0][0]
+    engine.wrong_group = True
+    t0 = time.perf_counter()
+    ok, msg = sender.update(segments(states[1]))[0]
+    aborted_s = time.perf_counter() - t0
+    report.check(first_ok and not ok and "every engine answered but the broadcast did not complete" in msg
+                 and aborted_s < 15, f"broadcast:{backend}: a request refused unreceived aborts the pending broadcast "
+                 f"in {aborted_s:.1f} s (deadline 60 s)" + ("" if not ok else " — it was not refused"))
+    recovered = sender.update(segments(states[1]))[0]
+    with torch.no_grad():
+        ref.load_weights(list(states[1].items()))
+    bad = first_difference(host.model, ref)
+    report.check(recovered[0] and transport.reconnects == 1 and bad is None,
+                 f"broadcast:{backend}: the next sync re-creates the group and lands bit-identically"
+                 + ("" if recovered[0] and bad is None else f" — {recovered[1]}; first differing param: {bad}"))
+    transport.close()
+
+
 def run(args, device, report) -> None:
     from cpu_harness import bf16_state, delta_flushes, full_flushes, hf_config, hf_model, rl_steps, segments, sglang_model
     from sglang.srt.weight_sync.delta import receiver
@@ -309,6 +358,7 @@ def run(args, device, report) -> None:
                              + ("" if ok else f" — {results[0][1]}; first differing param: {bad}"))
     for _, _, transport in lanes.values():
         transport.close()
+    check_stranded_broadcast(report, cfg, device, backend, engine_device, states[-2:], ref)
 
     old, new = states[-2], states[-1]
     nbytes = sum(t.numel() * t.element_size() for t in new.values())

@@ -19,6 +19,8 @@ def test_dry_run_passes_every_check(tmp_path):
     assert "FAIL" not in text and text.rstrip().splitlines()[-1].startswith("all checks passed")
     for lane in ("indices", "deltas", "deltas_zstd", "broadcast:gloo"):
         assert f"PASS: step 3 {lane}: delta v4" in text
+    assert "PASS: broadcast:gloo: a request refused unreceived aborts the pending broadcast" in text
+    assert "PASS: broadcast:gloo: the next sync re-creates the group and lands bit-identically" in text
     assert "skipped (no device): mix64 blob sums equal on CPU and device" in text and "delta apply `deltas`" in text
     assert "PASS: mix64" not in text and "PASS: weight fingerprint equal on CPU" not in text
 

@@ -7,7 +7,7 @@ import zstandard
 
 from cpu_harness import Host, delta_flushes, full_flushes, hf_config, rl_states, sglang_model
 from sglang.srt.weight_sync.delta.receiver import receiver_state
-from sglang.srt.weight_sync.delta.wire import DeltaParam, encode_flush, write_safetensors
+from sglang.srt.weight_sync.delta.wire import DeltaParam, changed_positions, encode_flush, write_safetensors
 
 _STATES = {}
 
@@ -250,6 +250,23 @@ def test_file_refusals(engine, tmp_path):
     assert_untouched(engine, before)
     ok, msg = engine.call("_apply_delta", vdir, [name], "2")
     assert ok, msg
+
+
+def test_a_flush_in_another_dtype_than_the_manifest_is_refused(engine):
+    """Self-consistent (values, spec and checksum agree on float16) but the first full sync had bfloat16."""
+    _, s = states()
+    name = "model.norm.weight"
+    new = s[1][name].clone()
+    new.view(-1)[:4] += 1
+    as_f16 = new.to(torch.float16)
+    old = s[0][name].to(torch.float16)
+    pl = encode_flush([(name, as_f16, changed_positions(old, as_f16))], "deltas", version=2, base_version=1)
+    before = weights(engine)
+    ok, msg = engine.call("_apply_delta_payload", [pl])
+    assert not ok and f"param {name!r}: shape/dtype {list(new.shape)} float16 differ from the manifest's " \
+        f"{list(new.shape)} bfloat16" in msg, msg
+    assert_untouched(engine, before)
+    assert receiver_state(engine.model).last[1] == "manifest"
 
 
 def test_quantized_engine_refused(engine):
