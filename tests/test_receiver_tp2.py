@@ -1,4 +1,5 @@
-"""TP=2 on two gloo ranks: each rank reads the same global delta files and its loader narrows its own shard."""
+"""TP=2 on two gloo ranks: each rank reads the same global delta files and its loader narrows its own shard; the
+ranks agree on every verdict, so one rank's failure (a file only it cannot read) stops both before any write."""
 import multiprocessing as mp
 import os
 import traceback
@@ -15,27 +16,38 @@ TP = 2
 def _rank_main(rank, init_method, root, n_syncs, errors):
     try:
         from cpu_harness import Host, init_sglang_inprocess, nan_filled, sglang_model
+        from sglang.srt.weight_sync.delta.receiver import receiver_state
 
         init_sglang_inprocess(tp_rank=rank, tp_size=TP, init_method=init_method)
         cfg = hf_config("qwen2", hidden=128)
         host = Host(nan_filled(sglang_model(cfg)), chunk_bytes=32 << 10)
-        for v in range(1, n_syncs + 1):
-            vdir = os.path.join(root, f"weight_v{v:06d}")
-            files = sorted(f for f in os.listdir(vdir) if f.endswith(".safetensors"))
-            ok, msg = host.call("_apply_delta", vdir, files, str(v))
-            assert ok, f"rank {rank} v{v}: {msg}"
+        def holds(v):
             ref = nan_filled(sglang_model(cfg))
             ref.load_weights(list(load_file(os.path.join(root, f"state{v}.safetensors")).items()))
             for (n, a), (_, b) in zip(host.model.named_parameters(), ref.named_parameters()):
                 assert not torch.isnan(b).any() and torch.equal(a.view(torch.int16), b.view(torch.int16)), \
                     f"rank {rank} v{v}: {n} differs"
+
+        for v in range(1, n_syncs + 1):
+            vdir = os.path.join(root, f"weight_v{v:06d}")
+            files = sorted(f for f in os.listdir(vdir) if f.endswith(".safetensors"))
+            if v == n_syncs:  # first, rank 1 alone cannot read one file (say, not yet visible on its node)
+                ok, msg = host.call("_apply_delta", vdir, files + (["late.safetensors"] if rank == 1 else []), str(v))
+                expect = "cannot read" if rank == 1 else "another tensor-parallel rank of this engine refused"
+                assert not ok and expect in msg, f"rank {rank}: {msg}"
+                holds(v - 1)  # untouched on both ranks
+                st = receiver_state(host.model)
+                assert st.version == v - 1 and not st.dirty and st.last[1] == ("malformed" if rank == 1 else "peer_refused")
+            ok, msg = host.call("_apply_delta", vdir, files, str(v))
+            assert ok, f"rank {rank} v{v}: {msg}"
+            holds(v)
     except BaseException:
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
 
 
 def test_tp2_each_rank_narrows_the_global_delta(tmp_path):
     cfg = hf_config("qwen2", hidden=128)
-    states = rl_states(cfg, 2, seed=0)
+    states = rl_states(cfg, 3, seed=0)
     for v, state in enumerate(states, start=1):
         save_file(state, str(tmp_path / f"state{v}.safetensors"))
         payloads = full_flushes(state, version=1, max_params=9) if v == 1 else \

@@ -293,29 +293,55 @@ def _refused(state: ReceiverState, e: DeltaError, request=None, received=None, n
     return False, msg
 
 
-def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version: Optional[str] = None) -> Tuple[bool, str]:
-    """Validate a whole request, then write it; ``(False, message)`` leaves weights untouched."""
+def _tp_agree(ok: bool) -> bool:
+    """True iff every tensor-parallel rank of this engine says ``ok`` (each rank runs every request, reading and
+    checking on its own: one rank's unreadable file or failed write must stop all of them, not only itself)."""
+    try:
+        from sglang.srt.distributed.parallel_state import get_tp_group
+
+        group = get_tp_group()
+    except Exception:  # no model-parallel world (a bare model): this rank is the engine
+        return ok
+    if group.world_size == 1:
+        return ok
+    verdict = torch.tensor([int(ok)], dtype=torch.int32)
+    torch.distributed.all_reduce(verdict, op=torch.distributed.ReduceOp.MIN, group=group.cpu_group)
+    return bool(verdict.item())
+
+
+def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version: Optional[str] = None,
+                         failure: Optional[DeltaError] = None) -> Tuple[bool, str]:
+    """Validate a whole request, agree on it across TP ranks, then write it; ``(False, message)`` leaves weights
+    untouched. ``failure``: the request already failed on this rank (e.g. a file it could not read)."""
     model = _model(self)
     state = receiver_state(model)
-    if not payloads:
-        return _refused(state, DeltaError("delta request holds no payload"))
-    head = payloads[0].spec
-    request, received = [head.version, head.flush], payloads[0].source == "broadcast" or None
-    continuing = state.pending == head.version and head.flush > 0
-    try:
-        _refuse_unsupported(self)
-        head = _check_version(state, [p.spec for p in payloads], weight_version)
-        manifest = state.manifest
-        decoded = [validate_payload(p, manifest) for p in payloads]
-        names = [q.name for p in payloads for q in p.spec.params]
-        if len(set(names)) != len(names):
-            raise DeltaError(f"param {next(n for n in names if names.count(n) > 1)!r} appears in two files of one request")
-    except DeltaError as e:
+    head = payloads[0].spec if payloads else None
+    request = [head.version, head.flush] if head is not None else None
+    received = (payloads[0].source == "broadcast" or None) if payloads else None
+    continuing = head is not None and state.pending == head.version and head.flush > 0
+    error = failure
+    if error is None:
+        try:
+            if not payloads:
+                raise DeltaError("delta request holds no payload")
+            _refuse_unsupported(self)
+            head = _check_version(state, [p.spec for p in payloads], weight_version)
+            manifest = state.manifest
+            decoded = [validate_payload(p, manifest) for p in payloads]
+            names = [q.name for p in payloads for q in p.spec.params]
+            if len(set(names)) != len(names):
+                raise DeltaError(f"param {next(n for n in names if names.count(n) > 1)!r} appears in two files of one request")
+        except DeltaError as e:
+            error = e
+    if not _tp_agree(error is None) and error is None:
+        error = DeltaError("another tensor-parallel rank of this engine refused the request (its delta_status says why)",
+                           Refusal.PEER)
+    if error is not None:
         note = ""
         if continuing:  # earlier flushes of this version are written: the engine holds a mix
             state.dirty = True
             note = f"; engine is dirty (part of version {head.version} was written): it needs a full sync"
-        return _refused(state, e, request, received, note)
+        return _refused(state, error, request, received, note)
 
     chunk_cap = int(_server_arg(self, "update_weight_delta_chunk_bytes", DEFAULT_CHUNK_BYTES))
     device = _device(self)
@@ -363,12 +389,17 @@ def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version:
                 if chunk:
                     load(chunk)
                     del chunk
+        write_error = None
     except Exception as e:  # a write failed mid-way: some weights are written
+        logger.exception("delta apply failed after writing")
+        write_error = e
+    if not _tp_agree(write_error is None):  # any rank's failed write leaves the engine as a whole inconsistent
         state.dirty = True
         state.pending = None
-        state.last = (request, Refusal.APPLY_FAILED.value, received)
-        logger.exception("delta apply failed after writing")
-        return False, f"delta apply failed after a partial write, engine is dirty and needs a full sync: {e!r}"
+        code = Refusal.APPLY_FAILED if write_error is not None else Refusal.PEER
+        state.last = (request, code.value, received)
+        cause = repr(write_error) if write_error is not None else "another tensor-parallel rank's write failed"
+        return False, f"delta apply failed after a partial write, engine is dirty and needs a full sync: {cause}"
 
     state.last = (request, None, received)
     nnz = sum(p.nnz for pl in payloads for p in pl.spec.params)
@@ -452,18 +483,19 @@ def _read_delta_file(model_path: str, name: str, max_bytes: int) -> DeltaPayload
 
 def _apply_delta(self, model_path: str, files: Optional[List[str]], weight_version: Optional[str] = None) -> Tuple[bool, str]:
     """Disk transport: read the announced files of one publish in parallel, then apply them as one request."""
-    state = receiver_state(_model(self))
     if not files:
-        return _refused(state, DeltaError("load_format 'delta' needs 'files' (the flush files of this publish)"))
+        return _apply_delta_payload(self, [], weight_version, failure=DeltaError(
+            "load_format 'delta' needs 'files' (the flush files of this publish)"))
     if not os.path.isdir(model_path):
-        return _refused(state, DeltaError(f"model_path {model_path!r} is not a directory"))
+        return _apply_delta_payload(self, [], weight_version, failure=DeltaError(
+            f"model_path {model_path!r} is not a directory"))
     workers = int(_server_arg(self, "update_weight_delta_read_workers", DEFAULT_READ_WORKERS))
     max_bytes = _max_file_bytes(_model(self))
     try:
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
             payloads = list(pool.map(lambda n: _read_delta_file(model_path, n, max_bytes), files))
-    except DeltaError as e:
-        return _refused(state, e)
+    except DeltaError as e:  # this rank alone may have failed to read: the TP ranks still agree
+        return _apply_delta_payload(self, [], weight_version, failure=e)
     return _apply_delta_payload(self, payloads, weight_version)
 
 
@@ -479,6 +511,7 @@ def receive_broadcast(self, names, dtypes, shapes, group_name: str) -> List[Tupl
         return _receive(self, names, dtypes, shapes, group_name)
     except DeltaError as e:  # v0.5.23 reports it as a failed receive: the status must say so as well
         receiver_state(_model(self)).last = (None, e.code.value, False)
+        _tp_agree(False)  # the ranks that did receive refuse too (they agree before judging the blobs)
         raise
 
 
@@ -533,7 +566,7 @@ def _apply_received_delta(self, delta: Optional[str], named_tensors, weight_vers
             raise DeltaError("load_format 'delta' needs the 'delta' field (a DeltaSpec as JSON)")
         spec = DeltaSpec.from_json(delta)
     except DeltaError as e:
-        return _refused(receiver_state(_model(self)), e, received=True)
+        return _apply_delta_payload(self, [], weight_version, failure=e)
     payload = DeltaPayload(spec, tensors[POSITIONS].reshape(-1), tensors[VALUES].reshape(-1), source="broadcast")
     return _apply_delta_payload(self, [payload], weight_version)
 

@@ -97,6 +97,7 @@ class Refusal(str, enum.Enum):
     UNSUPPORTED = "unsupported"  # an engine or param this product does not serve
     NOT_RECEIVED = "not_received"  # a broadcast refused before (or failing while) receiving it
     APPLY_FAILED = "apply_failed"  # a write failed after others landed: the engine is dirty
+    PEER = "peer_refused"  # this rank was fine, another TP rank of the engine refused or failed
 
 
 class DeltaError(ValueError):
