@@ -109,8 +109,8 @@ def test_unreachable_engine_gets_a_full_sync_and_both_end_identical(tmp_path):
     results = sender.update(segments(state))
     assert results[0][0] and results[1][0], results
     m = sender.pop_metrics()
-    assert m["perf/update_weights_full_sync_engines"] == 1 and m["perf/update_weights_failures"] == 1
-    assert m["perf/update_weights_resyncs"] == 1
+    assert m["perf/update_weights_full_sync_engines"] == 1 and m["perf/update_weights_failures"] == 0
+    assert m["perf/update_weights_failures_total"] == 1 and m["perf/update_weights_resyncs"] == 1
     assert sender.state.version == 3
     assert_both_hold(cfg, state, a, b)
     state = next(steps)  # and the next sync is a delta for both

@@ -79,6 +79,42 @@ def test_nccl_transport_over_gloo(world):
     world["version"] = up.weight_version
 
 
+def test_a_stranded_broadcast_is_recovered_by_slimes_reconnect(world):
+    """The engine loses its weight-update group (as a restarted engine would): it refuses the next request
+    unreceived, the sender aborts its pending broadcast at once, and the sync after re-creates the group
+    through slime's own ``_reconnect`` and lands bit-identically, as a delta (the engine's status allows it)."""
+    import time
+
+    import slime_harness as H
+    from slime.backends.megatron_utils.update_weight.update_weight_from_distributed_delta import (
+        UpdateWeightFromDistributedDelta,
+    )
+
+    args = H.make_args(update_weight_transport="nccl", update_weight_delta_encoding="deltas")
+    up = UpdateWeightFromDistributedDelta(args, [world["model"]], weights_getter=lambda: {}, model_name="llama",
+                                          quantization_config=None)
+    up.weight_version = world.get("version", 0)
+    up.connect_rollout_engines(world["engines"], world["lock"])
+    up.update_weights()
+    assert up.pop_metrics()["perf/update_weights_failures"] == 0
+    world["trainer"].step()
+    r = world["server"].post("/destroy_weights_update_group", {"group_name": up._group_name})
+    assert r.status_code == 200, r.text
+    t0 = time.monotonic()
+    up.update_weights()
+    m = up.pop_metrics()
+    assert m["perf/update_weights_failures"] == 1 and time.monotonic() - t0 < 60, m
+    up.update_weights()
+    m = up.pop_metrics()
+    assert m["perf/update_weights_failures"] == 0 and m["perf/update_weights_failures_total"] == 1, m
+    assert m["perf/update_weights_full_sync_engines"] == 0, m
+    assert up._sender.transport.reconnects == 1
+    engine_has(world["server"], H.hf_state(args, world["model"]))
+    world["trainer"].step()
+    up.disconnect_rollout_engines()
+    world["version"] = up.weight_version
+
+
 def test_disk_transport_deltas_zstd(world):
     import slime_harness as H
 

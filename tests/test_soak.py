@@ -63,7 +63,7 @@ def test_soak(tmp_path):
     finally:
         world.transport.close()
         world.server.stop()
-    assert metrics["perf/update_weights_failures"] == sum(injected.values()), (metrics, injected)
+    assert metrics["perf/update_weights_failures_total"] == sum(injected.values()), (metrics, injected)
     print(f"\nsoak: {SYNCS} syncs in {time.perf_counter() - t0:.0f}s, {sum(injected.values())} faults "
-          f"({dict(sorted(injected.items()))}), {metrics['perf/update_weights_resyncs']:.0f} full re-syncs, "
+          f"({dict(sorted(injected.items()))}), {metrics['perf/update_weights_resyncs_total']:.0f} full re-syncs, "
           "0 drift: engine bit-identical to the trainer")

@@ -3,8 +3,29 @@
 Kept free of torch/megatron imports at module level: ``slime.utils.arguments`` imports it at parse time.
 """
 
+import logging
+
+logger = logging.getLogger(__name__)
+
 SPARSE_DELTA_ENCODINGS = ("indices", "deltas", "deltas_zstd")
 NCCL_ENCODINGS = ("indices", "deltas")
+
+
+def resolve_delta_encoding(args) -> None:
+    """An unset ``--update-weight-delta-encoding``: 'deltas' over nccl (slime's own delta cannot run there), slime's
+    own 'xor' over disk — saying so, since both implementations answer to ``--update-weight-mode delta``."""
+    if getattr(args, "update_weight_delta_encoding", None) is not None:
+        return
+    if args.update_weight_mode == "delta" and args.update_weight_transport == "nccl":
+        args.update_weight_delta_encoding = "deltas"
+        return
+    args.update_weight_delta_encoding = "xor"
+    if args.update_weight_mode == "delta":
+        logger.warning(
+            "--update-weight-mode=delta over disk without --update-weight-delta-encoding runs slime's own 'xor' "
+            "delta (per-host checkpoint patch + reload); for sparse delta files applied in place by a delta-patched "
+            "SGLang pass --update-weight-delta-encoding deltas_zstd."
+        )
 
 
 def validate_sparse_delta_args(args) -> None:

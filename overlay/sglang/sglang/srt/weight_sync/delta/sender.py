@@ -271,8 +271,7 @@ class DeltaSender:
         delta_targets = [i for i in self.status if i not in full_targets]
         if getattr(self.transport, "shared_group", False) and full_targets:
             full_targets, delta_targets = list(self.status), []
-        if full_targets and any(self.status[i].version is not None for i in full_targets):
-            self._counters["resyncs"] += 1
+        resyncs = sum(self.status[i].version is not None for i in full_targets)  # engines synced before
         t0 = time.perf_counter()
         run = _SyncRun(self, v, delta_targets, full_targets,
                        fingerprint_on=bool(self.fingerprint_every) and v % self.fingerprint_every == 0)
@@ -314,11 +313,13 @@ class DeltaSender:
         self._learn(failed)
         for i in failed:
             st = self.status[i]
-            self._counters["failures"] += 1
             st.last_error = results[i][1]
             logger.error("delta sync v%d failed on engine %d (%s): %s", v, i,
                          "full sync next" if st.needs_full else "next delta covers it", results[i][1])
         self._metrics = run.metrics(t_encode, t_finalize)
+        self._count("failures", len(failed))
+        self._count("resyncs", resyncs)
+        self._count("fingerprint_mismatches", 0)
         timings = getattr(self.transport, "timings", None)
         if timings is not None:
             self._metrics.update({f"perf/update_weights_{k}": v for k, v in timings().items()})
@@ -337,7 +338,7 @@ class DeltaSender:
                 differ, missing = [f"(no fingerprint: {e!r})"], []
             uncovered.update(missing)
             if differ:
-                self._counters["fingerprint_mismatches"] += 1
+                self._count("fingerprint_mismatches", 1)
                 self.status[i].needs_full = True
                 results[i] = (False, f"fingerprint mismatch after version {self.version} on {len(differ)} "
                                      f"param(s), e.g. {differ[:3]}: the engine needs a full sync")
@@ -349,11 +350,18 @@ class DeltaSender:
             logger.warning("fingerprint cannot cover %d param(s) the engines' loaders transform, e.g. %s",
                            len(uncovered), sorted(uncovered)[:3])
 
+    def _count(self, name: str, n: int) -> None:
+        """This sync's count (``perf/update_weights_<name>``) and the run's (``..._<name>_total``)."""
+        key = f"perf/update_weights_{name}"
+        self._metrics[key] = self._metrics.get(key, 0.0) + n
+        self._counters[name] += n
+
     def pop_metrics(self) -> Dict[str, float]:
+        """The last sync's metrics (engines failed, re-synced, fingerprint mismatches: in that sync) and the
+        running totals since this sender started (``…_total``)."""
         out = dict(self._metrics)
-        out["perf/update_weights_failures"] = float(self._counters["failures"])
-        out["perf/update_weights_resyncs"] = float(self._counters["resyncs"])
-        out["perf/update_weights_fingerprint_mismatches"] = float(self._counters["fingerprint_mismatches"])
+        for name, n in self._counters.items():
+            out[f"perf/update_weights_{name}_total"] = float(n)
         self._metrics = {}
         return out
 
