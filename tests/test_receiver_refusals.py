@@ -269,6 +269,15 @@ def test_a_flush_in_another_dtype_than_the_manifest_is_refused(engine):
     assert receiver_state(engine.model).last[1] == "manifest"
 
 
+def test_speculative_engine_refused(engine):
+    before = weights(engine)
+    engine.server_args.speculative_algorithm = "EAGLE"  # what a server launched with --speculative-algorithm has
+    ok, msg = engine.call("_apply_delta_payload", [good_delta()])
+    assert not ok and "speculative decoding (EAGLE) is not supported by delta weight sync" in msg, msg
+    assert_untouched(engine, before)
+    assert receiver_state(engine.model).last[1] == "unsupported"
+
+
 def test_quantized_engine_refused(engine):
     import types
 

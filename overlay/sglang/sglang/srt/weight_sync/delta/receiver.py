@@ -450,6 +450,10 @@ def _refuse_unsupported(host) -> None:
     quant = getattr(getattr(host, "model_config", None), "quantization", None)
     if quant:
         raise DeltaError(f"quantized engines ({quant}) are not supported by delta weight sync", Refusal.UNSUPPORTED)
+    spec = _server_arg(host, "speculative_algorithm", None)
+    if spec:
+        raise DeltaError(f"speculative decoding ({spec}) is not supported by delta weight sync: the draft model would "
+                         "keep its old weights while the target moves on", Refusal.UNSUPPORTED)
 
 
 # ---------------------------------------------------------------- transports
