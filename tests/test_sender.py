@@ -81,6 +81,26 @@ def test_training_loop_into_inprocess_receivers(tmp_path, arch, encoding):
     transport.close()
 
 
+def test_unchanged_params_are_left_out_of_the_spec(tmp_path):
+    import glob
+
+    from sglang.srt.weight_sync.delta.wire import read_safetensors
+
+    cfg = hf_config("qwen2")
+    trainer = hf_model(cfg)
+    engine = LocalEngine(cfg)
+    sender = DeltaSender(DiskTransport(str(tmp_path), [engine], keep_files=True), [engine], encoding="deltas")
+    first = bf16_state(trainer)
+    assert sender.update(segments(first))[0][0]
+    state = dict(next(rl_steps(trainer, 1)))
+    state["model.norm.weight"] = first["model.norm.weight"]  # this one did not change
+    assert sender.update(segments(state))[0][0]
+    files = glob.glob(str(tmp_path / "weight_v000002" / "*.safetensors"))
+    named = [p.name for f in files for p in read_safetensors(open(f, "rb").read(), f).spec.params]
+    assert "model.norm.weight" not in named and "model.layers.0.self_attn.q_proj.weight" in named
+    assert_params_equal(engine.host.model, reference(cfg, state))
+
+
 def two_engines(tmp_path, arch, encoding, steps, **sender_kw):
     """A trainer, two in-process engines over disk, and a sender that already brought both to version 1."""
     cfg = hf_config(arch)

@@ -406,7 +406,8 @@ class _SyncRun:
             self.nnz += tensor.numel() if idx is None else idx.numel()
             if "delta" in self.buckets:
                 sparse = idx is not None and sparse_allowed(tensor.dtype)
-                self.buckets["delta"].add(name, tensor, idx if sparse else None)
+                if not (sparse and not idx.numel()):  # an unchanged param is left out of the spec
+                    self.buckets["delta"].add(name, tensor, idx if sparse else None)
             if "full" in self.buckets:
                 self.buckets["full"].add(name, tensor, None)
             state.record(name, tensor, idx)
