@@ -230,6 +230,25 @@ def test_the_single_gpu_example_attaches_to_an_external_patched_server(world):
         train_args("nccl", "/shared", 4, external_engine=addr)
 
 
+def test_an_unset_encoding_says_which_delta_runs(caplog):
+    import logging
+
+    import slime_harness as H
+    from slime.utils.delta_sync_args import resolve_delta_encoding
+
+    args = H.make_args(update_weight_transport="nccl", update_weight_delta_encoding=None)
+    resolve_delta_encoding(args)
+    assert args.update_weight_delta_encoding == "deltas"  # slime's own delta cannot run over nccl
+    args = H.make_args(update_weight_transport="disk", update_weight_delta_encoding=None)
+    with caplog.at_level(logging.WARNING):
+        resolve_delta_encoding(args)
+    assert args.update_weight_delta_encoding == "xor"
+    assert "runs slime's own 'xor' delta" in caplog.text and "deltas_zstd" in caplog.text
+    args = H.make_args(update_weight_transport="disk", update_weight_delta_encoding="deltas_zstd")
+    resolve_delta_encoding(args)
+    assert args.update_weight_delta_encoding == "deltas_zstd"
+
+
 def test_argument_rules():
     import argparse
 
