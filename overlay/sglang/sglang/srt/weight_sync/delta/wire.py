@@ -435,8 +435,8 @@ def _blob_sum(blob: torch.Tensor, domain: int) -> torch.Tensor:
 
 def blob_sums(positions: torch.Tensor, values: torch.Tensor) -> Tuple[int, int]:
     """The two blob sums of a flush, read to the host together (the only synchronization of a checksum)."""
-    sums = torch.stack([_blob_sum(positions.contiguous(), _DOMAIN[POSITIONS]),
-                        _blob_sum(values.contiguous(), _DOMAIN[VALUES])]).tolist()
+    sums = host_values(torch.stack([_blob_sum(positions.contiguous(), _DOMAIN[POSITIONS]),
+                                    _blob_sum(values.contiguous(), _DOMAIN[VALUES])]))
     return sums[0] & _M64, sums[1] & _M64
 
 
@@ -519,7 +519,7 @@ def validate_payload(payload: DeltaPayload, manifest: Optional[Dict[str, Tuple[L
                          f"(positions, values or the spec corrupted)", Refusal.CHECKSUM)
     pos_at = val_at = 0
     seen = set()
-    decoded: List[Optional[torch.Tensor]] = []
+    sparse: Dict[int, List[DeltaParam]] = {2: [], 4: []}  # by position width: each group decodes in one pass
     for p in spec.params:
         tag = f"param {p.name!r}{where}"
         if p.name in seen:
@@ -549,7 +549,6 @@ def validate_payload(payload: DeltaPayload, manifest: Optional[Dict[str, Tuple[L
             if p.pos_end != p.pos_start or p.nnz != numel:
                 raise DeltaError(f"{tag}: dense param needs no positions and exactly {numel} values, got "
                                  f"{p.pos_end - p.pos_start} position bytes and {p.nnz} values")
-            decoded.append(None)
         else:
             if spec.full:
                 raise DeltaError(f"{tag}: a full sync must send every param dense")
@@ -559,26 +558,83 @@ def validate_payload(payload: DeltaPayload, manifest: Optional[Dict[str, Tuple[L
                 raise DeltaError(f"{tag}: {p.pos_end - p.pos_start} position bytes for {p.nnz} values of width {p.pos_width}")
             if p.nnz > numel:
                 raise DeltaError(f"{tag}: {p.nnz} positions for {numel} elements")
-            idx = decode_positions(pos[p.pos_start:p.pos_end], p.pos_width, spec.encoding)
-            if idx.numel():
-                gaps = spec.encoding != DeltaEncoding.INDICES.value  # increasing by construction: ends are extremes
-                top = int(idx[-1]) if gaps else int(idx.max())
-                if top >= numel:
-                    raise DeltaError(f"{tag}: position {top} out of range for {numel} elements")
-                if not gaps and idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
-                    s = torch.sort(idx).values
-                    dup = (s[1:] == s[:-1]).nonzero()
-                    if dup.numel():
-                        raise DeltaError(f"{tag}: duplicate position {int(s[int(dup[0])])}")
-            decoded.append(idx)
+            sparse[p.pos_width].append(p)
     if (pos_at, val_at) != (pos.numel(), val.numel()):
         raise DeltaError(f"offsets{where} cover {pos_at} of {pos.numel()} position bytes and {val_at} of "
                          f"{val.numel()} values: blobs must be tiled exactly")
-    if val.is_floating_point() and val.numel() and bool(torch.isnan(val).any()):
-        bad = next(p.name for p in spec.params if bool(torch.isnan(val[p.val_start:p.val_end]).any()))
-        raise DeltaError(f"param {bad!r}{where}: NaN among values (NaN is reserved to mean 'unchanged', "
-                         f"so it cannot also be sent as a value)")
-    return decoded
+    gaps = spec.encoding != DeltaEncoding.INDICES.value
+    found: Dict[str, torch.Tensor] = {}
+    flags = []  # one bool per check, read together: the flush's one synchronization after the checksum
+    for width, params in sparse.items():
+        idx, bad = _decode_group(pos, [p for p in params if p.nnz], width, gaps)
+        flags += bad
+        found.update(idx)
+    if val.is_floating_point() and val.numel():
+        flags.append(torch.isnan(val).any())
+    if flags and any(host_values(torch.stack(flags))):
+        _name_the_fault(payload, where)
+    empty = pos.new_empty(0, dtype=torch.int64)
+    return [None if p.dense else found.get(p.name, empty) for p in spec.params]
+
+
+def host_values(t: torch.Tensor) -> list:
+    """How flush code reads tensor values on the host: a device-to-host copy (the synchronization on CUDA), made
+    explicit on CPU too so that a dispatch mode can count it."""
+    return t.to("cpu", copy=True).tolist()
+
+
+def _decode_group(pos: torch.Tensor, params: List[DeltaParam], width: int, gaps: bool):
+    """Decode every (non-empty) param of one position width at once: ``({name: int64 positions}, [fault flags])``.
+
+    Per-param work is slicing and host arithmetic; the tensor ops (one cat, one cumsum, a gather, a
+    repeat_interleave with a known output size) run once per group, with no host synchronization.
+    """
+    if not params:
+        return {}, []
+    device = pos.device
+    raw = torch.cat([pos[p.pos_start:p.pos_end] for p in params])
+    ints = raw.view(torch.uint16 if width == 2 else torch.uint32).to(torch.int64)
+    counts = [p.nnz for p in params]
+    starts = [0]
+    for c in counts[:-1]:
+        starts.append(starts[-1] + c)
+    n = ints.numel()
+    counts_t = torch.tensor(counts, dtype=torch.int64, device=device)
+    numel_t = torch.repeat_interleave(torch.tensor([p.numel for p in params], dtype=torch.int64, device=device),
+                                      counts_t, output_size=n)
+    if gaps:  # idx = cumsum(gap + 1) - 1 within each param: the running sum less its value at the param's start
+        ints += 1
+        run = torch.cumsum(ints, 0)
+        before = (run - ints)[torch.tensor(starts, dtype=torch.int64, device=device)]
+        idx = run - 1 - torch.repeat_interleave(before, counts_t, output_size=n)
+        ends = torch.tensor([s + c - 1 for s, c in zip(starts, counts)], dtype=torch.int64, device=device)
+        bad = [(idx[ends] >= numel_t[ends]).any()]  # strictly increasing: each param's last is its largest
+    else:  # absolute positions, any order: in range, and unique within each param (sorted with the param in the key)
+        idx = ints
+        seg = torch.repeat_interleave(torch.arange(len(params), dtype=torch.int64, device=device), counts_t,
+                                      output_size=n)
+        keys = torch.sort(seg * (1 << 33) + idx).values
+        bad = [(idx >= numel_t).any(), (keys[1:] == keys[:-1]).any()]
+    return {p.name: idx[s:s + c] for p, s, c in zip(params, starts, counts)}, bad
+
+
+def _name_the_fault(payload: DeltaPayload, where: str) -> None:
+    """A flush failed a batched check: find the param at fault, one by one (the refusal path only)."""
+    spec, pos, val = payload.spec, payload.positions, payload.values
+    for p in spec.params:
+        tag = f"param {p.name!r}{where}"
+        if not p.dense and p.nnz:
+            idx = decode_positions(pos[p.pos_start:p.pos_end], p.pos_width, spec.encoding)
+            if int(idx.max()) >= p.numel:
+                raise DeltaError(f"{tag}: position {int(idx.max())} out of range for {p.numel} elements")
+            s = torch.sort(idx).values
+            dup = (s[1:] == s[:-1]).nonzero()
+            if dup.numel():
+                raise DeltaError(f"{tag}: duplicate position {int(s[int(dup[0])])}")
+        if val.is_floating_point() and bool(torch.isnan(val[p.val_start:p.val_end]).any()):
+            raise DeltaError(f"{tag}: NaN among values (NaN is reserved to mean 'unchanged', so it cannot also be "
+                             "sent as a value)")
+    raise DeltaError(f"flush{where} failed a position or NaN check")  # unreachable: the batched check saw a fault
 
 
 # ---------------------------------------------------------------- safetensors + zstd

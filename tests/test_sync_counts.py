@@ -1,0 +1,83 @@
+"""Host synchronizations per flush do not grow with the number of params (counted on CPU by a dispatch mode).
+
+On a GPU every op that needs a device value on the host (``.item()``, ``nonzero``, ``unique``, boolean
+indexing, a device-to-host copy) stalls the stream for tens of microseconds; done per param, that decides
+the sync time of a model with tens of thousands of tensors. The same ops dispatch on CPU, so counting them
+here proves the property the GPU needs: the engine's validation of a flush, and the whole apply of a delta
+through the direct path, synchronize a constant number of times however many params the flush holds.
+"""
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from cpu_harness import Host, delta_flushes, full_flushes, hf_config, rl_states, sglang_model
+from sglang.srt.weight_sync.delta.wire import changed_positions, encode_flush, validate_payload
+
+aten = torch.ops.aten
+_ALWAYS = {aten.nonzero, aten._local_scalar_dense, aten.is_nonzero, aten.unique_consecutive, aten._unique2,
+           aten.unique_dim, aten.masked_select, aten.equal}
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts the ops that would wait for the device: value reads, data-dependent shapes, copies to the host."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        packet = func.overloadpacket
+        syncs = packet in _ALWAYS
+        syncs |= packet is aten._to_copy and str(kwargs.get("device")) == "cpu"  # an explicit copy to the host
+        syncs |= packet is aten.index and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                                              for i in (args[1] if len(args) > 1 else []))
+        syncs |= packet is aten.repeat_interleave and kwargs.get("output_size") is None and func is not \
+            aten.repeat_interleave.self_int
+        if syncs:
+            self.ops.append(str(func))
+        return func(*args, **kwargs)
+
+
+def _flush(n_params: int, encoding: str, numel: int = 4096, changed: int = 40, seed: int = 0):
+    """One flush of ``n_params`` bf16 params with ``changed`` changed elements each (gaps past 65535 in one)."""
+    g = torch.Generator().manual_seed(seed)
+    entries = []
+    for k in range(n_params):
+        size = numel if k else 1 << 17  # the first param needs u32 gaps: both width groups are present
+        old = torch.randn(size, generator=g).to(torch.bfloat16)
+        new = old.clone()
+        idx = torch.randperm(size, generator=g)[:changed].sort().values
+        new[idx] = (new[idx].float() + 1).to(torch.bfloat16)
+        entries.append((f"p{k}", new, changed_positions(old, new)))
+    return encode_flush(entries, encoding, version=2, base_version=1)
+
+
+def _count(fn):
+    with SyncCounter() as c:
+        fn()
+    return c.ops
+
+
+@pytest.mark.parametrize("encoding", ["indices", "deltas"])
+def test_validating_a_flush_synchronizes_a_constant_number_of_times(encoding):
+    few, many = _flush(4, encoding), _flush(400, encoding)
+    ops_few = _count(lambda: validate_payload(few, None))
+    ops_many = _count(lambda: validate_payload(many, None))
+    assert ops_few == ops_many, (ops_few, ops_many)
+    assert len(ops_many) <= 4, ops_many  # the checksum's two sums, the checks' flags: read once each
+
+
+def test_a_delta_apply_through_the_direct_path_synchronizes_a_constant_number_of_times():
+    """A real SGLang Qwen2 at two widths (the wider has the same params, more elements): the same count."""
+    counts = []
+    for layers in (2, 6):
+        cfg = hf_config("qwen2", layers=layers)
+        states = rl_states(cfg, 1, seed=0)
+        host = Host(sglang_model(cfg))
+        assert all(host.call("_apply_delta_payload", [pl])[0] for pl in full_flushes(states[0], version=1))
+        (pl,) = delta_flushes(states[0], states[1], "deltas", version=2, base_version=1)
+        assert len(pl.spec.params) > 10 * layers
+        ops = _count(lambda: host.call("_apply_delta_payload", [pl]))
+        counts.append(ops)
+    assert counts[0] == counts[1] and len(counts[1]) <= 4, counts
