@@ -17,6 +17,7 @@ def _rank_main(rank, init_method, root, n_syncs, errors):
     try:
         from cpu_harness import Host, init_sglang_inprocess, nan_filled, sglang_model
         from sglang.srt.weight_sync.delta.receiver import receiver_state
+        from test_sync_counts import SyncCounter
 
         init_sglang_inprocess(tp_rank=rank, tp_size=TP, init_method=init_method)
         cfg = hf_config("qwen2", hidden=128)
@@ -38,8 +39,11 @@ def _rank_main(rank, init_method, root, n_syncs, errors):
                 holds(v - 1)  # untouched on both ranks
                 st = receiver_state(host.model)
                 assert st.version == v - 1 and not st.dirty and st.last[1] == ("malformed" if rank == 1 else "peer_refused")
-            ok, msg = host.call("_apply_delta", vdir, files, str(v))
+            with SyncCounter() as syncs:
+                ok, msg = host.call("_apply_delta", vdir, files, str(v))
             assert ok, f"rank {rank} v{v}: {msg}"
+            # per file: checksum + checks; per request: two TP agreements, one selection of the shard's entries
+            assert len(syncs.ops) <= 2 * len(files) + 4, (len(files), syncs.ops)
             holds(v)
     except BaseException:
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")

@@ -56,6 +56,7 @@ from sglang.srt.weight_sync.delta.wire import (
     DeltaStatus,
     Refusal,
     dtype_from_str,
+    host_values,
     maybe_zstd_decompress,
     read_safetensors,
     validate_payload,
@@ -162,12 +163,11 @@ class _Direct:
         return cls(flat, soff, doff, numel, [] if block else dims)
 
     def targets(self, idx: torch.Tensor, whole: bool) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
-        """(which entries of ``idx`` this view holds, or None for all; their offsets in ``flat``)."""
+        """(a mask of the entries of ``idx`` this view holds, or None for all; every entry's offset in ``flat``,
+        meaningful where the mask holds). No host synchronization: the caller selects for a whole flush at once."""
         if not self.dims:
-            if whole:
-                return None, idx + (self.doff - self.soff)
-            sel = ((idx >= self.soff) & (idx < self.soff + self.numel)).nonzero().squeeze(1)
-            return sel, idx[sel] + (self.doff - self.soff)
+            offsets = idx + (self.doff - self.soff)
+            return (None, offsets) if whole else ((idx >= self.soff) & (idx < self.soff + self.numel), offsets)
         rem = idx - self.soff
         ok = rem >= 0
         out = torch.full_like(idx, self.doff)
@@ -176,8 +176,7 @@ class _Direct:
             ok &= (i >= 0) & (i < size)
             rem -= i * sstride
             out += i * dstride
-        sel = (ok & (rem == 0)).nonzero().squeeze(1)
-        return sel, out[sel]
+        return ok & (rem == 0), out
 
 
 def _direct_plan(model: torch.nn.Module, recorder: fingerprint.FingerprintRecorder) -> Dict[str, List[_Direct]]:
@@ -198,14 +197,33 @@ def _direct_plan(model: torch.nn.Module, recorder: fingerprint.FingerprintRecord
     return plan
 
 
-def _write_direct(targets: List[_Direct], idx: torch.Tensor, values: torch.Tensor, numel: int) -> None:
-    """Overwrite the changed elements of one param in place, through every view its loader used."""
-    device = targets[0].flat.device
-    idx, values = idx.to(device, non_blocking=True), values.to(device, non_blocking=True)
-    for t in targets:
-        sel, offsets = t.targets(idx, whole=t.soff == 0 and t.numel == numel)
-        v = values if sel is None else values[sel]
-        t.flat.index_copy_(0, offsets, v.to(t.flat.dtype))
+def _write_direct(items) -> None:
+    """Overwrite the changed elements of a flush's params in place, through every view their loader used.
+
+    ``items``: ``(targets, positions, values, numel)`` per param. A view that holds all of an HF tensor is
+    written at once; the views that hold part of one (TP shards) are selected together, with one
+    ``nonzero`` and one host read for the whole flush, not one per param."""
+    partial = []  # (view, mask, offsets, values)
+    for targets, idx, values, numel in items:
+        device = targets[0].flat.device
+        idx, values = idx.to(device, non_blocking=True), values.to(device, non_blocking=True)
+        for t in targets:
+            mask, offsets = t.targets(idx, whole=t.soff == 0 and t.numel == numel)
+            if mask is None:
+                t.flat.index_copy_(0, offsets, values.to(t.flat.dtype))
+            else:
+                partial.append((t, mask, offsets, values))
+    if not partial:
+        return
+    starts = [0]
+    for _, mask, _, _ in partial:
+        starts.append(starts[-1] + mask.numel())
+    hits = torch.cat([m for _, m, _, _ in partial]).nonzero().squeeze(1)
+    bounds = host_values(torch.searchsorted(hits, torch.tensor(starts, device=hits.device)))
+    for (t, _, offsets, values), a, b, start in zip(partial, bounds, bounds[1:], starts):
+        if b > a:
+            sel = hits[a:b] - start
+            t.flat.index_copy_(0, offsets[sel], values[sel].to(t.flat.dtype))
 
 
 def _decode_delta_one_param(p: DeltaParam, idx: Optional[torch.Tensor], values: torch.Tensor,
@@ -368,8 +386,9 @@ def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version:
             (via_views if idx is not None and p.name in direct else via_loader).append((p, idx, values))
     try:
         with torch.no_grad():
-            for p, idx, values in via_views:
-                _write_direct(direct[p.name], idx, values[p.val_start:p.val_end], p.numel)
+            if via_views:
+                _write_direct([(direct[p.name], idx, values[p.val_start:p.val_end], p.numel)
+                               for p, idx, values in via_views])
                 _kill_point()
         if via_loader:
             context = contextlib.ExitStack()
