@@ -10,11 +10,13 @@ Contract:
   still-unacknowledged syncs, with current values — so each request is correct for an engine at
   any version in ``[base_version, version)`` (overwrite semantics). The snapshot advances only
   after every engine acknowledged the whole sync; otherwise the positions stay staged.
-* The first sync, and the sync after an engine failed in a way that may have left it partially
-  written (dirty, timed out, unreachable), is a full sync: every param dense. Over disk that
-  engine gets dense files by itself; a shared NCCL group gets a full sync for all its engines.
-* An engine that outlived a trainer restart refuses the new sender's first full sync (its version
-  is not newer than the engine's); the sender then continues above the engine's version.
+* What an engine gets next is decided from its structured status (``engine.status()``: every TP
+  rank's :class:`~wire.DeltaStatus`), read before the first sync and after any failed request, never
+  from a message: a full sync (every param dense) when it is fresh, dirty or loaded outside the chain,
+  when its ranks disagree, when its committed version is outside what the next delta serves, or when
+  it cannot answer; otherwise the next delta. Over disk that engine gets dense files by itself; a
+  shared NCCL group gets a full sync for all its engines. An engine ahead of this sender (it outlived
+  a trainer restart) moves the chain above its version.
 * Failures are never swallowed: logged, counted in :meth:`DeltaSender.pop_metrics`, acted on.
 
 CUDA: the diff runs on the default stream; snapshot chunks are prefetched host->device on
