@@ -81,6 +81,29 @@ def test_training_loop_into_inprocess_receivers(tmp_path, arch, encoding):
     transport.close()
 
 
+def test_the_disk_transport_announces_to_every_engine_at_once(tmp_path):
+    """Three real in-process engines whose applies must overlap: a barrier that every apply waits at passes only
+    if the announcement reached all three before any returned (one after another, it times out)."""
+    import threading
+
+    cfg = hf_config("qwen2")
+    trainer = hf_model(cfg)
+    barrier = threading.Barrier(3, timeout=30)
+
+    class Meeting(LocalEngine):
+        def update_weights_from_disk(self, model_path, files, weight_version):
+            barrier.wait()
+            return super().update_weights_from_disk(model_path, files, weight_version)
+
+    engines = [Meeting(cfg) for _ in range(3)]
+    sender = DeltaSender(DiskTransport(str(tmp_path), engines), engines, encoding="deltas")
+    for state in (bf16_state(trainer), next(rl_steps(trainer, 1))):
+        results = sender.update(segments(state))
+        assert all(ok for ok, _ in results.values()), results
+    for e in engines:
+        assert_params_equal(e.host.model, reference(cfg, state))
+
+
 def test_unchanged_params_are_left_out_of_the_spec(tmp_path):
     import glob
 

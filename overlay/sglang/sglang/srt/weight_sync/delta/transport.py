@@ -77,6 +77,7 @@ class DiskTransport:
         self.gather_files = gather_files or (lambda names: names)  # multi-rank: all-gather names to the publisher
         self.writer = AsyncSafetensorsWriter(1 if zstd else None)
         self.announcer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="delta-publish")
+        self.calls = concurrent.futures.ThreadPoolExecutor(max(1, len(self.engines)), thread_name_prefix="delta-rpc")
         self.vdir = ""
         self._file_no = 0
         self._pending: Dict[str, List[Tuple[str, concurrent.futures.Future]]] = {}
@@ -115,19 +116,26 @@ class DiskTransport:
             fut = self.hook(self.vdir)
             if fut is not None:
                 fut.result()
+        calls = {}  # every engine at once: finalize does not grow with the engine count
         for kind, engines in targets.items():
             names = self.gather_files([n for n, _ in batch.get(kind, [])])
             for i in engines:
                 if i in self._results and not self._results[i][0]:
                     continue  # this engine already failed this sync; its later flushes would be refused
-                t0 = time.perf_counter()
-                try:
-                    ok, msg = self.engines[i].update_weights_from_disk(self._dir(kind), names, str(self.version))
-                except Exception as e:  # unreachable engine
-                    ok, msg = False, f"transport: {e!r}"
-                self._apply_s[i] = self._apply_s.get(i, 0.0) + time.perf_counter() - t0
-                if i not in self._results or not ok:
-                    self._results[i] = (bool(ok), msg)
+                calls[i] = self.calls.submit(self._call, i, self._dir(kind), names)
+        for i, fut in calls.items():
+            ok, msg, seconds = fut.result()
+            self._apply_s[i] = self._apply_s.get(i, 0.0) + seconds
+            if i not in self._results or not ok:
+                self._results[i] = (bool(ok), msg)
+
+    def _call(self, i: int, model_path: str, names: List[str]):
+        t0 = time.perf_counter()
+        try:
+            ok, msg = self.engines[i].update_weights_from_disk(model_path, names, str(self.version))
+        except Exception as e:  # unreachable engine
+            ok, msg = False, f"transport: {e!r}"
+        return ok, msg, time.perf_counter() - t0
 
     def collect(self) -> Results:
         failed = None
@@ -152,6 +160,7 @@ class DiskTransport:
     def close(self) -> None:
         self.writer.close()
         self.announcer.shutdown(wait=True)
+        self.calls.shutdown(wait=True)
 
 
 class NcclTransport:
