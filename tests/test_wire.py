@@ -97,6 +97,24 @@ def test_gap_boundaries(gap):
     assert width == 4 and torch.equal(decode_positions(blob, width, "indices"), idx)
 
 
+def test_indices_in_any_order_are_valid_and_duplicates_are_not():
+    """Our encoder sends sorted positions; an independent one may not: unique and in range is what counts."""
+    old = torch.zeros(1000, dtype=torch.bfloat16)
+    new = old.clone()
+    new[[5, 7, 900]] = 1
+    payload = encode_flush([("a", new, changed_positions(old, new)), ("b", new, changed_positions(old, new))], "indices")
+    ints = payload.positions.view(torch.int32)
+    ints[[0, 2]] = ints[[2, 0]].clone()  # param a's positions now 900, 7, 5 (values swapped along)
+    payload.values[[0, 2]] = payload.values[[2, 0]].clone()
+    payload.seal()
+    got = _rebuild(payload, validate_payload(payload, None), [old, old])
+    assert torch.equal(got[0], new) and torch.equal(got[1], new)
+    ints[1] = ints[0]
+    payload.seal()
+    with pytest.raises(DeltaError, match="param 'a': duplicate position 900"):
+        validate_payload(payload, None)
+
+
 def test_per_param_u32_fallback():
     old = torch.zeros(200000, dtype=torch.bfloat16)
     a, b = old.clone(), old.clone()

@@ -572,7 +572,7 @@ def validate_payload(payload: DeltaPayload, manifest: Optional[Dict[str, Tuple[L
     if val.is_floating_point() and val.numel():
         flags.append(torch.isnan(val).any())
     if flags and any(host_values(torch.stack(flags))):
-        _name_the_fault(payload, where)
+        _check_one_by_one(payload, where)
     empty = pos.new_empty(0, dtype=torch.int64)
     return [None if p.dense else found.get(p.name, empty) for p in spec.params]
 
@@ -583,43 +583,62 @@ def host_values(t: torch.Tensor) -> list:
     return t.to("cpu", copy=True).tolist()
 
 
-def _decode_group(pos: torch.Tensor, params: List[DeltaParam], width: int, gaps: bool):
-    """Decode every (non-empty) param of one position width at once: ``({name: int64 positions}, [fault flags])``.
+_DECODE_CHUNK = 1 << 20  # positions decoded per pass: bounds the int64 scratch and keeps it in cache
 
-    Per-param work is slicing and host arithmetic; the tensor ops (one cat, one cumsum, a gather, a
-    repeat_interleave with a known output size) run once per group, with no host synchronization.
+
+def _decode_group(pos: torch.Tensor, params: List[DeltaParam], width: int, gaps: bool):
+    """Decode every (non-empty) param of one position width: ``({name: int64 positions}, [fault flags])``.
+
+    Params are taken in runs of about ``_DECODE_CHUNK`` positions; per run the tensor ops (a cat, a
+    cumsum, two small gathers, a repeat_interleave of known size) have no host synchronization, and
+    the per-param work is slicing and host arithmetic. Each param's positions must come out strictly
+    increasing (gaps do by construction; ``indices`` are flagged when not — unsorted but valid
+    positions are then checked one param at a time, see :func:`_check_one_by_one`).
     """
-    if not params:
-        return {}, []
+    out: Dict[str, torch.Tensor] = {}
+    flags = []
+    run: List[DeltaParam] = []
+    size = 0
+    for k, p in enumerate(params):
+        run.append(p)
+        size += p.nnz
+        if size >= _DECODE_CHUNK or k == len(params) - 1:
+            out.update(_decode_run(pos, run, width, gaps, flags))
+            run, size = [], 0
+    return out, flags
+
+
+def _decode_run(pos: torch.Tensor, params: List[DeltaParam], width: int, gaps: bool, flags: list):
     device = pos.device
-    raw = torch.cat([pos[p.pos_start:p.pos_end] for p in params])
-    ints = raw.view(torch.uint16 if width == 2 else torch.uint32).to(torch.int64)
+    raw = torch.cat([pos[p.pos_start:p.pos_end] for p in params]) if len(params) > 1 else \
+        pos[params[0].pos_start:params[0].pos_end].clone()  # an aligned copy for the integer view
+    idx = raw.view(torch.uint16 if width == 2 else torch.uint32).to(torch.int64)
     counts = [p.nnz for p in params]
     starts = [0]
     for c in counts[:-1]:
         starts.append(starts[-1] + c)
-    n = ints.numel()
-    counts_t = torch.tensor(counts, dtype=torch.int64, device=device)
-    numel_t = torch.repeat_interleave(torch.tensor([p.numel for p in params], dtype=torch.int64, device=device),
-                                      counts_t, output_size=n)
-    if gaps:  # idx = cumsum(gap + 1) - 1 within each param: the running sum less its value at the param's start
-        ints += 1
-        run = torch.cumsum(ints, 0)
-        before = (run - ints)[torch.tensor(starts, dtype=torch.int64, device=device)]
-        idx = run - 1 - torch.repeat_interleave(before, counts_t, output_size=n)
-        ends = torch.tensor([s + c - 1 for s, c in zip(starts, counts)], dtype=torch.int64, device=device)
-        bad = [(idx[ends] >= numel_t[ends]).any()]  # strictly increasing: each param's last is its largest
-    else:  # absolute positions, any order: in range, and unique within each param (sorted with the param in the key)
-        idx = ints
-        seg = torch.repeat_interleave(torch.arange(len(params), dtype=torch.int64, device=device), counts_t,
-                                      output_size=n)
-        keys = torch.sort(seg * (1 << 33) + idx).values
-        bad = [(idx >= numel_t).any(), (keys[1:] == keys[:-1]).any()]
-    return {p.name: idx[s:s + c] for p, s, c in zip(params, starts, counts)}, bad
+    first = torch.tensor(starts, dtype=torch.int64, device=device)
+    last = first + torch.tensor([c - 1 for c in counts], dtype=torch.int64, device=device)
+    if gaps:  # idx = cumsum(gap + 1) - 1 within each param: the running sum less its value where the param starts
+        idx += 1
+        before = idx[first]
+        idx = torch.cumsum(idx, 0)
+        before = idx[first] - before
+        idx -= torch.repeat_interleave(before + 1, torch.tensor(counts, dtype=torch.int64, device=device),
+                                       output_size=idx.numel())
+    else:  # absolute: strictly increasing within each param (a param's start may be below the last one's end)
+        rising = idx[1:] > idx[:-1]
+        if len(params) > 1:
+            rising[first[1:] - 1] = True
+        flags.append(~rising.all())
+    numel = torch.tensor([p.numel for p in params], dtype=torch.int64, device=device)
+    flags.append((idx[last] >= numel).any())  # increasing: each param's last position is its largest
+    return {p.name: idx[s:s + c] for p, s, c in zip(params, starts, counts)}
 
 
-def _name_the_fault(payload: DeltaPayload, where: str) -> None:
-    """A flush failed a batched check: find the param at fault, one by one (the refusal path only)."""
+def _check_one_by_one(payload: DeltaPayload, where: str) -> None:
+    """A flush failed a batched check: find the param at fault, one by one; return if there is none (``indices``
+    positions that are unique and in range but not in increasing order are valid)."""
     spec, pos, val = payload.spec, payload.positions, payload.values
     for p in spec.params:
         tag = f"param {p.name!r}{where}"
@@ -634,7 +653,6 @@ def _name_the_fault(payload: DeltaPayload, where: str) -> None:
         if val.is_floating_point() and bool(torch.isnan(val[p.val_start:p.val_end]).any()):
             raise DeltaError(f"{tag}: NaN among values (NaN is reserved to mean 'unchanged', so it cannot also be "
                              "sent as a value)")
-    raise DeltaError(f"flush{where} failed a position or NaN check")  # unreachable: the batched check saw a fault
 
 
 # ---------------------------------------------------------------- safetensors + zstd
