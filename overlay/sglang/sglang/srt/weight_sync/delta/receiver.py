@@ -250,15 +250,15 @@ def _check_version(state: ReceiverState, specs: Sequence[DeltaSpec], weight_vers
                              f"{key} vs {(s.version, s.base_version, s.flush, s.full)}")
     if weight_version is not None and str(weight_version) != str(head.version):
         raise DeltaError(f"weight_version {weight_version!r} differs from the delta's version {head.version}")
-    v, committed = head.version, state.version
+    v, committed, reason = head.version, state.version, _full_reason(state)
     if head.full:
         if committed is not None and v <= committed:
             raise DeltaError(f"full sync version {v} is not newer than the committed version {committed} (replayed?)",
                              Refusal.OFF_CHAIN)
-    elif _full_reason(state) is not None:
+    elif reason is not None:
         raise DeltaError({"fresh": "no full sync has been applied yet: the first sync must be full",
                           "outside_load": f"weights were replaced by {state.outside_load} since version {committed}",
-                          "dirty": "engine is dirty (a sync failed after part of it was written)"}[_full_reason(state)]
+                          "dirty": "engine is dirty (a sync failed after part of it was written)"}[reason]
                          + ": the engine needs a full sync", Refusal.NEEDS_FULL)
     if state.pending == v and head.flush > 0:
         if head.flush != state.next_flush:
@@ -333,6 +333,10 @@ def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version:
     untouched. ``failure``: the request already failed on this rank (e.g. a file it could not read)."""
     model = _model(self)
     state = receiver_state(model)
+    device = _device(self)
+    # Each flush's blobs move to the engine's device once: positions decode and values are written there
+    # (read from files, they arrive on the host; per-param copies would each wait for the device).
+    payloads = [dataclasses.replace(p, positions=p.positions.to(device), values=p.values.to(device)) for p in payloads]
     head = payloads[0].spec if payloads else None
     request = [head.version, head.flush] if head is not None else None
     received = (payloads[0].source == "broadcast" or None) if payloads else None
@@ -362,7 +366,6 @@ def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version:
         return _refused(state, error, request, received, note)
 
     chunk_cap = int(_server_arg(self, "update_weight_delta_chunk_bytes", DEFAULT_CHUNK_BYTES))
-    device = _device(self)
     if head.flush == 0:
         state.pending_manifest = {}
         state.recorder = fingerprint.FingerprintRecorder(model_tensors(model)) if head.full else None
@@ -377,7 +380,7 @@ def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version:
     direct = {} if head.full else (state.direct or {})
     via_views, via_loader = [], []  # (param, positions or None, the flush's values on the device)
     for payload, idxs in zip(payloads, decoded):
-        values = payload.values.to(device, non_blocking=True)  # once per flush, not per param
+        values = payload.values
         for p, idx in zip(payload.spec.params, idxs):
             if head.full:
                 state.pending_manifest[p.name] = (list(p.shape), p.dtype)
@@ -528,7 +531,7 @@ def receive_broadcast(self, names, dtypes, shapes, group_name: str) -> List[Tupl
     Refused without receiving only when the request cannot say what to receive (no such group, not two
     blobs, an unknown dtype) or declares more than ``max_request_bytes`` — which the sender learns from
     this engine's status and never exceeds. The wait is bounded by the group timeout; a broadcast given
-    up on aborts the group (the sender re-creates it and gives this engine a full sync).
+    up on aborts the group (the sender re-creates it; this engine's status decides what it gets next).
     """
     try:
         return _receive(self, names, dtypes, shapes, group_name)

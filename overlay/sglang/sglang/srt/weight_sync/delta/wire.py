@@ -442,9 +442,8 @@ def blob_sums(positions: torch.Tensor, values: torch.Tensor) -> Tuple[int, int]:
 
 def canonical_spec(spec: "DeltaSpec") -> bytes:
     """Every spec field except ``checksum`` as sorted-key, whitespace-free, ASCII JSON: what the checksum covers."""
-    d = {f: getattr(spec, f) for f in _SPEC_FIELDS if f != "checksum"}
-    d["encoding"] = DeltaEncoding(spec.encoding).value
-    d["params"] = [{f: getattr(p, f) for f in _PARAM_FIELDS} for p in spec.params]
+    d = spec.to_dict()
+    del d["checksum"]
     return json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
