@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -114,8 +114,9 @@ def rl_states(cfg, steps: int, seed: int = 1, **step_kwargs) -> List[Dict[str, t
 
 
 def delta_flushes(old: Dict[str, torch.Tensor], new: Dict[str, torch.Tensor], encoding: str, *, version: int,
-                  base_version: int, max_params: int = 1 << 30) -> List[DeltaPayload]:
-    """The changed elements of ``new`` vs ``old`` as one sync's flushes (by dtype, at most max_params each)."""
+                  base_version: int, max_params: int = 1 << 30, raw: Sequence[str] = ()) -> List[DeltaPayload]:
+    """The changed elements of ``new`` vs ``old`` as one sync's flushes (by dtype, at most max_params each);
+    ``xor_zstd`` values XOR ``old``, except the ``raw`` names (an engine's ``xor_raw``)."""
     names = list(new)
     groups: Dict[torch.dtype, List[str]] = {}
     for n in names:
@@ -124,7 +125,10 @@ def delta_flushes(old: Dict[str, torch.Tensor], new: Dict[str, torch.Tensor], en
     out = []
     for k, batch in enumerate(batches):
         entries = [(n, new[n], changed_positions(old[n], new[n]) if new[n].is_floating_point() else None) for n in batch]
-        out.append(encode_flush(entries, encoding, version=version, base_version=base_version, flush=k,
+        bases = [torch.zeros_like(t.reshape(-1) if i is None else t.reshape(-1)[i]) if n in raw else
+                 old[n].reshape(-1) if i is None else old[n].reshape(-1)[i] for n, t, i in entries] \
+            if encoding == "xor_zstd" else None
+        out.append(encode_flush(entries, encoding, bases=bases, version=version, base_version=base_version, flush=k,
                                 final=k == len(batches) - 1))
     return out
 

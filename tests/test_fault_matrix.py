@@ -6,6 +6,8 @@ proves: the error names the cause (and the parameter, where one is at fault), th
 are untouched (its fingerprint still equals the last acknowledged version), the sender recovers by
 itself on the next sync, and trainer and engine are bit-identical afterwards (read back over HTTP).
 """
+import glob
+import json
 import os
 import resource
 import signal
@@ -271,3 +273,111 @@ def test_broadcast_peer_that_never_arrives(world):
     world.sender.status[0].needs_full = True
     world.recovers()
 
+
+
+# ---------------------------------------------------------------- byte planes and XOR values (disk)
+
+
+@pytest.fixture
+def xor_world(world):
+    """The same world sending xor_zstd (zstd level 3) while the test runs."""
+    sender, writer = world.sender, world.transport.writer
+    sender.encoding, writer.zstd_level = "xor_zstd", 3
+    sender._learn([0])  # a sender started with xor_zstd reads this after the full sync; this one switched mid-run
+    ok, msg, world.state = world.sync()  # the engine is at the snapshot's version: xor_zstd
+    assert ok and sender.pop_metrics()["perf/update_weights_xor"] == 1, msg
+    yield world
+    sender.encoding, writer.zstd_level = "indices", None
+
+
+def _rewrite(path, edit):
+    """Decompress a published file, ``edit(header, body) -> (header, body)``, write it back compressed."""
+    data = zstandard.ZstdDecompressor().stream_reader(open(path, "rb").read()).read()
+    (n,) = struct.unpack("<Q", data[:8])
+    header, body = edit(json.loads(data[8:8 + n]), data[8 + n:])
+    h = json.dumps(header).encode()
+    h += b" " * ((-len(h)) % 8)
+    open(path, "wb").write(zstandard.ZstdCompressor(level=3).compress(struct.pack("<Q", len(h)) + h + body))
+
+
+def _edit_params(edit):
+    def change(header, body):
+        params = json.loads(header["__metadata__"]["params"])
+        edit(params)
+        header["__metadata__"]["params"] = json.dumps(params)
+        return header, body
+    return change
+
+
+def test_xor_for_the_wrong_base(xor_world):
+    """xor_zstd values relative to an older version than the engine's: refused before any rebuild."""
+    def hook(vdir):
+        def change(header, body):
+            md = header["__metadata__"]
+            md["base_version"] = str(int(md["version"]) - 2)
+            return header, body
+        for path in sorted(glob.glob(os.path.join(vdir, "*.safetensors"))):
+            _rewrite(path, change)
+    fault(xor_world, f"xor_zstd values are relative to version {xor_world.sender.version - 1}; this engine is at "
+                     f"version {xor_world.sender.version}", hook=hook)
+
+
+def test_xor_values_against_a_corrupted_base(xor_world):
+    """One value's XOR flipped (as if the sender's base were wrong there): the rebuilt value fails the checksum."""
+    def hook(vdir):
+        def change(header, body):
+            start, end = header[VALUES]["data_offsets"]
+            body = bytearray(body)
+            body[(start + end) // 2] ^= 0x04
+            return header, bytes(body)
+        _rewrite(first_file(vdir), change)
+    fault(xor_world, "checksum mismatch", hook=hook)
+
+
+def test_a_truncated_plane(xor_world):
+    """The values tensor declared and stored one element short: the planes no longer fit the spec."""
+    def hook(vdir):
+        def change(header, body):
+            start, end = header[VALUES]["data_offsets"]
+            header[VALUES]["shape"] = [header[VALUES]["shape"][0] - 1]
+            header[VALUES]["data_offsets"] = [start, end - 2]
+            return header, body[:end - 2]
+        _rewrite(first_file(vdir), change)
+    fault(xor_world, "disagree with the spec", hook=hook)
+
+
+def test_planes_whose_lengths_disagree_with_the_spec(xor_world):
+    """A param's position width claimed 4 where its plane holds 2-byte gaps."""
+    def lie(params):
+        p = next(p for p in params if p["pos_width"] == 2 and p["val_end"] > p["val_start"])
+        p["pos_width"] = 4
+    hook = lambda vdir: _rewrite(first_file(vdir), _edit_params(lie))
+    fault(xor_world, "its planes disagree with the spec", hook=hook)
+
+
+def test_a_request_mixing_planes_and_flat_layouts(xor_world):
+    """One file of a publish relabelled as the flat deltas_zstd layout: the request's files must share one encoding."""
+    def hook(vdir):
+        files = sorted(glob.glob(os.path.join(vdir, "*.safetensors")))
+        assert len(files) >= 2
+
+        def change(header, body):
+            header["__metadata__"]["encoding"] = "deltas_zstd"
+            return header, body
+        _rewrite(files[0], change)
+    buffer, xor_world.sender.buffer_bytes = xor_world.sender.buffer_bytes, 2 << 10  # several files per publish
+    try:
+        fault(xor_world, "disagree on (version, base_version, flush, full, encoding)", hook=hook)
+    finally:
+        xor_world.sender.buffer_bytes = buffer
+
+
+def test_a_plane_major_file_labelled_flat(xor_world):
+    """Every file of the publish relabelled flat: the bytes are read in the wrong layout and fail the checksum."""
+    def hook(vdir):
+        def change(header, body):
+            header["__metadata__"]["encoding"] = "deltas_zstd"
+            return header, body
+        for path in sorted(glob.glob(os.path.join(vdir, "*.safetensors"))):
+            _rewrite(path, change)
+    fault(xor_world, "checksum mismatch", hook=hook)

@@ -7,9 +7,9 @@ import torch
 from cpu_harness import Host, delta_flushes, full_flushes, hf_config, nan_filled, rl_states, sglang_model
 from delta_helpers import ARCHS, GlooSender, assert_params_equal
 from sglang.srt.weight_sync.delta.receiver import receiver_state
-from sglang.srt.weight_sync.delta.wire import POSITIONS, VALUES, dtype_to_str, flush_file
+from sglang.srt.weight_sync.delta.wire import POSITIONS, VALUES, DeltaEncoding, dtype_to_str, flush_file
 
-ENCODINGS = ["indices", "deltas", "deltas_zstd"]
+ENCODINGS = ["indices", "deltas", "deltas_zstd", "planes_zstd", "xor_zstd"]
 _TRAINED = {}
 
 
@@ -31,7 +31,7 @@ class DiskTransport:
             vdir = os.path.join(self.root, f"weight_v{pl.spec.version:06d}")
             os.makedirs(vdir, exist_ok=True)
             name = f"rank0000_flush{pl.spec.flush:06d}.safetensors"
-            data = flush_file(pl, 1 if encoding == "deltas_zstd" else None)
+            data = flush_file(pl, 1 if DeltaEncoding(encoding).disk_only else None)
             with open(os.path.join(vdir, name), "wb") as f:
                 f.write(data)
             results.append(host.call("_apply_delta", vdir, [name], str(pl.spec.version)))
@@ -63,7 +63,7 @@ def gloo():
     sender.close()
 
 
-# deltas_zstd is disk-only by contract (file-level compression): it has no distributed case.
+# the *_zstd encodings are disk-only by contract (file-level compression): they have no distributed case.
 CASES = [("disk", e) for e in ENCODINGS] + [("distributed", e) for e in ("indices", "deltas")]
 
 
@@ -91,8 +91,9 @@ def test_delta_sync_bit_identical(request, tmp_path, arch, kind, encoding):
         changed = sum(int((old[n].view(torch.int16) != new[n].view(torch.int16)).sum()) for n in new)
         total = sum(t.numel() for t in new.values())
         assert 0 < changed < 0.2 * total, f"unrealistic density {changed / total:.4f}"
-        results = transport.apply(host, delta_flushes(old, new, encoding, version=v, base_version=v - 1, max_params=5),
-                                  encoding)
+        raw = receiver_state(host.model).xor_raw  # what the engine's status tells the sender (tied lm_head)
+        results = transport.apply(host, delta_flushes(old, new, encoding, version=v, base_version=v - 1, max_params=5,
+                                                      raw=raw), encoding)
         assert all(ok for ok, _ in results), results
         assert_params_equal(host.model, reference(cfg, new))
     assert receiver_state(host.model).version == 3

@@ -20,7 +20,7 @@ from delta_helpers import assert_params_equal
 from sglang.srt.weight_sync.delta.receiver import delta_status, fingerprint_payload
 from sglang.srt.weight_sync.delta.sender import DeltaSender
 from sglang.srt.weight_sync.delta.transport import DiskTransport, HttpEngine, NcclTransport
-from sglang.srt.weight_sync.delta.wire import DeltaError
+from sglang.srt.weight_sync.delta.wire import DeltaError, zstd_level
 
 
 class LocalEngine:
@@ -53,12 +53,14 @@ def reference(cfg, state):
 
 
 @pytest.mark.parametrize("arch, encoding", [("qwen2", "deltas_zstd"), ("qwen3-tied", "indices"),
-                                            ("qwen2-moe", "deltas"), ("qwen3-moe", "deltas_zstd")])
+                                            ("qwen2-moe", "deltas"), ("qwen3-moe", "deltas_zstd"),
+                                            ("qwen3-tied", "xor_zstd"), ("qwen3-moe", "xor_zstd"),
+                                            ("qwen2", "planes_zstd")])
 def test_training_loop_into_inprocess_receivers(tmp_path, arch, encoding):
     cfg = hf_config(arch)
     trainer = hf_model(cfg)
     engine = LocalEngine(cfg)
-    transport = DiskTransport(str(tmp_path), [engine], zstd=encoding == "deltas_zstd")
+    transport = DiskTransport(str(tmp_path), [engine], zstd=zstd_level(encoding))
     sender = DeltaSender(transport, [engine], encoding=encoding, buffer_bytes=4 << 10)  # several flushes
     state = bf16_state(trainer)
     segs = segments(state)
@@ -76,6 +78,7 @@ def test_training_loop_into_inprocess_receivers(tmp_path, arch, encoding):
         m = sender.pop_metrics()
         assert 0 < m["perf/update_weights_density"] < 0.2 and m["perf/update_weights_flushes"] > len(segs)
         assert m["perf/update_weights_full_sync_engines"] == 0 and m["perf/update_weights_wire_bytes"] > 0
+        assert m["perf/update_weights_xor"] == (encoding == "xor_zstd")  # the engine at the base rebuilds them
         assert sender.state.version == step
         assert_params_equal(engine.host.model, reference(cfg, state))
     transport.close()
@@ -310,3 +313,57 @@ def test_a_sync_aborted_midway_is_counted_and_the_engines_status_decides_what_fo
     assert sender.update(segments(state))[0][0]
     assert sender.pop_metrics()["perf/update_weights_full_sync_engines"] == 0
     assert_params_equal(engine.host.model, reference(cfg, state))
+
+
+def test_xor_zstd_goes_to_engines_at_the_base_and_planes_to_the_others(tmp_path):
+    """Two engines, one of which misses a sync: while it is behind the snapshot's version, that sync's deltas are
+    planes_zstd (right for any engine in range) for both; once both are back at the base, xor_zstd again. An engine
+    whose views cannot give every base (a loader that transforms a param) refuses xor_zstd unwritten and gets
+    planes_zstd from then on, by the status code alone."""
+    cfg = hf_config("qwen2")
+    trainer = hf_model(cfg)
+    engines = [LocalEngine(cfg), LocalEngine(cfg)]
+    sender = DeltaSender(DiskTransport(str(tmp_path), engines, zstd=3), engines, encoding="xor_zstd")
+    states = [bf16_state(trainer)] + list(rl_steps(trainer, 4))
+    assert all(ok for ok, _ in sender.update(segments(states[0])).values())
+    assert sender.update(segments(states[1]))[0][0] and sender.pop_metrics()["perf/update_weights_xor"] == 1
+    native = engines[1].update_weights_from_disk
+    engines[1].update_weights_from_disk = lambda *a: (_ for _ in ()).throw(ConnectionError("request lost"))
+    results = sender.update(segments(states[2]))  # engine 1 misses version 3: the snapshot stays at 2
+    assert results[0][0] and not results[1][0]
+    engines[1].update_weights_from_disk = native
+    results = sender.update(segments(states[3]))  # engine 0 at 3, engine 1 at 2: not both at the base
+    assert all(ok for ok, _ in results.values()), results
+    m = sender.pop_metrics()
+    assert m["perf/update_weights_xor"] == 0 and m["perf/update_weights_full_sync_engines"] == 0
+    results = sender.update(segments(states[4]))
+    assert all(ok for ok, _ in results.values()) and sender.pop_metrics()["perf/update_weights_xor"] == 1
+    for e in engines:
+        assert_params_equal(e.host.model, reference(cfg, states[4]))
+
+
+def test_an_engine_that_cannot_rebuild_xor_gets_planes(tmp_path):
+    """An engine that says it can rebuild xor_zstd values but then cannot (here: its readiness withdrawn after the
+    full sync, as when a view turns out unreadable) refuses the request unwritten with code ``no_base``; the sender
+    learns that from the status and sends planes_zstd from then on, without a full sync."""
+    from sglang.srt.weight_sync.delta.receiver import receiver_state
+
+    cfg = hf_config("qwen2")
+    trainer = hf_model(cfg)
+    engine = LocalEngine(cfg)
+    sender = DeltaSender(DiskTransport(str(tmp_path), [engine], zstd=3), [engine], encoding="xor_zstd")
+    states = [bf16_state(trainer)] + list(rl_steps(trainer, 2))
+    assert sender.update(segments(states[0]))[0][0]
+    st = receiver_state(engine.host.model)
+    assert st.xor_ready and delta_status(engine.host.model).xor
+    st.xor_ready = False
+    ok, msg = sender.update(segments(states[1]))[0]
+    assert not ok and "cannot read them all through recorded views" in msg
+    assert sender.pop_metrics()["perf/update_weights_xor"] == 1
+    status = delta_status(engine.host.model)
+    assert (status.code, status.needs_full, status.version) == ("no_base", False, 1)
+    assert_params_equal(engine.host.model, reference(cfg, states[0]))  # untouched
+    assert sender.update(segments(states[2]))[0][0]
+    m = sender.pop_metrics()
+    assert m["perf/update_weights_xor"] == 0 and m["perf/update_weights_full_sync_engines"] == 0
+    assert_params_equal(engine.host.model, reference(cfg, states[2]))

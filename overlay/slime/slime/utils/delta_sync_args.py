@@ -1,4 +1,4 @@
-"""Argument rules of sparse delta weight sync (``--update-weight-mode delta`` with indices|deltas|deltas_zstd).
+"""Argument rules of sparse delta weight sync (``--update-weight-mode delta`` with our sparse encodings).
 
 Kept free of torch/megatron imports at module level: ``slime.utils.arguments`` imports it at parse time.
 """
@@ -7,7 +7,7 @@ import logging
 
 logger = logging.getLogger(__name__)
 
-SPARSE_DELTA_ENCODINGS = ("indices", "deltas", "deltas_zstd")
+SPARSE_DELTA_ENCODINGS = ("indices", "deltas", "deltas_zstd", "planes_zstd", "xor_zstd")
 NCCL_ENCODINGS = ("indices", "deltas")
 
 
@@ -24,7 +24,7 @@ def resolve_delta_encoding(args) -> None:
         logger.warning(
             "--update-weight-mode=delta over disk without --update-weight-delta-encoding runs slime's own 'xor' "
             "delta (per-host checkpoint patch + reload); for sparse delta files applied in place by a delta-patched "
-            "SGLang pass --update-weight-delta-encoding deltas_zstd."
+            "SGLang pass --update-weight-delta-encoding xor_zstd (fewest bytes) or deltas_zstd."
         )
 
 

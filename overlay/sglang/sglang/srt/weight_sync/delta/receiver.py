@@ -59,6 +59,7 @@ from sglang.srt.weight_sync.delta.wire import (
     host_values,
     maybe_zstd_decompress,
     read_safetensors,
+    unxor,
     validate_payload,
 )
 
@@ -90,6 +91,8 @@ class ReceiverState:
     copies: Optional[dict] = None  # where the last full sync's HF tensors landed (fingerprint.engine_shares)
     direct: Optional[dict] = None  # name -> [_Direct]: params a delta writes through those views, no loader call
     last: tuple = (None, None, None)  # ([version, flush], refusal code or None, received) of the last request
+    xor_ready: bool = False  # every param this rank loaded has direct views of its own dtype (xor_zstd bases)
+    xor_raw: List[str] = dataclasses.field(default_factory=list)  # names this rank's loader never stored
 
 
 _STATES: "weakref.WeakKeyDictionary[torch.nn.Module, ReceiverState]" = weakref.WeakKeyDictionary()
@@ -243,11 +246,11 @@ def _decode_delta_one_param(p: DeltaParam, idx: Optional[torch.Tensor], values: 
 def _check_version(state: ReceiverState, specs: Sequence[DeltaSpec], weight_version: Optional[str]) -> DeltaSpec:
     """One request = one (version, flush); refuse anything the version chain does not allow."""
     head = specs[0]
-    key = (head.version, head.base_version, head.flush, head.full)
+    key = (head.version, head.base_version, head.flush, head.full, head.encoding)
     for s in specs[1:]:
-        if (s.version, s.base_version, s.flush, s.full) != key:
-            raise DeltaError(f"files of one request disagree on (version, base_version, flush, full): "
-                             f"{key} vs {(s.version, s.base_version, s.flush, s.full)}")
+        if (s.version, s.base_version, s.flush, s.full, s.encoding) != key:
+            raise DeltaError(f"files of one request disagree on (version, base_version, flush, full, encoding): "
+                             f"{key} vs {(s.version, s.base_version, s.flush, s.full, s.encoding)}")
     if weight_version is not None and str(weight_version) != str(head.version):
         raise DeltaError(f"weight_version {weight_version!r} differs from the delta's version {head.version}")
     v, committed, reason = head.version, state.version, _full_reason(state)
@@ -274,6 +277,18 @@ def _check_version(state: ReceiverState, specs: Sequence[DeltaSpec], weight_vers
     return head
 
 
+def _check_xor_base(state: ReceiverState, head: DeltaSpec) -> None:
+    """xor_zstd values are relative to ``base_version``'s bytes: only an engine committed exactly there can use them."""
+    if head.full:
+        raise DeltaError("a full sync cannot be xor_zstd (it has no base)")
+    if state.version != head.base_version:
+        raise DeltaError(f"xor_zstd values are relative to version {head.base_version}; this engine is at version "
+                         f"{state.version}", Refusal.OFF_CHAIN)
+    if not state.xor_ready:
+        raise DeltaError("xor_zstd values need the committed bytes of every param, and this engine cannot read them "
+                         "all through recorded views (send it planes_zstd)", Refusal.NO_BASE)
+
+
 def _full_reason(state: ReceiverState) -> Optional[str]:
     """Why every delta is refused until a full sync (None: deltas are welcome)."""
     if state.manifest is None:
@@ -291,7 +306,8 @@ def delta_status(model: torch.nn.Module) -> DeltaStatus:
     reason = _full_reason(state)
     request, code, received = state.last
     return DeltaStatus(version=state.version, needs_full=reason is not None, reason=reason, pending=state.pending,
-                       request=request, code=code, received=received, max_request_bytes=_max_file_bytes(model))
+                       request=request, code=code, received=received, max_request_bytes=_max_file_bytes(model),
+                       xor=state.xor_ready and reason is None, xor_raw=list(state.xor_raw))
 
 
 def checker_action(action: str, model: torch.nn.Module, parallelism_info=None) -> dict:
@@ -311,20 +327,100 @@ def _refused(state: ReceiverState, e: DeltaError, request=None, received=None, n
     return False, msg
 
 
-def _tp_agree(ok: bool) -> bool:
-    """True iff every tensor-parallel rank of this engine says ``ok`` (each rank runs every request, reading and
-    checking on its own: one rank's unreadable file or failed write must stop all of them, not only itself)."""
+def _tp_group():
+    """This engine's tensor-parallel group coordinator, or None when this rank is the whole engine."""
     try:
         from sglang.srt.distributed.parallel_state import get_tp_group
 
         group = get_tp_group()
-    except Exception:  # no model-parallel world (a bare model): this rank is the engine
+    except Exception:  # no model-parallel world (a bare model)
+        return None
+    return group if group.world_size > 1 else None
+
+
+def _tp_agree(ok: bool, *same: int) -> bool:
+    """True iff every tensor-parallel rank of this engine says ``ok`` and passes the same ``same`` integers
+    (each rank runs every request, reading and checking on its own: one rank's unreadable file or failed
+    write must stop all of them, not only itself)."""
+    group = _tp_group()
+    if group is None:
         return ok
-    if group.world_size == 1:
-        return ok
-    verdict = torch.tensor([int(ok)], dtype=torch.int32)
+    verdict = torch.tensor([int(ok)] + [x for v in same for x in (v, -v)], dtype=torch.int64)
     torch.distributed.all_reduce(verdict, op=torch.distributed.ReduceOp.MIN, group=group.cpu_group)
-    return bool(verdict.item())
+    mins = verdict.tolist()
+    return bool(mins[0]) and all(mins[k] == -mins[k + 1] for k in range(1, len(mins), 2))
+
+
+def _read_base(direct: Dict[str, List["_Direct"]], params, idxs, dtype, device, held_parts: list) -> torch.Tensor:
+    """The committed values at ``idxs`` through each param's recorded views (zeros where this rank holds none);
+    appends the mask of what it holds to ``held_parts``."""
+    vals, helds = [], []
+    for p, idx in zip(params, idxs):
+        if idx is None:
+            idx = torch.arange(p.numel, device=device)
+        idx = idx.to(device)
+        v = torch.zeros(idx.numel(), dtype=dtype, device=device)
+        h = torch.zeros(idx.numel(), dtype=torch.bool, device=device)
+        for t in direct.get(p.name, ()):
+            if t.flat.dtype != dtype:  # the engine keeps other bytes than the trainer sends: no base here
+                continue
+            mask, offsets = t.targets(idx, whole=t.soff == 0 and t.numel == p.numel)
+            got = t.flat[offsets.clamp(0, max(t.flat.numel() - 1, 0))]
+            if mask is None:
+                v, h = got, torch.ones_like(h)
+            else:
+                v = torch.where(mask & ~h, got, v)
+                h |= mask
+        vals.append(v)
+        helds.append(h)
+    held_parts.append(torch.cat(helds) if helds else torch.zeros(0, dtype=torch.bool, device=device))
+    return torch.cat(vals) if vals else torch.zeros(0, dtype=dtype, device=device)
+
+
+def _rebuild_xor(state: ReceiverState, payloads: Sequence[DeltaPayload], device) -> List[DeltaPayload]:
+    """``xor_zstd``: rebuild every flush's new values from this rank's committed bytes (see ``wire.unxor``).
+
+    With tensor parallelism a rank holds only its shard of some params; the ranks rebuild together with
+    two collectives over the flush's values (O(changed)): the lowest rank holding an element owns it,
+    owners contribute its rebuilt bytes, every rank gets them all. The checksum then judges the whole
+    flush on every rank. Called on every rank after the ranks agreed to rebuild, so the collectives match.
+    """
+    direct = state.direct or {}
+    helds: list = []
+    rebuilt = [unxor(pl, state.manifest, lambda ps, ix, pl=pl: _read_base(direct, ps, ix, pl.values.dtype, device, helds))
+               for pl in payloads]
+    held = torch.cat(helds) if helds else torch.zeros(0, dtype=torch.bool, device=device)
+    group = _tp_group()
+    if group is not None and held.numel():
+        world, rank = group.world_size, group.rank_in_group
+        owner = torch.where(held, rank, world).to(torch.int32)
+        torch.distributed.all_reduce(owner, op=torch.distributed.ReduceOp.MIN, group=group.device_group)
+        mine = owner == rank
+        parts = [pl.values.view(torch.uint8).view(pl.values.numel(), pl.values.element_size()) for pl in rebuilt]
+        raw = torch.cat([torch.where(m[:, None], b, 0) for m, b in zip(mine.split([p.shape[0] for p in parts]), parts)]) \
+            if parts else None
+        torch.distributed.all_reduce(raw, op=torch.distributed.ReduceOp.SUM, group=group.device_group)  # disjoint bytes
+        held = owner < world
+        out, at = [], 0
+        for pl, part in zip(rebuilt, parts):
+            n = part.shape[0]
+            out.append(dataclasses.replace(pl, values=raw[at:at + n].reshape(-1).view(pl.values.dtype)))
+            at += n
+        rebuilt = out
+    # A param no rank holds any of (the loader ignores it, e.g. a tied lm_head) travels raw: XOR zero. Any other
+    # element no rank holds cannot be rebuilt.
+    sizes = [p.nnz for pl in rebuilt for p in pl.spec.params]
+    if held.numel():
+        seg = torch.repeat_interleave(torch.arange(len(sizes), device=device), torch.tensor(sizes, device=device),
+                                      output_size=held.numel())
+        some = torch.zeros(len(sizes), dtype=torch.int64, device=device).index_add_(0, seg, held.long())
+        bad = ~held & (some[seg] > 0)
+        if host_values(bad.any().reshape(1))[0]:
+            k = host_values(seg[bad.nonzero()[0]])[0]
+            name = [p.name for pl in rebuilt for p in pl.spec.params][k]
+            raise DeltaError(f"param {name!r}: xor_zstd values need its committed bytes, which this engine cannot read "
+                             "all of through recorded views (send it planes_zstd)", Refusal.NO_BASE)
+    return rebuilt
 
 
 def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version: Optional[str] = None,
@@ -341,6 +437,7 @@ def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version:
     request = [head.version, head.flush] if head is not None else None
     received = (payloads[0].source == "broadcast" or None) if payloads else None
     continuing = head is not None and state.pending == head.version and head.flush > 0
+    xor = any(p.xored for p in payloads)
     error = failure
     if error is None:
         try:
@@ -349,15 +446,27 @@ def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version:
             _refuse_unsupported(self)
             head = _check_version(state, [p.spec for p in payloads], weight_version)
             manifest = state.manifest
-            decoded = [validate_payload(p, manifest) for p in payloads]
+            if xor:
+                _check_xor_base(state, head)
+            else:
+                decoded = [validate_payload(p, manifest) for p in payloads]
             names = [q.name for p in payloads for q in p.spec.params]
             if len(set(names)) != len(names):
                 raise DeltaError(f"param {next(n for n in names if names.count(n) > 1)!r} appears in two files of one request")
         except DeltaError as e:
             error = e
-    if not _tp_agree(error is None) and error is None:
-        error = DeltaError("another tensor-parallel rank of this engine refused the request (its delta_status says why)",
-                           Refusal.PEER)
+    peer = DeltaError("another tensor-parallel rank of this engine refused the request (its delta_status says why)",
+                      Refusal.PEER)
+    if not _tp_agree(error is None, int(xor), sum(p.values.numel() for p in payloads) if xor else 0) and error is None:
+        error = peer
+    if xor and error is None:  # every rank agreed to rebuild: the rebuild's collectives match on all of them
+        try:
+            payloads = _rebuild_xor(state, payloads, device)
+            decoded = [validate_payload(p, manifest) for p in payloads]
+        except DeltaError as e:
+            error = e
+        if not _tp_agree(error is None) and error is None:
+            error = peer
     if error is not None:
         note = ""
         if continuing:  # earlier flushes of this version are written: the engine holds a mix
@@ -430,6 +539,9 @@ def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version:
         if head.full:
             state.manifest, state.dirty, state.outside_load = state.pending_manifest, False, None
             state.direct = _direct_plan(model, state.recorder)
+            state.xor_ready = all(n in state.direct and all(t.flat.dtype == dtype_from_str(d) for t in state.direct[n])
+                                  for n, (_, d) in state.manifest.items() if n in state.recorder.copies)
+            state.xor_raw = sorted(n for n in state.manifest if n not in state.recorder.copies)
             state.copies, state.recorder, state.pending_manifest = state.recorder.copies, None, {}
     kind = "full sync" if head.full else "delta"
     return True, (f"Succeeded to apply {kind} version {head.version} flush {head.flush} "

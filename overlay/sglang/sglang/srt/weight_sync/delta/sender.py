@@ -39,6 +39,7 @@ from sglang.srt.weight_sync.delta.wire import (
     DeltaError,
     DeltaPayload,
     DeltaStatus,
+    Refusal,
     changed_positions,
     encode_flush,
     sparse_allowed,
@@ -173,20 +174,25 @@ class DeltaBucket:
     def __init__(self, encoding: str, max_bytes: int):
         self.encoding, self.max_bytes = encoding, max_bytes
         self.entries: Dict[torch.dtype, List[Tuple[str, torch.Tensor, Optional[torch.Tensor]]]] = {}
+        self.bases: Dict[torch.dtype, List[torch.Tensor]] = {}  # xor_zstd: base_version's values per entry
         self.nbytes = 0
 
-    def add(self, name: str, tensor: torch.Tensor, idx: Optional[torch.Tensor]) -> None:
+    def add(self, name: str, tensor: torch.Tensor, idx: Optional[torch.Tensor],
+            base: Optional[torch.Tensor] = None) -> None:
         nnz = tensor.numel() if idx is None else idx.numel()
         width = 0 if idx is None else 4  # upper bound; the wire picks 2 where gaps fit
         self.nbytes += nnz * (width + tensor.element_size())
         self.entries.setdefault(tensor.dtype, []).append((name, tensor, idx))
+        if base is not None:
+            self.bases.setdefault(tensor.dtype, []).append(base)
 
     def should_flush(self) -> bool:
         return self.nbytes >= self.max_bytes
 
     def take(self, **spec_fields) -> List[DeltaPayload]:
-        out = [encode_flush(self.entries[dt], self.encoding, **spec_fields) for dt in sorted(self.entries, key=str)]
-        self.entries, self.nbytes = {}, 0
+        out = [encode_flush(self.entries[dt], self.encoding, bases=self.bases.get(dt), **spec_fields)
+               for dt in sorted(self.entries, key=str)]
+        self.entries, self.bases, self.nbytes = {}, {}, 0
         return out
 
     def __len__(self) -> int:
@@ -204,6 +210,8 @@ class EngineStatus:
     needs_full: bool = True
     last_error: str = ""
     max_request_bytes: int = 0  # from the engine's DeltaStatus (0: not known yet)
+    xor: bool = False  # every rank can rebuild xor_zstd values (and did not refuse them for want of a base)
+    xor_raw: frozenset = frozenset()  # names no rank stores: xor_zstd sends them raw (XOR zero)
 
 
 def _engine_ranks(engine) -> List[DeltaStatus]:
@@ -227,8 +235,8 @@ class DeltaSender:
     def __init__(self, transport, engines: Sequence, encoding: str = "deltas", buffer_bytes: int = 512 << 20,
                  device: Optional[torch.device] = None, fingerprint_every: int = 0):
         enc = DeltaEncoding(encoding)
-        if getattr(transport, "shared_group", False) and enc is DeltaEncoding.DELTAS_ZSTD:
-            raise DeltaError("deltas_zstd compresses files: it is disk-only (use 'indices' over nccl)")
+        if getattr(transport, "shared_group", False) and enc.disk_only:
+            raise DeltaError(f"{enc.value} compresses files: it is disk-only (use 'indices' or 'deltas' over nccl)")
         self.transport, self.engines, self.encoding = transport, list(engines), enc.value
         self.buffer_bytes = buffer_bytes
         self.state = DeltaState(device)
@@ -261,6 +269,8 @@ class DeltaSender:
             st.version = known[0] if len(versions) == 1 and known else None
             st.needs_full = st.needs_full or any(r.needs_full for r in ranks) or st.version is None \
                 or not (self.state.version <= st.version <= self.version)
+            st.xor = all(r.xor for r in ranks) and not any(r.code == Refusal.NO_BASE.value for r in ranks)
+            st.xor_raw = frozenset.intersection(*(frozenset(r.xor_raw) for r in ranks))
 
     def update(self, segments: Sequence[Callable[[], Iterable[Chunk]]]) -> Dict[int, Tuple[bool, str]]:
         """One sync over ``segments`` (callables yielding chunks of HF ``(name, tensor)``); publishes after each."""
@@ -275,7 +285,7 @@ class DeltaSender:
             full_targets, delta_targets = list(self.status), []
         resyncs = sum(self.status[i].version is not None for i in full_targets)  # engines synced before
         t0 = time.perf_counter()
-        run = _SyncRun(self, v, delta_targets, full_targets,
+        run = _SyncRun(self, v, delta_targets, full_targets, self._encodings(delta_targets),
                        fingerprint_on=bool(self.fingerprint_every) and v % self.fingerprint_every == 0)
         paused = []
         try:
@@ -312,13 +322,16 @@ class DeltaSender:
             self.state.commit(v)
         else:
             self.state.stage()
-        self._learn(failed)
+        # xor_zstd: what a fresh full sync lets an engine rebuild (its recorded views) only its status says
+        relearn = [i for i in acked if i in full_targets] if self.encoding == DeltaEncoding.XOR_ZSTD.value else []
+        self._learn(failed + relearn)
         for i in failed:
             st = self.status[i]
             st.last_error = results[i][1]
             logger.error("delta sync v%d failed on engine %d (%s): %s", v, i,
                          "full sync next" if st.needs_full else "next delta covers it", results[i][1])
         self._metrics = run.metrics(t_encode, t_finalize)
+        self._metrics["perf/update_weights_xor"] = float(run.encodings.get("delta") == DeltaEncoding.XOR_ZSTD.value)
         self._count("failures", len(failed))
         self._count("resyncs", resyncs)
         self._count("fingerprint_mismatches", 0)
@@ -328,6 +341,18 @@ class DeltaSender:
         if run.fingerprints is not None and len(acked) == len(self.engines):
             self._check_fingerprints(run.fingerprints, results, run.fingerprint_s)
         return results
+
+    def _encodings(self, delta_targets: List[int]) -> Dict[str, str]:
+        """Per sync kind. ``xor_zstd`` only when every delta target is committed at the snapshot's version, can
+        rebuild from its views and names the same raw params; otherwise that sync's deltas are ``planes_zstd``
+        (overwrite semantics: right for any engine in range). Full syncs have no base: ``planes_zstd``."""
+        if self.encoding != DeltaEncoding.XOR_ZSTD.value:
+            return {"delta": self.encoding, "full": self.encoding}
+        sts = [self.status[i] for i in delta_targets]
+        xor = bool(sts) and all(st.xor and st.version == self.state.version and st.xor_raw == sts[0].xor_raw
+                                for st in sts)
+        planes = DeltaEncoding.PLANES_ZSTD.value
+        return {"delta": self.encoding if xor else planes, "full": planes}
 
     def _check_fingerprints(self, mine: Dict[str, "fingerprint.NameSum"], results, hashing_s: float) -> None:
         """Every engine's fingerprint of this version against the trainer's; a mismatch means a full sync next."""
@@ -372,8 +397,9 @@ class _SyncRun:
     """The working set of one sync: buckets, the 1-step lookahead, flush counters, engine results."""
 
     def __init__(self, sender: DeltaSender, version: int, delta_targets: List[int], full_targets: List[int],
-                 fingerprint_on: bool = False):
-        self.s, self.v = sender, version
+                 encodings: Dict[str, str], fingerprint_on: bool = False):
+        self.s, self.v, self.encodings = sender, version, encodings
+        self.xor_raw = sender.status[delta_targets[0]].xor_raw if delta_targets else frozenset()
         self.fingerprints: Optional[Dict[str, "fingerprint.NameSum"]] = {} if fingerprint_on else None
         self.fingerprint_s = 0.0  # trainer-side hashing, reported apart from encode
         self.fp_scratch = fingerprint.Scratch() if fingerprint_on else None
@@ -381,7 +407,7 @@ class _SyncRun:
         bounds = [sender.status[i].max_request_bytes for i in delta_targets + full_targets]
         self.max_request = min([b for b in bounds if b], default=0)  # the engines' bound on one request
         cap = min(sender.buffer_bytes, self.max_request or sender.buffer_bytes)
-        self.buckets = {k: DeltaBucket(sender.encoding, cap) for k, t in self.targets.items() if t}
+        self.buckets = {k: DeltaBucket(encodings[k], cap) for k, t in self.targets.items() if t}
         self.flush = 0  # request index within the sync (shared by all files of one disk publish)
         self.final_segment = False
         self.held: List[Tuple[str, DeltaPayload]] = []  # NCCL: the last flush waits to learn whether it is final
@@ -409,7 +435,8 @@ class _SyncRun:
             if "delta" in self.buckets:
                 sparse = idx is not None and sparse_allowed(tensor.dtype)
                 if not (sparse and not idx.numel()):  # an unchanged param is left out of the spec
-                    self.buckets["delta"].add(name, tensor, idx if sparse else None)
+                    self.buckets["delta"].add(name, tensor, idx if sparse else None,
+                                              self._xor_base(name, tensor, base, idx if sparse else None))
             if "full" in self.buckets:
                 self.buckets["full"].add(name, tensor, None)
             state.record(name, tensor, idx)
@@ -420,6 +447,16 @@ class _SyncRun:
             for kind, bucket in self.buckets.items():
                 if bucket.should_flush():
                     self._flush(kind)
+
+    def _xor_base(self, name: str, tensor: torch.Tensor, base: Optional[torch.Tensor],
+                  idx: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """xor_zstd: base_version's values where this delta sends values (zero for a name the engines never store
+        or one without a snapshot, which the engines' manifest refuses anyway)."""
+        if self.encodings.get("delta") != DeltaEncoding.XOR_ZSTD.value:
+            return None
+        if base is None or name in self.xor_raw:
+            return torch.zeros(tensor.numel() if idx is None else idx.numel(), dtype=tensor.dtype, device=tensor.device)
+        return base.reshape(-1) if idx is None else base.reshape(-1)[idx]
 
     def _spec_fields(self, kind: str, final: bool) -> dict:
         full = kind == "full"
@@ -463,13 +500,13 @@ class _SyncRun:
         if getattr(t, "shared_group", False):
             if final and not self.held:
                 kind = "full" if self.targets["full"] else "delta"
-                self.held.append((kind, encode_flush([], self.s.encoding, **self._spec_fields(kind, True))))
+                self.held.append((kind, encode_flush([], self.encodings[kind], bases=[], **self._spec_fields(kind, True))))
             if final:
                 self._release_held(final=True)
             return
         for kind in self.buckets:
             if not t.pending(kind):
-                t.write(encode_flush([], self.s.encoding, **self._spec_fields(kind, final)), kind)
+                t.write(encode_flush([], self.encodings[kind], bases=[], **self._spec_fields(kind, final)), kind)
         t.publish({k: v for k, v in self.targets.items() if v})
         self.flush += 1
 

@@ -32,7 +32,9 @@ from sglang.srt.weight_sync.delta.wire import (
     maybe_zstd_decompress,
     read_safetensors,
     sparse_allowed,
+    unxor,
     validate_payload,
+    zstd_level,
 )
 
 MANIFEST = "delta.json"
@@ -106,7 +108,7 @@ def _flush_files(path: str) -> List[str]:
 
 
 def diff(old_dir: str, new_dir: str, out: str, encoding: str = "deltas_zstd", buffer_bytes: int = 512 << 20,
-         version: int = 1) -> dict:
+         version: int = 1, level: int = None) -> dict:
     old, new = Checkpoint(old_dir), Checkpoint(new_dir)
     if old.names() != new.names():
         extra = sorted(set(old.names()) ^ set(new.names()))
@@ -123,7 +125,7 @@ def diff(old_dir: str, new_dir: str, out: str, encoding: str = "deltas_zstd", bu
     def write(pl):
         pl.spec.flush = flush[0]
         pl.seal(spec_only=True)
-        data = flush_file(pl, 3 if enc is DeltaEncoding.DELTAS_ZSTD else None)
+        data = flush_file(pl, zstd_level(enc.value, level))
         name = f"rank0000_flush{flush[0]:06d}.safetensors"
         with open(os.path.join(out, name), "wb") as f:
             f.write(data)
@@ -146,13 +148,15 @@ def diff(old_dir: str, new_dir: str, out: str, encoding: str = "deltas_zstd", bu
         stats["changed"] += idx.numel()
         if not idx.numel():
             continue
-        bucket.add(name, b, idx if sparse_allowed(b.dtype) else None)
+        sparse = sparse_allowed(b.dtype)
+        base = (a.reshape(-1)[idx] if sparse else a.reshape(-1)) if enc is DeltaEncoding.XOR_ZSTD else None
+        bucket.add(name, b, idx if sparse else None, base)
         if bucket.should_flush():
             emit(bucket.take(**spec))
     if len(bucket):
         emit(bucket.take(**spec))
     if not held:  # identical checkpoints: one empty flush still carries the versions
-        held.append(encode_flush([], enc.value, **spec))
+        held.append(encode_flush([], enc.value, bases=[], **spec))
     held[0].spec.final = True  # write() seals the spec again
     write(held.pop())
     manifest = {"format": "delta-weight-sync/1", "encoding": enc.value, "files": files,
@@ -181,6 +185,10 @@ def apply(base_dir: str, delta_dir: str, out: str) -> None:
     payloads = [_read_flush(os.path.join(delta_dir, name)) for name in manifest["files"]]
     if not payloads or not payloads[-1].spec.final or [p.spec.flush for p in payloads] != list(range(len(payloads))):
         raise DeltaError(f"{delta_dir}: flushes are incomplete or out of order")
+    # xor_zstd values are rebuilt against the base (each param appears once per version), then checked like any
+    payloads = [unxor(pl, shapes, lambda ps, ix: torch.cat(
+        [state[p.name].reshape(-1) if i is None else state[p.name].reshape(-1)[i] for p, i in zip(ps, ix)]
+        or [pl.values[:0]])) if pl.xored else pl for pl in payloads]
     decoded = [validate_payload(pl, shapes) for pl in payloads]  # everything checked before any write
     for pl, idxs in zip(payloads, decoded):
         for p, idx in zip(pl.spec.params, idxs):
@@ -220,8 +228,12 @@ def inspect(path: str) -> dict:
     for f in files:
         try:
             pl = _read_flush(f)
-            validate_payload(pl, None)
-            status = "ok"
+            if pl.xored:  # the checksum covers the new values, which need the base: `apply` checks them
+                unxor(pl, None, lambda ps, ix: pl.values)  # the structure, at least
+                status = "unverified"
+            else:
+                validate_payload(pl, None)
+                status = "ok"
         except DeltaError as e:
             out["files"].append({"file": os.path.basename(f), "status": f"refused: {e}"})
             continue
@@ -310,6 +322,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--encoding", default="deltas_zstd", choices=[e.value for e in DeltaEncoding])
     p.add_argument("--buffer-size", type=int, default=512 << 20, help="encoded bytes per flush file")
+    p.add_argument("--zstd-level", type=int, default=None, help="zstd level of *_zstd files (default: measured per encoding)")
     p = sub.add_parser("apply", help="base checkpoint + delta files -> new checkpoint")
     p.add_argument("base")
     p.add_argument("delta_dir")
@@ -324,7 +337,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         if args.cmd == "diff":
-            m = diff(args.old, args.new, args.out, args.encoding, args.buffer_size)
+            m = diff(args.old, args.new, args.out, args.encoding, args.buffer_size, level=args.zstd_level)
             size = sum(os.path.getsize(os.path.join(args.out, f)) for f in m["files"])
             print(f"{len(m['files'])} file(s), {_mb(size)}, {m['changed']}/{m['elements']} elements changed "
                   f"({100 * m['changed'] / max(m['elements'], 1):.2f}%) -> {args.out}")
@@ -334,17 +347,18 @@ def main(argv=None) -> int:
         elif args.cmd == "inspect":
             report = inspect(args.path)
             for f in report["files"]:
-                if f["status"] != "ok":
+                if f["status"] not in ("ok", "unverified"):
                     print(f"{f['file']}: {f['status']}")
                     continue
                 nnz = sum(p["nnz"] for p in f["params"])
                 print(f"{f['file']}: version {f['version']} (base {f['base_version']}), flush {f['flush']}"
                       f"{' final' if f['final'] else ''}{' full' if f['full'] else ''}, {f['encoding']}, "
-                      f"{len(f['params'])} params, {nnz} values, {_mb(f['bytes'])}, checksum {f['checksum']} ok")
+                      f"{len(f['params'])} params, {nnz} values, {_mb(f['bytes'])}, checksum {f['checksum']} "
+                      f"{'ok' if f['status'] == 'ok' else 'unverified (xor_zstd: apply checks it against the base)'}")
                 for q in f["params"]:
                     print(f"  {q['name']:<60} {q['dtype']:<9} {str(q['shape']):<16} nnz {q['nnz']:>10} "
                           f"({100 * q['density']:.2f}%){' dense' if q['dense'] else ''}")
-            if any(f["status"] != "ok" for f in report["files"]):
+            if any(f["status"] not in ("ok", "unverified") for f in report["files"]):
                 return 1
         else:
             report = density(args.old, args.new)

@@ -15,6 +15,15 @@ Position encodings (``pos_width`` is per param):
 * dense (``pos_width = 0``): no positions, values hold all ``numel`` elements (full syncs,
   integer params).
 
+Disk-only file layouts (the spec's offsets, and the checksum, always describe the *logical* blobs):
+
+* ``planes_zstd``: positions as ``deltas``; in the file each param's segment of each blob is stored
+  plane-major (byte k of every element together, k = 0..width-1), the whole file zstd-compressed;
+* ``xor_zstd``: as ``planes_zstd``, but the file's values are ``new XOR base`` (the committed bytes of
+  ``base_version``; zero for a param the engine never stores, e.g. a tied ``lm_head``: its status
+  lists them as ``xor_raw``). Only an engine at exactly ``base_version`` can rebuild the new values,
+  and it verifies them against the checksum before the first write.
+
 Everything here is integer tensor ops that run unchanged on CPU and CUDA; decoding and
 validation never write model weights, so a request is checked whole before any write.
 """
@@ -45,6 +54,8 @@ __all__ = [
     "encode_positions",
     "decode_positions",
     "validate_payload",
+    "unxor",
+    "plane_segments",
     "write_safetensors",
     "flush_file",
     "read_safetensors",
@@ -52,6 +63,7 @@ __all__ = [
     "changed_positions",
     "encode_flush",
     "HEADER_CAP",
+    "zstd_level",
 ]
 
 POSITIONS, VALUES = "__positions__", "__values__"
@@ -98,6 +110,7 @@ class Refusal(str, enum.Enum):
     NOT_RECEIVED = "not_received"  # a broadcast refused before (or failing while) receiving it
     APPLY_FAILED = "apply_failed"  # a write failed after others landed: the engine is dirty
     PEER = "peer_refused"  # this rank was fine, another TP rank of the engine refused or failed
+    NO_BASE = "no_base"  # xor_zstd: this engine cannot read the base bytes of every named param (send it planes_zstd)
 
 
 class DeltaError(ValueError):
@@ -124,6 +137,8 @@ class DeltaStatus:
     code: Optional[str] = None  # that request's Refusal code; None when it was applied
     received: Optional[bool] = None  # broadcasts: whether that request's blobs were received in full
     max_request_bytes: int = 0  # the most bytes one request may declare (the sender never declares more)
+    xor: bool = False  # can rebuild xor_zstd values: every param this rank loaded is readable through recorded views
+    xor_raw: List[str] = dataclasses.field(default_factory=list)  # names its loader never stored: xor_zstd sends them raw
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -155,6 +170,30 @@ class DeltaEncoding(str, enum.Enum):
     INDICES = "indices"
     DELTAS = "deltas"
     DELTAS_ZSTD = "deltas_zstd"
+    PLANES_ZSTD = "planes_zstd"
+    XOR_ZSTD = "xor_zstd"
+
+    @property
+    def disk_only(self) -> bool:
+        """Compressed file layouts: a broadcast carries raw blobs."""
+        return self in (DeltaEncoding.DELTAS_ZSTD, DeltaEncoding.PLANES_ZSTD, DeltaEncoding.XOR_ZSTD)
+
+    @property
+    def plane_major(self) -> bool:
+        return self in (DeltaEncoding.PLANES_ZSTD, DeltaEncoding.XOR_ZSTD)
+
+
+# Measured on real AdamW steps (make bench): byte planes gain most from level 3; deltas_zstd's
+# gaps+values stream compresses little beyond level 1.
+ZSTD_LEVELS = {DeltaEncoding.DELTAS_ZSTD: 1, DeltaEncoding.PLANES_ZSTD: 3, DeltaEncoding.XOR_ZSTD: 3}
+
+
+def zstd_level(encoding: str, level: Optional[int] = None) -> Optional[int]:
+    """The zstd level of an encoding's files: ``level`` if given, else the measured default; None: uncompressed."""
+    enc = DeltaEncoding(encoding)
+    if not enc.disk_only:
+        return None
+    return ZSTD_LEVELS[enc] if level is None else level
 
 
 def dtype_from_str(name: str) -> torch.dtype:
@@ -348,6 +387,8 @@ class DeltaPayload:
     values: torch.Tensor
     source: str = ""  # a file name or "broadcast", for error messages
     sums: Optional[Tuple[int, int]] = None  # blob_sums of the two blobs, once computed
+    base: Optional[torch.Tensor] = None  # sender, xor_zstd: base_version's bytes beside ``values`` (the file XORs them)
+    xored: bool = False  # receiver, xor_zstd: ``values`` still hold new XOR base (see :func:`unxor`)
 
     def seal(self, spec_only: bool = False) -> "DeltaPayload":
         """Set the spec's checksum; ``spec_only``: only spec fields changed since the last seal (reuses the blob sums)."""
@@ -508,14 +549,40 @@ def validate_payload(payload: DeltaPayload, manifest: Optional[Dict[str, Tuple[L
     """
     spec, pos, val = payload.spec, payload.positions, payload.values
     where = f" in {payload.source}" if payload.source else ""
-    if pos.dtype != torch.uint8 or pos.dim() != 1:
-        raise DeltaError(f"{POSITIONS}{where} must be a 1-D uint8 tensor, got {pos.dtype} {list(pos.shape)}")
-    if val.dim() != 1:
-        raise DeltaError(f"{VALUES}{where} must be 1-D, got shape {list(val.shape)}")
+    if payload.xored:
+        raise DeltaError(f"xor_zstd values{where} must be rebuilt from the base (unxor) before they are validated")
+    _check_blobs(payload, where)
     actual = flush_checksum(spec, pos, val)
     if actual != spec.checksum:
         raise DeltaError(f"checksum mismatch{where}: expected {spec.checksum or '<none>'}, got {actual} "
                          f"(positions, values or the spec corrupted)", Refusal.CHECKSUM)
+    sparse = _check_structure(payload, manifest, where)
+    gaps = spec.encoding != DeltaEncoding.INDICES.value
+    found: Dict[str, torch.Tensor] = {}
+    flags = []  # one bool per check, read together: the flush's one synchronization after the checksum
+    for width, params in sparse.items():
+        idx, bad = _decode_group(pos, [p for p in params if p.nnz], width, gaps)
+        flags += bad
+        found.update(idx)
+    if val.is_floating_point() and val.numel():
+        flags.append(torch.isnan(val).any())
+    if flags and any(host_values(torch.stack(flags))):
+        _check_one_by_one(payload, where)
+    empty = pos.new_empty(0, dtype=torch.int64)
+    return [None if p.dense else found.get(p.name, empty) for p in spec.params]
+
+
+def _check_blobs(payload: DeltaPayload, where: str) -> None:
+    pos, val = payload.positions, payload.values
+    if pos.dtype != torch.uint8 or pos.dim() != 1:
+        raise DeltaError(f"{POSITIONS}{where} must be a 1-D uint8 tensor, got {pos.dtype} {list(pos.shape)}")
+    if val.dim() != 1:
+        raise DeltaError(f"{VALUES}{where} must be 1-D, got shape {list(val.shape)}")
+
+
+def _check_structure(payload: DeltaPayload, manifest, where: str) -> Dict[int, List[DeltaParam]]:
+    """The spec's own rules and its fit to the blobs (host arithmetic only); returns sparse params by position width."""
+    spec, pos, val = payload.spec, payload.positions, payload.values
     pos_at = val_at = 0
     seen = set()
     sparse: Dict[int, List[DeltaParam]] = {2: [], 4: []}  # by position width: each group decodes in one pass
@@ -561,19 +628,37 @@ def validate_payload(payload: DeltaPayload, manifest: Optional[Dict[str, Tuple[L
     if (pos_at, val_at) != (pos.numel(), val.numel()):
         raise DeltaError(f"offsets{where} cover {pos_at} of {pos.numel()} position bytes and {val_at} of "
                          f"{val.numel()} values: blobs must be tiled exactly")
-    gaps = spec.encoding != DeltaEncoding.INDICES.value
+    return sparse
+
+
+def unxor(payload: DeltaPayload, manifest, read_base) -> DeltaPayload:
+    """An ``xor_zstd`` flush with its new values rebuilt: ``values ^ base``, before anything is trusted.
+
+    The structure is checked first and positions are decoded clamped into each param's range (they are
+    not verified yet); ``read_base(params, positions)`` returns the committed bytes at those positions,
+    one tensor aligned with ``values`` (``positions[k]`` is None for a dense param: all of it). The
+    checksum over the rebuilt values, in :func:`validate_payload`, then decides: a wrong base, a
+    corrupted blob or a lying spec is a mismatch, never a wrong weight.
+    """
+    spec, pos, val = payload.spec, payload.positions, payload.values
+    where = f" in {payload.source}" if payload.source else ""
+    if DeltaEncoding(spec.encoding) is not DeltaEncoding.XOR_ZSTD or not payload.xored:
+        raise DeltaError(f"unxor needs xor_zstd values{where}, got a {spec.encoding} flush")
+    _check_blobs(payload, where)
+    sparse = _check_structure(payload, manifest, where)
     found: Dict[str, torch.Tensor] = {}
-    flags = []  # one bool per check, read together: the flush's one synchronization after the checksum
     for width, params in sparse.items():
-        idx, bad = _decode_group(pos, [p for p in params if p.nnz], width, gaps)
-        flags += bad
+        idx, _ = _decode_group(pos, [p for p in params if p.nnz], width, True)
         found.update(idx)
-    if val.is_floating_point() and val.numel():
-        flags.append(torch.isnan(val).any())
-    if flags and any(host_values(torch.stack(flags))):
-        _check_one_by_one(payload, where)
     empty = pos.new_empty(0, dtype=torch.int64)
-    return [None if p.dense else found.get(p.name, empty) for p in spec.params]
+    idxs = [None if p.dense else found.get(p.name, empty).clamp(max=max(p.numel - 1, 0)) for p in spec.params]
+    base = read_base(spec.params, idxs)
+    if base.dtype != val.dtype or base.shape != val.shape:
+        raise DeltaError(f"base values{where}: {base.dtype} {list(base.shape)} do not match the flush's "
+                         f"{val.dtype} {list(val.shape)}", Refusal.NO_BASE)
+    iv = _INT_VIEW[val.element_size()]
+    rebuilt = torch.bitwise_xor(val.view(iv), base.to(val.device).view(iv)).view(val.dtype)
+    return dataclasses.replace(payload, values=rebuilt, xored=False, sums=None)
 
 
 def host_values(t: torch.Tensor) -> list:
@@ -658,11 +743,16 @@ def _check_one_by_one(payload: DeltaPayload, where: str) -> None:
 
 
 def write_safetensors(payload_spec: DeltaSpec, positions: torch.Tensor, values: torch.Tensor) -> bytes:
-    """Serialize one flush as a safetensors file (two tensors + the spec as ``__metadata__``)."""
+    """Serialize one flush as a safetensors file (two tensors + the spec as ``__metadata__``); plane-major
+    encodings store each param's segments byte-plane by byte-plane (see :func:`plane_segments`)."""
     pos = positions.detach().reshape(-1).to("cpu").contiguous()
     val = values.detach().reshape(-1).to("cpu").contiguous()
-    pos_b = pos.numpy().tobytes()
-    val_b = val.view(torch.uint8).numpy().tobytes() if val.numel() else b""
+    pos_b = pos.numpy()
+    val_b = val.view(torch.uint8).numpy() if val.numel() else pos_b[:0]
+    if DeltaEncoding(payload_spec.encoding).plane_major:
+        pos_seg, val_seg = plane_segments(payload_spec, pos_b.size, val.numel(), val.element_size())
+        pos_b, val_b = _to_planes(pos_b, pos_seg), _to_planes(val_b, val_seg)
+    pos_b, val_b = pos_b.tobytes(), val_b.tobytes()
     header = {
         "__metadata__": payload_spec.to_metadata(),
         POSITIONS: {"dtype": "U8", "shape": [len(pos_b)], "data_offsets": [0, len(pos_b)]},
@@ -674,9 +764,60 @@ def write_safetensors(payload_spec: DeltaSpec, positions: torch.Tensor, values: 
     return struct.pack("<Q", len(h)) + h + pos_b + val_b
 
 
+def plane_segments(spec: DeltaSpec, pos_bytes: int, n_values: int, value_size: int):
+    """Byte segments ``(start, elements, width)`` that plane-major layouts transpose, for positions and values.
+
+    Checked against the blob sizes before any byte moves (a file's planes must agree with its spec):
+    the spec is not trusted yet, and a transposition of a wrong length would read past a segment.
+    """
+    pos_seg, val_seg = [], []
+    pos_at = val_at = 0
+    for p in spec.params:
+        nnz, width = p.val_end - p.val_start, p.pos_width
+        if (p.pos_start, p.val_start) != (pos_at, val_at) or nnz < 0 or p.pos_end - p.pos_start != nnz * width:
+            raise DeltaError(f"param {p.name!r}: its planes disagree with the spec (position bytes "
+                             f"[{p.pos_start},{p.pos_end}) for {nnz} values of width {width}, expected to start at "
+                             f"pos {pos_at}, val {val_at})")
+        if width > 1 and nnz:
+            pos_seg.append((p.pos_start, nnz, width))
+        if value_size > 1 and nnz:
+            val_seg.append((p.val_start * value_size, nnz, value_size))
+        pos_at, val_at = p.pos_end, p.val_end
+    if (pos_at, val_at) != (pos_bytes, n_values):
+        raise DeltaError(f"planes of {pos_bytes} position bytes and {n_values} values disagree with the spec "
+                         f"({pos_at} and {val_at}): a truncated or padded plane")
+    return pos_seg, val_seg
+
+
+def _to_planes(blob, segments):
+    """Element-major -> plane-major per segment (numpy uint8, on the host: files are written there)."""
+    if not segments:
+        return blob
+    out = blob.copy()
+    for start, n, w in segments:
+        out[start:start + n * w] = blob[start:start + n * w].reshape(n, w).T.reshape(-1)
+    return out
+
+
+def _from_planes(blob, segments):
+    if not segments:
+        return blob
+    out = blob.copy()
+    for start, n, w in segments:
+        out[start:start + n * w] = blob[start:start + n * w].reshape(w, n).T.reshape(-1)
+    return out
+
+
 def flush_file(payload: DeltaPayload, zstd_level: Optional[int] = None) -> bytes:
-    """One flush as a disk file: safetensors, zstd-compressed when ``zstd_level`` is given."""
-    data = write_safetensors(payload.spec, payload.positions, payload.values)
+    """One flush as a disk file: safetensors, zstd-compressed when ``zstd_level`` is given (every disk-only
+    encoding); ``xor_zstd`` files hold ``values XOR base``."""
+    values = payload.values
+    if DeltaEncoding(payload.spec.encoding) is DeltaEncoding.XOR_ZSTD:
+        if payload.base is None or payload.base.shape != values.shape or payload.base.dtype != values.dtype:
+            raise DeltaError("an xor_zstd flush needs its base values, one per value")
+        iv = _INT_VIEW[values.element_size()]
+        values = torch.bitwise_xor(values.view(iv), payload.base.to(values.device).view(iv)).view(values.dtype)
+    data = write_safetensors(payload.spec, payload.positions, values)
     if zstd_level is None:
         return data
     import zstandard
@@ -735,8 +876,21 @@ def read_safetensors(data: bytes, name: str = "") -> DeltaPayload:
             raise DeltaError(f"{tag}: {key} offsets [{start},{end}) / shape {shape} do not fit the "
                              f"{len(body)}-byte body (truncated file?)")
         raw = torch.frombuffer(bytearray(body[start:end]), dtype=torch.uint8) if end > start else torch.empty(0, dtype=torch.uint8)
-        tensors[key] = raw.view(dtype) if dtype != torch.uint8 else raw
-    return DeltaPayload(spec, tensors[POSITIONS], tensors[VALUES], source=name)
+        tensors[key] = (raw, dtype)
+    (pos, _), (val, val_dtype) = tensors[POSITIONS], tensors[VALUES]
+    enc = DeltaEncoding(spec.encoding)
+    if enc.plane_major:
+        size = torch.empty((), dtype=val_dtype).element_size()
+        try:
+            pos_seg, val_seg = plane_segments(spec, pos.numel(), val.numel() // size, size)
+        except DeltaError as e:
+            raise DeltaError(f"{tag}: {e}") from None
+        if pos_seg:
+            pos = torch.from_numpy(_from_planes(pos.numpy(), pos_seg))
+        if val_seg:
+            val = torch.from_numpy(_from_planes(val.numpy(), val_seg))
+    return DeltaPayload(spec, pos, val.view(val_dtype) if val_dtype != torch.uint8 else val, source=name,
+                        xored=enc is DeltaEncoding.XOR_ZSTD)
 
 
 # ---------------------------------------------------------------- encoding a flush
@@ -778,12 +932,16 @@ def changed_positions(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
 
 
 def encode_flush(entries: Sequence[Tuple[str, torch.Tensor, Optional[torch.Tensor]]], encoding: str,
-                 **spec_fields) -> DeltaPayload:
+                 bases: Optional[Sequence[torch.Tensor]] = None, **spec_fields) -> DeltaPayload:
     """``[(hf_name, new_tensor, changed_positions or None for dense)]`` -> one flush.
 
     All tensors must share one dtype (the sender groups by dtype); values are gathered in the
-    tensor's own dtype, raw, so the receiver writes the trainer's exact bytes.
+    tensor's own dtype, raw, so the receiver writes the trainer's exact bytes. ``xor_zstd`` needs
+    ``bases``: per entry, base_version's values at its positions (gathered like the values).
     """
+    xor = DeltaEncoding(encoding) is DeltaEncoding.XOR_ZSTD
+    if xor and (bases is None or len(bases) != len(entries)):
+        raise DeltaError("xor_zstd needs base_version's values of every param (bases)")
     dtypes = {t.dtype for _, t, _ in entries}
     if len(dtypes) > 1:
         raise DeltaError(f"one flush holds one values dtype, got {sorted(map(dtype_to_str, dtypes))}")
@@ -808,5 +966,11 @@ def encode_flush(entries: Sequence[Tuple[str, torch.Tensor, Optional[torch.Tenso
         val_parts.append(vals)
     positions = torch.cat(pos_parts) if pos_parts else torch.empty(0, dtype=torch.uint8, device=device)
     values = torch.cat(val_parts) if val_parts else torch.empty(0, dtype=dtype, device=device)
+    base = None
+    if xor:
+        base = torch.cat([b.reshape(-1).to(device) for b in bases]) if bases else values.clone()
+        if base.shape != values.shape or base.dtype != values.dtype:
+            raise DeltaError(f"xor_zstd bases: {base.dtype} {list(base.shape)} do not pair with the values "
+                             f"{values.dtype} {list(values.shape)}")
     spec = DeltaSpec(encoding=DeltaEncoding(encoding).value, params=params, **spec_fields)
-    return DeltaPayload(spec, positions, values).seal()
+    return DeltaPayload(spec, positions, values, base=base).seal()

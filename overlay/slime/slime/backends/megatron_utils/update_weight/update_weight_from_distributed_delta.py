@@ -24,7 +24,7 @@ from slime.observability.timer import Timer
 from slime.utils.distributed_utils import get_gloo_group
 from sglang.srt.weight_sync.delta.sender import _EXPERT_SUBPASSES, DeltaSender
 from sglang.srt.weight_sync.delta.transport import DiskTransport, NcclTransport
-from sglang.srt.weight_sync.delta.wire import DeltaStatus
+from sglang.srt.weight_sync.delta.wire import DeltaStatus, zstd_level
 
 from .update_weight_from_distributed import (
     UpdateWeightFromDistributed,
@@ -69,7 +69,7 @@ class _RayEngine:
 
 
 class UpdateWeightFromDistributedDelta(UpdateWeightFromDistributed):
-    """``--update-weight-mode delta`` with ``indices|deltas|deltas_zstd`` over ``--update-weight-transport nccl|disk``."""
+    """``--update-weight-mode delta`` with our sparse encodings over ``--update-weight-transport nccl|disk``."""
 
     def __init__(self, args, model, weights_getter, *, model_name, quantization_config) -> None:
         if quantization_config:
@@ -95,7 +95,8 @@ class UpdateWeightFromDistributedDelta(UpdateWeightFromDistributed):
         if self._disk:
             transport = DiskTransport(self.args.update_weight_disk_dir, engines,
                                       rank=mpu.get_pipeline_model_parallel_rank(),
-                                      zstd=self.args.update_weight_delta_encoding == "deltas_zstd",
+                                      zstd=zstd_level(self.args.update_weight_delta_encoding,
+                                                      getattr(self.args, "update_weight_delta_zstd_level", None)),
                                       keep_files=self.args.update_weight_disk_keep_files,
                                       post_write_hook=self._post_write_hook())
         else:
