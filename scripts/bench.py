@@ -8,7 +8,7 @@ Three phases, so the numbers share one process and the memory run repeats them e
    work dir while the shape, steps and seed are unchanged).
 2. **measure** (a subprocess, run twice) — per step and per encoding, the sender core diffs, encodes
    and advances its snapshot (``DeltaState`` + ``DeltaBucket``, the code the slime updater runs),
-   disk encodings also serialize (safetensors, zstd level 1 as ``AsyncSafetensorsWriter``), and a
+   disk encodings also serialize (safetensors, each encoding's zstd level as ``AsyncSafetensorsWriter``), and a
    real SGLang ``Qwen2ForCausalLM`` applies the very same flushes through the receiver
    (``_apply_delta_payload`` for tensors as a broadcast delivers them; ``_apply_delta`` reading the
    files for ``deltas_zstd``). The first run checks every step and encoding bit-identical by the
@@ -45,8 +45,9 @@ SHAPES = {
                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=256, tie_word_embeddings=True,
                  initializer_range=0.02),
 }
-ENCODINGS = ("indices", "deltas", "deltas_zstd")
-TRANSPORT = {"indices": "nccl", "deltas": "nccl", "deltas_zstd": "disk"}  # the apply path each is measured on
+ENCODINGS = ("indices", "deltas", "deltas_zstd", "planes_zstd", "xor_zstd")
+TRANSPORT = {"indices": "nccl", "deltas": "nccl", "deltas_zstd": "disk", "planes_zstd": "disk",
+             "xor_zstd": "disk"}  # the apply path each is measured on
 BUFFER_BYTES = 512 << 20  # slime's default --update-weight-buffer-size
 LINKS = {"300 MB/s": 300e6, "1 GB/s": 1e9}
 # Published figures, quoted as their authors state them (see the seed article's references).
@@ -134,8 +135,9 @@ def measured(fn, *args):
     return out, dt, m.extra
 
 
-def sender_sync(snapshot, new, encoding: str, version: int):
-    """One delta sync on the sender: diff vs the snapshot, encode into bounded buckets, advance the snapshot."""
+def sender_sync(snapshot, new, encoding: str, version: int, raw=()):
+    """One delta sync on the sender: diff vs the snapshot, encode into bounded buckets, advance the snapshot
+    (``xor_zstd``: the snapshot's values at the changed positions go along; ``raw``: the engine's ``xor_raw``)."""
     from sglang.srt.weight_sync.delta.sender import DeltaBucket, DeltaState
 
     state = DeltaState(torch.device("cpu"))
@@ -145,18 +147,35 @@ def sender_sync(snapshot, new, encoding: str, version: int):
         if bucket.should_flush():
             payloads += bucket.take(version=version, base_version=version - 1, flush=len(payloads), final=False)
         idx = state.positions(name, t, snapshot[name])
+        base = None
+        if encoding == "xor_zstd":
+            base = torch.zeros(idx.numel(), dtype=t.dtype) if name in raw else snapshot[name].reshape(-1)[idx]
         state.record(name, t, idx)
-        bucket.add(name, t, idx)
+        bucket.add(name, t, idx, base)
     payloads += bucket.take(version=version, base_version=version - 1, flush=len(payloads), final=True)
     state.commit(version)
     return payloads
 
 
-def serialize(payloads, zstd: bool):
-    """The file bytes of each flush, as the disk transport's writer produces them."""
-    from sglang.srt.weight_sync.delta.wire import flush_file
+def serialize(payloads, encoding: str):
+    """The file bytes of each flush, as the disk transport's writer produces them (the encoding's zstd level)."""
+    from sglang.srt.weight_sync.delta.wire import flush_file, zstd_level
 
-    return [flush_file(p, 1 if zstd else None) for p in payloads]
+    return [flush_file(p, zstd_level(encoding)) for p in payloads]
+
+
+def whole_tensor_xor_bytes(old, new) -> int:
+    """Bytes of zstd level 1 over ``new ^ old`` per whole tensor: the scheme of slime's own ``xor`` delta, computed
+    here on the same states (slime's updater itself runs in ``make bench-slime``)."""
+    import zstandard
+
+    z = zstandard.ZstdCompressor(level=1)
+    total = 0
+    for k, b in new.items():
+        a = old[k]
+        iv = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[b.element_size()]
+        total += len(z.compress(torch.bitwise_xor(a.reshape(-1).view(iv), b.reshape(-1).view(iv)).numpy().tobytes()))
+    return total
 
 
 def measure(paths: list, shape: str, out_json: str, check: bool) -> None:
@@ -164,7 +183,7 @@ def measure(paths: list, shape: str, out_json: str, check: bool) -> None:
 
     from cpu_harness import Host, full_flushes, sglang_model
     from sglang.srt.weight_sync.delta import fingerprint
-    from sglang.srt.weight_sync.delta.receiver import receiver_state
+    from sglang.srt.weight_sync.delta.receiver import delta_status, receiver_state
     from sglang.srt.weight_sync.delta.wire import changed_positions
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -203,16 +222,18 @@ def measure(paths: list, shape: str, out_json: str, check: bool) -> None:
     for step in range(1, len(states)):
         old, new = states[step - 1], states[step]
         nnz = sum(changed_positions(old[k], new[k]).numel() for k in new)
-        row = {"step": step, "density": nnz / n, "enc": {}}
+        row = {"step": step, "density": nnz / n, "nnz": nnz, "enc": {},
+               "whole_tensor_xor_bytes": whole_tensor_xor_bytes(old, new) if check else 0}
         trainer = {k: fingerprint.tensor_fingerprint(k, v) for k, v in new.items()} if check else None
         _, row["memcpy_s"], _ = measured(lambda: [t.clone() for t in new.values()])
         _, row["diff_s"], _ = measured(lambda: [changed_positions(old[k], new[k]) for k in new])
         for i, encoding in enumerate(ENCODINGS):
             snapshot = {k: v.clone() for k, v in old.items()}
             version += 1
-            payloads, t_enc, m_enc = measured(sender_sync, snapshot, new, encoding, version)
+            raw = delta_status(model).xor_raw  # names the engine never stores travel raw in xor_zstd
+            payloads, t_enc, m_enc = measured(sender_sync, snapshot, new, encoding, version, raw)
             assert all(torch.equal(snapshot[k].view(torch.int16), new[k].view(torch.int16)) for k in new)
-            files, t_ser, m_ser = measured(serialize, payloads, encoding == "deltas_zstd")
+            files, t_ser, m_ser = measured(serialize, payloads, encoding)
             names = publish(payloads, files) if TRANSPORT[encoding] == "disk" else None
             (ok, msg), t_apply, m_apply = measured(apply, payloads, names)
             assert ok, msg
@@ -314,6 +335,8 @@ def plot(t: dict, summ: dict, path: str) -> None:
 
 
 def report(t: dict, m: dict, args, env: str) -> str:
+    from sglang.srt.weight_sync.delta.wire import zstd_level
+
     summ = summarize(t, m)
     full_bytes, n = t["full_bytes"], t["params"]
     mib = lambda b: f"{b / 2**20:,.0f} MiB"  # noqa: E731
@@ -354,7 +377,8 @@ def report(t: dict, m: dict, args, env: str) -> str:
     L += [
         "",
         "- **sender ms**: diff against the snapshot + encode into ≤512 MiB buckets + advance the snapshot "
-        "(`DeltaState`, `DeltaBucket`), plus for `disk` serializing the files (safetensors, zstd level 1). "
+        "(`DeltaState`, `DeltaBucket`), plus for `disk` serializing the files (safetensors; zstd level "
+        + ", ".join(f"{zstd_level(e)} for `{e}`" for e in ENCODINGS if zstd_level(e) is not None) + "). "
         f"**vs memcpy**: the throughput of that as a ratio to `torch.clone` of the same {mb(full_bytes)} "
         f"({ms(memcpy)} ms here; higher is faster). The bytewise diff alone takes "
         f"{ms(mean(s['diff_s'] for s in t['steps']))} ms ({memcpy / mean(s['diff_s'] for s in t['steps']):.2f}x memcpy).",
@@ -388,6 +412,21 @@ def report(t: dict, m: dict, args, env: str) -> str:
         L.append(f"| {s['step']} | {s['density']:.2%} | "
                  + " | ".join(f"{s['enc'][e]['wire_bytes']:,}" for e in ENCODINGS) + " | "
                  + " | ".join(f"{full_bytes / s['enc'][e]['wire_bytes']:.1f}x" for e in ENCODINGS) + " |")
+    L += [
+        "",
+        "## Bytes per changed element",
+        "",
+        "Wire bytes of a sync divided by the bf16 elements it changed (positions, values, headers, compression: "
+        "everything). The last column compresses `new ^ old` of every whole tensor with zstd level 1 — the scheme of "
+        "slime's own `xor` delta, computed here on the same states.",
+        "",
+        "| step | density | " + " | ".join(f"`{e}`" for e in ENCODINGS) + " | whole-tensor XOR, zstd-1 |",
+        "|---:|---:|" + "---:|" * (len(ENCODINGS) + 1),
+    ]
+    for s in t["steps"]:
+        L.append(f"| {s['step']} | {s['density']:.2%} | "
+                 + " | ".join(f"{s['enc'][e]['wire_bytes'] / s['nnz']:.2f}" for e in ENCODINGS)
+                 + f" | {s['whole_tensor_xor_bytes'] / s['nnz']:.2f} |")
     L += [
         "",
         "## Peak extra memory",

@@ -16,8 +16,10 @@ def test_bench_writes_its_report(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.stdout.count("every encoding bit-identical on the engine") == 2  # per step, in the timing run
     text = (out / "benchmarks.md").read_text()
-    for e, path in (("indices", "nccl"), ("deltas", "nccl"), ("deltas_zstd", "disk")):
+    for e, path in (("indices", "nccl"), ("deltas", "nccl"), ("deltas_zstd", "disk"), ("planes_zstd", "disk"),
+                    ("xor_zstd", "disk")):
         assert f"| delta `{e}` | {path} |" in text
-    assert re.findall(r"^\| (\d+) \| [\d.]+% \|", text, re.M) == ["1", "2"]  # the per-step table: one row a step
+    assert "## Bytes per changed element" in text and "whole-tensor XOR, zstd-1" in text
+    assert re.findall(r"^\| (\d+) \| [\d.]+% \|", text, re.M) == ["1", "2"] * 2  # per-step tables: one row a step
     assert "(theirs)" in text
     assert (out / "benchmarks.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
