@@ -9,7 +9,7 @@ TRANSPORT ?= disk
 ENCODING  ?=
 IMAGE     ?= delta-weight-sync:latest
 
-.PHONY: venvs test test-slime soak demo bench gpu-check gpu-bundle image image-lint check-image-tree clean
+.PHONY: venvs test test-slime bench-slime soak demo bench gpu-check gpu-bundle image image-lint check-image-tree clean
 
 venvs:
 	@for p in $(PINS); do scripts/build_venv.sh $$p $(BUILD) || exit 1; done
@@ -30,6 +30,17 @@ test-slime:
 	scripts/apply_patches.sh $(BUILD)/slime-tree
 	SLIME_PATCHED_DIR=$(abspath $(BUILD)/slime-tree) PYTHONPATH=$(abspath $(BUILD)/slime-tree) \
 	  $(BUILD)/venv-0.5.15.post1-slime/bin/python -m pytest tests/test_slime_sender.py $(PYTEST_ARGS)
+
+# slime's own disk delta (xor, overwrite) and ours (deltas_zstd, planes_zstd, xor_zstd) on the same Megatron steps
+# into a real server, side by side -> a section of docs/benchmarks.md (same slime checkout as test-slime).
+BENCH_SLIME_ARGS ?=
+bench-slime:
+	@test -n "$(SLIME_DIR)" || { echo "usage: make bench-slime SLIME_DIR=/path/to/slime"; exit 2; }
+	@scripts/build_venv.sh 0.5.15.post1 $(BUILD) slime "$(SLIME_DIR)"
+	rm -rf $(BUILD)/slime-tree && cp -a "$(SLIME_DIR)" $(BUILD)/slime-tree
+	scripts/apply_patches.sh $(BUILD)/slime-tree
+	PYTHONPATH=$(abspath $(BUILD)/slime-tree) \
+	  $(BUILD)/venv-0.5.15.post1-slime/bin/python scripts/bench_slime.py --workdir $(BUILD)/bench-slime $(BENCH_SLIME_ARGS)
 
 demo:
 	@scripts/build_venv.sh $(PIN) $(BUILD)

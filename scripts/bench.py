@@ -523,7 +523,12 @@ def main():
     summ = summarize(results["timing"], results["memory"])
     plot(results["timing"], summ, os.path.join(args.out, "benchmarks.png"))
     text = report(results["timing"], results["memory"], args, env)
-    with open(os.path.join(args.out, "benchmarks.md"), "w") as f:
+    path = os.path.join(args.out, "benchmarks.md")
+    old = open(path).read() if os.path.exists(path) else ""
+    begin, end = "<!-- bench-slime:begin -->", "<!-- bench-slime:end -->"
+    if begin in old:  # `make bench-slime` writes that section; keep it
+        text = text.rstrip("\n") + "\n\n" + old[old.index(begin):old.index(end) + len(end)] + "\n"
+    with open(path, "w") as f:
         f.write(text)
     print(text)
     return 0

@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-ENCODINGS = ("indices", "deltas", "deltas_zstd")
+ENCODINGS = ("indices", "deltas", "deltas_zstd", "planes_zstd", "xor_zstd")
 
 
 # ---------------------------------------------------------------- environment
@@ -311,7 +311,7 @@ def run(args, device, report) -> None:
     from sglang.srt.weight_sync.delta import receiver
     from sglang.srt.weight_sync.delta.sender import DeltaBucket, DeltaSender
     from sglang.srt.weight_sync.delta.transport import DiskTransport, NcclTransport
-    from sglang.srt.weight_sync.delta.wire import changed_positions
+    from sglang.srt.weight_sync.delta.wire import changed_positions, zstd_level
 
     check_hashes(report, device)
     cfg = hf_config("qwen3", vocab=args.vocab, hidden=args.hidden, layers=args.layers)
@@ -325,7 +325,7 @@ def run(args, device, report) -> None:
     for enc in ENCODINGS:
         host = engine_host(cfg, device)
         engine = InProcessEngine(host)
-        transport = DiskTransport(os.path.join(workdir, enc), [engine], zstd=enc == "deltas_zstd")
+        transport = DiskTransport(os.path.join(workdir, enc), [engine], zstd=zstd_level(enc))
         lanes[enc] = (host, DeltaSender(transport, [engine], encoding=enc, buffer_bytes=64 << 20, device=device,
                                         fingerprint_every=1), transport)
     # The broadcast transport: NCCL between two GPUs (the engine on the second), else gloo.
@@ -353,6 +353,8 @@ def run(args, device, report) -> None:
             ok = results[0][0] and bad is None and m["perf/update_weights_fingerprint_mismatches"] == 0 \
                 and m["perf/update_weights_fingerprint_uncovered"] == 0
             per_sync[enc].append(m)
+            if enc == "xor_zstd" and step:  # the engine rebuilt the values from its own device memory
+                ok = ok and m["perf/update_weights_xor"] == 1
             report.check(ok, f"step {step} {enc}: {'full sync' if not step else 'delta'} v{sender.version}, density "
                              f"{m['perf/update_weights_density']:.2%}, every param bit-identical to a full load"
                              + ("" if ok else f" — {results[0][1]}; first differing param: {bad}"))

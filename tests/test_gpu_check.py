@@ -17,7 +17,7 @@ def test_dry_run_passes_every_check(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     text = report.read_text()
     assert "FAIL" not in text and text.rstrip().splitlines()[-1].startswith("all checks passed")
-    for lane in ("indices", "deltas", "deltas_zstd", "broadcast:gloo"):
+    for lane in ("indices", "deltas", "deltas_zstd", "planes_zstd", "xor_zstd", "broadcast:gloo"):
         assert f"PASS: step 3 {lane}: delta v4" in text
     assert "PASS: broadcast:gloo: a request refused unreceived aborts the pending broadcast" in text
     assert "PASS: broadcast:gloo: the next sync re-creates the group and lands bit-identically" in text

@@ -48,7 +48,7 @@ def engine_has(server, state):
     assert name is None, f"{name} differs on the engine"
 
 
-def run_syncs(world, args, start_version, n=3):
+def run_syncs(world, args, start_version, n=3, xor=False):
     import slime_harness as H
     from slime.backends.megatron_utils.update_weight.update_weight_from_distributed_delta import (
         UpdateWeightFromDistributedDelta,
@@ -65,6 +65,7 @@ def run_syncs(world, args, start_version, n=3):
         densities.append(m["perf/update_weights_density"])
         assert m["perf/update_weights_failures"] == 0 and m["perf/update_weights_fingerprint_mismatches"] == 0
         assert m["perf/update_weights_fingerprint_uncovered"] == 0  # the engine's fingerprint covered every name
+        assert m["perf/update_weights_xor"] == (xor and len(densities) > 1)  # after the full sync: xor_zstd
         engine_has(world["server"], H.hf_state(args, world["model"]))
         world["trainer"].step()
     up.disconnect_rollout_engines()
@@ -115,13 +116,15 @@ def test_a_stranded_broadcast_is_recovered_by_slimes_reconnect(world):
     world["version"] = up.weight_version
 
 
-def test_disk_transport_deltas_zstd(world):
+@pytest.mark.parametrize("encoding", ["deltas_zstd", "planes_zstd", "xor_zstd"])
+def test_disk_transport(world, encoding):
     import slime_harness as H
 
-    args = H.make_args(update_weight_transport="disk", update_weight_delta_encoding="deltas_zstd",
-                       update_weight_disk_dir=str(world["root"] / "shared"))
-    up, densities = run_syncs(world, args, world.get("version", 0))
+    args = H.make_args(update_weight_transport="disk", update_weight_delta_encoding=encoding,
+                       update_weight_disk_dir=str(world["root"] / "shared"), update_weight_delta_zstd_level=1)
+    up, densities = run_syncs(world, args, world.get("version", 0), xor=encoding == "xor_zstd")
     assert densities[0] == 1.0 and all(0 < d < 0.2 for d in densities[1:]), densities
+    world["version"] = up.weight_version
 
 
 def test_slime_xor_updater_is_still_selected_and_lands(world):

@@ -352,28 +352,25 @@ def _tp_agree(ok: bool, *same: int) -> bool:
 
 
 def _read_base(direct: Dict[str, List["_Direct"]], params, idxs, dtype, device, held_parts: list) -> torch.Tensor:
-    """The committed values at ``idxs`` through each param's recorded views (zeros where this rank holds none);
-    appends the mask of what it holds to ``held_parts``."""
-    vals, helds = [], []
+    """The committed values at ``idxs`` through each param's recorded views; appends, per param, the mask of the
+    entries this rank holds (None: all of them) to ``held_parts``. Entries no view holds read as zero (a param no
+    rank stores travels raw) or as anything (the caller refuses a param that is held only in part)."""
+    vals = []
     for p, idx in zip(params, idxs):
-        if idx is None:
-            idx = torch.arange(p.numel, device=device)
-        idx = idx.to(device)
-        v = torch.zeros(idx.numel(), dtype=dtype, device=device)
-        h = torch.zeros(idx.numel(), dtype=torch.bool, device=device)
+        idx = torch.arange(p.numel, device=device) if idx is None else idx.to(device)
+        v, h = None, torch.zeros(idx.numel(), dtype=torch.bool, device=device)
         for t in direct.get(p.name, ()):
             if t.flat.dtype != dtype:  # the engine keeps other bytes than the trainer sends: no base here
                 continue
             mask, offsets = t.targets(idx, whole=t.soff == 0 and t.numel == p.numel)
-            got = t.flat[offsets.clamp(0, max(t.flat.numel() - 1, 0))]
-            if mask is None:
-                v, h = got, torch.ones_like(h)
-            else:
-                v = torch.where(mask & ~h, got, v)
-                h |= mask
-        vals.append(v)
-        helds.append(h)
-    held_parts.append(torch.cat(helds) if helds else torch.zeros(0, dtype=torch.bool, device=device))
+            if mask is None:  # the whole HF tensor, and idx is clamped into it: every offset is in range
+                v, h = t.flat[offsets], None
+                break
+            got = t.flat[offsets.clamp(0, max(t.flat.numel() - 1, 0))]  # entries outside this view are masked off
+            v = got if v is None else torch.where(mask, got, v)
+            h |= mask
+        vals.append(torch.zeros(idx.numel(), dtype=dtype, device=device) if v is None else v)
+        held_parts.append(h)
     return torch.cat(vals) if vals else torch.zeros(0, dtype=dtype, device=device)
 
 
@@ -386,38 +383,36 @@ def _rebuild_xor(state: ReceiverState, payloads: Sequence[DeltaPayload], device)
     flush on every rank. Called on every rank after the ranks agreed to rebuild, so the collectives match.
     """
     direct = state.direct or {}
-    helds: list = []
+    helds: list = []  # per param: None (all held) or a mask
     rebuilt = [unxor(pl, state.manifest, lambda ps, ix, pl=pl: _read_base(direct, ps, ix, pl.values.dtype, device, helds))
                for pl in payloads]
-    held = torch.cat(helds) if helds else torch.zeros(0, dtype=torch.bool, device=device)
+    params = [p for pl in rebuilt for p in pl.spec.params]
     group = _tp_group()
-    if group is not None and held.numel():
+    if group is not None and params:
         world, rank = group.world_size, group.rank_in_group
+        held = torch.cat([torch.ones(p.nnz, dtype=torch.bool, device=device) if h is None else h
+                          for p, h in zip(params, helds)])
         owner = torch.where(held, rank, world).to(torch.int32)
         torch.distributed.all_reduce(owner, op=torch.distributed.ReduceOp.MIN, group=group.device_group)
         mine = owner == rank
         parts = [pl.values.view(torch.uint8).view(pl.values.numel(), pl.values.element_size()) for pl in rebuilt]
-        raw = torch.cat([torch.where(m[:, None], b, 0) for m, b in zip(mine.split([p.shape[0] for p in parts]), parts)]) \
-            if parts else None
+        raw = torch.cat([torch.where(m[:, None], b, 0) for m, b in zip(mine.split([p.shape[0] for p in parts]), parts)])
         torch.distributed.all_reduce(raw, op=torch.distributed.ReduceOp.SUM, group=group.device_group)  # disjoint bytes
-        held = owner < world
         out, at = [], 0
         for pl, part in zip(rebuilt, parts):
             n = part.shape[0]
             out.append(dataclasses.replace(pl, values=raw[at:at + n].reshape(-1).view(pl.values.dtype)))
             at += n
         rebuilt = out
-    # A param no rank holds any of (the loader ignores it, e.g. a tied lm_head) travels raw: XOR zero. Any other
-    # element no rank holds cannot be rebuilt.
-    sizes = [p.nnz for pl in rebuilt for p in pl.spec.params]
-    if held.numel():
-        seg = torch.repeat_interleave(torch.arange(len(sizes), device=device), torch.tensor(sizes, device=device),
-                                      output_size=held.numel())
-        some = torch.zeros(len(sizes), dtype=torch.int64, device=device).index_add_(0, seg, held.long())
-        bad = ~held & (some[seg] > 0)
-        if host_values(bad.any().reshape(1))[0]:
-            k = host_values(seg[bad.nonzero()[0]])[0]
-            name = [p.name for pl in rebuilt for p in pl.spec.params][k]
+        helds = list((owner < world).split([p.nnz for p in params]))
+    # A param no rank holds any of (the loader ignores it, e.g. a tied lm_head) travels raw: XOR zero. A param
+    # held only in part cannot be rebuilt. One host read for the flush.
+    partial = [(k, h) for k, h in enumerate(helds) if h is not None and h.numel()]
+    if partial:
+        some = torch.stack([h.any() & ~h.all() for _, h in partial])
+        bad = host_values(some)
+        if any(bad):
+            name = params[partial[bad.index(True)][0]].name
             raise DeltaError(f"param {name!r}: xor_zstd values need its committed bytes, which this engine cannot read "
                              "all of through recorded views (send it planes_zstd)", Refusal.NO_BASE)
     return rebuilt

@@ -390,6 +390,7 @@ class DeltaPayload:
     sums: Optional[Tuple[int, int]] = None  # blob_sums of the two blobs, once computed
     base: Optional[torch.Tensor] = None  # sender, xor_zstd: base_version's bytes beside ``values`` (the file XORs them)
     xored: bool = False  # receiver, xor_zstd: ``values`` still hold new XOR base (see :func:`unxor`)
+    decoded: Optional[tuple] = None  # (positions by name, fault flags) that unxor decoded from these position bytes
 
     def seal(self, spec_only: bool = False) -> "DeltaPayload":
         """Set the spec's checksum; ``spec_only``: only spec fields changed since the last seal (reuses the blob sums)."""
@@ -558,19 +559,25 @@ def validate_payload(payload: DeltaPayload, manifest: Optional[Dict[str, Tuple[L
         raise DeltaError(f"checksum mismatch{where}: expected {spec.checksum or '<none>'}, got {actual} "
                          f"(positions, values or the spec corrupted)", Refusal.CHECKSUM)
     sparse = _check_structure(payload, manifest, where)
-    gaps = spec.encoding != DeltaEncoding.INDICES.value
-    found: Dict[str, torch.Tensor] = {}
-    flags = []  # one bool per check, read together: the flush's one synchronization after the checksum
-    for width, params in sparse.items():
-        idx, bad = _decode_group(pos, [p for p in params if p.nnz], width, gaps)
-        flags += bad
-        found.update(idx)
+    found, flags = payload.decoded if payload.decoded is not None else _decode_all(pos, sparse, spec.encoding)
+    flags = list(flags)  # one bool per check, read together: the flush's one synchronization after the checksum
     if val.is_floating_point() and val.numel():
         flags.append(torch.isnan(val).any())
     if flags and any(host_values(torch.stack(flags))):
         _check_one_by_one(payload, where)
     empty = pos.new_empty(0, dtype=torch.int64)
     return [None if p.dense else found.get(p.name, empty) for p in spec.params]
+
+
+def _decode_all(pos: torch.Tensor, sparse: Dict[int, List[DeltaParam]], encoding: str):
+    """Every sparse param's positions by name, and the fault flags of their decode (unread)."""
+    found: Dict[str, torch.Tensor] = {}
+    flags = []
+    for width, params in sparse.items():
+        idx, bad = _decode_group(pos, [p for p in params if p.nnz], width, encoding != DeltaEncoding.INDICES.value)
+        flags += bad
+        found.update(idx)
+    return found, flags
 
 
 def _check_blobs(payload: DeltaPayload, where: str) -> None:
@@ -647,10 +654,7 @@ def unxor(payload: DeltaPayload, manifest, read_base) -> DeltaPayload:
         raise DeltaError(f"unxor needs xor_zstd values{where}, got a {spec.encoding} flush")
     _check_blobs(payload, where)
     sparse = _check_structure(payload, manifest, where)
-    found: Dict[str, torch.Tensor] = {}
-    for width, params in sparse.items():
-        idx, _ = _decode_group(pos, [p for p in params if p.nnz], width, True)
-        found.update(idx)
+    found, flags = _decode_all(pos, sparse, spec.encoding)  # reused by validate_payload: the same position bytes
     empty = pos.new_empty(0, dtype=torch.int64)
     idxs = [None if p.dense else found.get(p.name, empty).clamp(max=max(p.numel - 1, 0)) for p in spec.params]
     base = read_base(spec.params, idxs)
@@ -659,7 +663,7 @@ def unxor(payload: DeltaPayload, manifest, read_base) -> DeltaPayload:
                          f"{val.dtype} {list(val.shape)}", Refusal.NO_BASE)
     iv = _INT_VIEW[val.element_size()]
     rebuilt = torch.bitwise_xor(val.view(iv), base.to(val.device).view(iv)).view(val.dtype)
-    return dataclasses.replace(payload, values=rebuilt, xored=False, sums=None)
+    return dataclasses.replace(payload, values=rebuilt, xored=False, sums=None, decoded=(found, flags))
 
 
 def host_values(t: torch.Tensor) -> list:
@@ -746,23 +750,17 @@ def _check_one_by_one(payload: DeltaPayload, where: str) -> None:
 def write_safetensors(payload_spec: DeltaSpec, positions: torch.Tensor, values: torch.Tensor) -> bytes:
     """Serialize one flush as a safetensors file (two tensors + the spec as ``__metadata__``); plane-major
     encodings store each param's segments byte-plane by byte-plane (see :func:`plane_segments`)."""
+    from safetensors.torch import save
+
     pos = positions.detach().reshape(-1).to("cpu").contiguous()
     val = values.detach().reshape(-1).to("cpu").contiguous()
-    pos_b = pos.numpy()
-    val_b = val.view(torch.uint8).numpy() if val.numel() else pos_b[:0]
     if DeltaEncoding(payload_spec.encoding).plane_major:
-        pos_seg, val_seg = plane_segments(payload_spec, pos_b.size, val.numel(), val.element_size())
-        pos_b, val_b = _to_planes(pos_b, pos_seg), _to_planes(val_b, val_seg)
-    pos_b, val_b = pos_b.tobytes(), val_b.tobytes()
-    header = {
-        "__metadata__": payload_spec.to_metadata(),
-        POSITIONS: {"dtype": "U8", "shape": [len(pos_b)], "data_offsets": [0, len(pos_b)]},
-        VALUES: {"dtype": _ST_NAMES[val.dtype], "shape": [val.numel()],
-                 "data_offsets": [len(pos_b), len(pos_b) + len(val_b)]},
-    }
-    h = json.dumps(header, separators=(",", ":")).encode()
-    h += b" " * ((-len(h)) % 8)
-    return struct.pack("<Q", len(h)) + h + pos_b + val_b
+        pos_seg, val_seg = plane_segments(payload_spec, pos.numel(), val.numel(), val.element_size())
+        if pos_seg:
+            pos = torch.from_numpy(_to_planes(pos.numpy(), pos_seg))
+        if val_seg:
+            val = torch.from_numpy(_to_planes(val.view(torch.uint8).numpy(), val_seg)).view(val.dtype)
+    return save({POSITIONS: pos, VALUES: val}, metadata=payload_spec.to_metadata())
 
 
 def plane_segments(spec: DeltaSpec, pos_bytes: int, n_values: int, value_size: int):
@@ -794,18 +792,32 @@ def _to_planes(blob, segments):
     """Element-major -> plane-major per segment (numpy uint8, on the host: files are written there)."""
     if not segments:
         return blob
-    out = blob.copy()
+    import numpy as np
+
+    out = np.empty_like(blob)  # the segments tile the blob
     for start, n, w in segments:
-        out[start:start + n * w] = blob[start:start + n * w].reshape(n, w).T.reshape(-1)
+        out[start:start + n * w].reshape(w, n)[:] = blob[start:start + n * w].reshape(n, w).T
     return out
 
 
 def _from_planes(blob, segments):
+    """Plane-major -> element-major. The segments tile the blob (``plane_segments`` checked it); 2- and 4-byte
+    elements are rebuilt by shifts and ors on whole planes, ~3x a strided byte copy."""
     if not segments:
         return blob
-    out = blob.copy()
+    import numpy as np
+
+    out = np.empty_like(blob)
     for start, n, w in segments:
-        out[start:start + n * w] = blob[start:start + n * w].reshape(w, n).T.reshape(-1)
+        src, dst = blob[start:start + n * w], out[start:start + n * w]
+        if w in (2, 4):
+            it = np.uint16 if w == 2 else np.uint32
+            acc = dst.view(it)
+            np.copyto(acc, src[:n])
+            for k in range(1, w):
+                np.bitwise_or(acc, np.left_shift(src[k * n:(k + 1) * n], 8 * k, dtype=it), out=acc)
+        else:
+            dst.reshape(n, w)[:] = src.reshape(w, n).T
     return out
 
 
@@ -832,6 +844,17 @@ def maybe_zstd_decompress(data: bytes, max_bytes: int, name: str = "") -> bytes:
         return data
     import zstandard
 
+    try:
+        size = zstandard.frame_content_size(data)
+    except zstandard.ZstdError as e:
+        raise DeltaError(f"file {name!r}: bad zstd frame ({e})") from None
+    if size > max_bytes:
+        raise DeltaError(f"file {name!r}: zstd output exceeds the {max_bytes}-byte bound")
+    if size >= 0:  # the frame declares its size (our writer's do): one exact allocation, no streaming copies
+        try:
+            return zstandard.ZstdDecompressor().decompress(data, max_output_size=size)
+        except zstandard.ZstdError as e:
+            raise DeltaError(f"file {name!r}: bad zstd frame ({e})") from None
     out = bytearray()
     try:
         reader = zstandard.ZstdDecompressor().stream_reader(data)
@@ -847,8 +870,22 @@ def maybe_zstd_decompress(data: bytes, max_bytes: int, name: str = "") -> bytes:
     return bytes(out)
 
 
+def _raw_bytes(data: bytes) -> torch.Tensor:
+    """A uint8 tensor over the library's bytes, without another copy (read-only: nothing writes into a
+    received blob; decoding, rebuilding and writing to the model make new tensors)."""
+    if not data:
+        return torch.empty(0, dtype=torch.uint8)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "the given buffer is not writable"
+        return torch.frombuffer(data, dtype=torch.uint8)
+
+
 def read_safetensors(data: bytes, name: str = "") -> DeltaPayload:
-    """Parse one (already decompressed) flush file by hand, with every length checked."""
+    """Parse one (already decompressed) flush file: our bounds and layout checks first (header cap, exactly the
+    two tensors, offsets inside the body), then the ``safetensors`` library reads the tensors (it checks the
+    offsets again and hands out each tensor's bytes once)."""
     tag = f"file {name!r}"
     if len(data) < 8:
         raise DeltaError(f"{tag}: truncated ({len(data)} bytes, no safetensors header)")
@@ -863,7 +900,7 @@ def read_safetensors(data: bytes, name: str = "") -> DeltaPayload:
     if not isinstance(header, dict) or set(header) != {"__metadata__", POSITIONS, VALUES}:
         raise DeltaError(f"{tag}: must hold exactly {POSITIONS}, {VALUES} and __metadata__")
     spec = DeltaSpec.from_metadata(header["__metadata__"])
-    body = memoryview(data)[8 + n:]
+    body_len = len(data) - 8 - n
     tensors = {}
     for key in (POSITIONS, VALUES):
         t = header[key]
@@ -873,12 +910,18 @@ def read_safetensors(data: bytes, name: str = "") -> DeltaPayload:
         except (KeyError, TypeError, ValueError):
             raise DeltaError(f"{tag}: malformed entry for {key}") from None
         if (not isinstance(shape, list) or len(shape) != 1 or type(shape[0]) is not int
-                or not (0 <= start <= end <= len(body)) or (end - start) != shape[0] * torch.empty((), dtype=dtype).element_size()):
+                or not (0 <= start <= end <= body_len) or (end - start) != shape[0] * torch.empty((), dtype=dtype).element_size()):
             raise DeltaError(f"{tag}: {key} offsets [{start},{end}) / shape {shape} do not fit the "
-                             f"{len(body)}-byte body (truncated file?)")
-        raw = torch.frombuffer(bytearray(body[start:end]), dtype=torch.uint8) if end > start else torch.empty(0, dtype=torch.uint8)
-        tensors[key] = (raw, dtype)
-    (pos, _), (val, val_dtype) = tensors[POSITIONS], tensors[VALUES]
+                             f"{body_len}-byte body (truncated file?)")
+        tensors[key] = dtype
+    import safetensors
+
+    try:
+        views = dict(safetensors.deserialize(bytes(data)))
+    except Exception as e:  # SafetensorError: holes or overlaps between the tensors, a body of the wrong size
+        raise DeltaError(f"{tag}: not a valid safetensors file ({e})") from None
+    pos, val = (_raw_bytes(views[k]["data"]) for k in (POSITIONS, VALUES))
+    val_dtype = tensors[VALUES]
     enc = DeltaEncoding(spec.encoding)
     if enc.plane_major:
         size = torch.empty((), dtype=val_dtype).element_size()

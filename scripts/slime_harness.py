@@ -16,6 +16,12 @@ import torch.nn.functional as F
 HIDDEN, LAYERS, HEADS, GROUPS, FFN, VOCAB = 64, 2, 4, 2, 128, 300
 
 
+def configure(hidden: int, layers: int, heads: int, groups: int, ffn: int, vocab: int) -> None:
+    """Another model size for everything below (the tests use the tiny default; ``make bench-slime`` a larger one)."""
+    global HIDDEN, LAYERS, HEADS, GROUPS, FFN, VOCAB
+    HIDDEN, LAYERS, HEADS, GROUPS, FFN, VOCAB = hidden, layers, heads, groups, ffn, vocab
+
+
 def install_cpu_accelerator():
     from slime.utils import accelerator as acc
 
