@@ -169,11 +169,13 @@ def whole_tensor_xor_bytes(old, new) -> int:
     here on the same states (slime's updater itself runs in ``make bench-slime``)."""
     import zstandard
 
+    from sglang.srt.weight_sync.delta.wire import INT_VIEW
+
     z = zstandard.ZstdCompressor(level=1)
     total = 0
     for k, b in new.items():
         a = old[k]
-        iv = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[b.element_size()]
+        iv = INT_VIEW[b.element_size()]
         total += len(z.compress(torch.bitwise_xor(a.reshape(-1).view(iv), b.reshape(-1).view(iv)).numpy().tobytes()))
     return total
 

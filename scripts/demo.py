@@ -12,7 +12,7 @@ shows the log-probabilities of a fixed continuation before and after training, e
 second server that loads the final weights in full. It writes a PNG plot, stops its servers by PID
 and leaves nothing running.
 
-    python scripts/demo.py --workdir build/demo [--steps 5] [--transport disk|nccl] [--encoding deltas_zstd]
+    python scripts/demo.py --workdir build/demo [--steps 5] [--transport disk|nccl] [--encoding xor_zstd]
 """
 from __future__ import annotations
 
@@ -35,7 +35,16 @@ from cpu_harness import (  # noqa: E402
 
 from sglang.srt.weight_sync.delta.sender import DeltaSender  # noqa: E402
 from sglang.srt.weight_sync.delta.transport import DiskTransport, HttpEngine, NcclTransport  # noqa: E402
-from sglang.srt.weight_sync.delta.wire import changed_positions, encode_flush, write_safetensors  # noqa: E402
+from sglang.srt.weight_sync.delta.wire import (  # noqa: E402
+    DeltaEncoding,
+    changed_positions,
+    encode_flush,
+    flush_file,
+    write_safetensors,
+    zstd_level,
+)
+
+ENCODINGS = [e.value for e in DeltaEncoding]
 
 PROMPT = "the quick brown fox jumps over the lazy dog"
 CONTINUATION = " one two three four five"
@@ -56,17 +65,21 @@ def projected_wire(old, new) -> dict:
     """Bytes each encoding would put on the wire for this step (one flush per dtype, as the sender groups them)."""
     import zstandard
 
-    out = {"indices": 0, "deltas": 0, "deltas_zstd": 0}
+    out = {e: 0 for e in ENCODINGS}
     by_dtype = {}
     for n, t in new.items():
         by_dtype.setdefault(t.dtype, []).append((n, t, changed_positions(old[n], t)))
     for entries in by_dtype.values():
+        entries = [e for e in entries if e[2].numel()]
         for enc in ("indices", "deltas"):
-            pl = encode_flush([e for e in entries if e[2].numel()], enc)
+            pl = encode_flush(entries, enc)
             data = write_safetensors(pl.spec, pl.positions, pl.values)
             out[enc] += len(data)
             if enc == "deltas":
-                out["deltas_zstd"] += len(zstandard.ZstdCompressor(level=1).compress(data))
+                out["deltas_zstd"] += len(zstandard.ZstdCompressor(level=zstd_level("deltas_zstd")).compress(data))
+        out["planes_zstd"] += len(flush_file(encode_flush(entries, "planes_zstd"), zstd_level("planes_zstd")))
+        bases = [old[n].reshape(-1)[i] for n, _, i in entries]
+        out["xor_zstd"] += len(flush_file(encode_flush(entries, "xor_zstd", bases=bases), zstd_level("xor_zstd")))
     return out
 
 
@@ -86,7 +99,7 @@ def plot(rows, full_bytes, path) -> None:
     a.set_xlabel("training step")
     a.set_ylabel("changed bf16 elements (%)")
     a.set_title("density per step")
-    for enc in ("indices", "deltas", "deltas_zstd"):
+    for enc in ENCODINGS:
         b.plot(steps, [r["projected"][enc] / 1e6 for r in rows], marker="o", label=enc)
     b.axhline(full_bytes / 1e6, color="gray", linestyle="--", label="full sync (bf16)")
     b.set_yscale("log")
@@ -103,15 +116,15 @@ def main():
     ap.add_argument("--workdir", default="build/demo")
     ap.add_argument("--steps", type=int, default=int(os.environ.get("STEPS", 5)))
     ap.add_argument("--transport", choices=["disk", "nccl"], default=os.environ.get("TRANSPORT", "disk"))
-    ap.add_argument("--encoding", choices=["indices", "deltas", "deltas_zstd"], default=os.environ.get("ENCODING") or None)
+    ap.add_argument("--encoding", choices=ENCODINGS, default=os.environ.get("ENCODING") or None)
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=16384)
     args = ap.parse_args()
-    encoding = args.encoding or ("deltas_zstd" if args.transport == "disk" else "indices")
-    if args.transport == "nccl" and encoding == "deltas_zstd":
-        raise SystemExit("deltas_zstd compresses files: it is disk-only (use indices or deltas with nccl)")
+    encoding = args.encoding or ("xor_zstd" if args.transport == "disk" else "indices")
+    if args.transport == "nccl" and DeltaEncoding(encoding).disk_only:
+        raise SystemExit(f"{encoding} compresses files: it is disk-only (use indices or deltas with nccl)")
     os.makedirs(args.workdir, exist_ok=True)
     import sglang
     from tqdm import tqdm
@@ -133,7 +146,7 @@ def main():
         if args.transport == "nccl":
             transport = NcclTransport(join_update_group(server, "demo"), "demo", [engine])
         else:
-            transport = DiskTransport(os.path.join(args.workdir, "shared"), [engine], zstd=encoding == "deltas_zstd")
+            transport = DiskTransport(os.path.join(args.workdir, "shared"), [engine], zstd=zstd_level(encoding))
         sender = DeltaSender(transport, [engine], encoding=encoding, buffer_bytes=64 << 20, fingerprint_every=1)
         state = bf16_state(model)
         full_bytes = sum(t.numel() * t.element_size() for t in state.values())

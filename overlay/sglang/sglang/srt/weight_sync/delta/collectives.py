@@ -70,3 +70,27 @@ def abort_group(group) -> None:
             torch.distributed.destroy_process_group(group)
         except Exception:
             pass
+
+
+def tp_group():
+    """This engine's tensor-parallel group coordinator, or None when this rank is the whole engine."""
+    try:
+        from sglang.srt.distributed.parallel_state import get_tp_group
+
+        group = get_tp_group()
+    except Exception:  # no model-parallel world (a bare model)
+        return None
+    return group if group.world_size > 1 else None
+
+
+def tp_agree(ok: bool, *same: int) -> bool:
+    """True iff every tensor-parallel rank of this engine says ``ok`` and passes the same ``same`` integers
+    (each rank runs every request, reading and checking on its own: one rank's unreadable file or failed
+    write must stop all of them, not only itself)."""
+    group = tp_group()
+    if group is None:
+        return ok
+    verdict = torch.tensor([int(ok)] + [x for v in same for x in (v, -v)], dtype=torch.int64)
+    torch.distributed.all_reduce(verdict, op=torch.distributed.ReduceOp.MIN, group=group.cpu_group)
+    mins = verdict.tolist()
+    return bool(mins[0]) and all(mins[k] == -mins[k + 1] for k in range(1, len(mins), 2))

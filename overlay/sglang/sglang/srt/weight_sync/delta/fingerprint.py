@@ -19,7 +19,6 @@ counts every distinct coverage once (the signature is ``sum_i i * (i + C3)``, ad
 """
 from __future__ import annotations
 
-import bisect
 import contextlib
 import dataclasses
 import hashlib
@@ -28,11 +27,11 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from sglang.srt.weight_sync.delta.wire import _C1, _C2, _C3, DeltaError, _i64, dtype_from_str, dtype_to_str, mix64_
+from sglang.srt.weight_sync.delta.wire import _C1, _C2, _C3, INT_VIEW, DeltaError, _i64, dtype_from_str, dtype_to_str, mix64_
+from sglang.srt.weight_sync.delta.write_guard import RangeIndex
 
 _M = 0xFFFFFFFFFFFFFFFF
 _BLOCK = 1 << 22  # elements hashed at once: bounds the int64 scratch to a few 32 MiB tensors
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class Scratch:
@@ -58,7 +57,7 @@ def _sum_block(seed: int, idx: torch.Tensor, values: torch.Tensor, scratch: Scra
     torch.mul(idx, _i64(_C1), out=z)
     z += seed
     size = values.element_size()
-    t.copy_(values.reshape(-1).view(_BITS[size]))  # sign-extends: mask back to the raw bits
+    t.copy_(values.reshape(-1).view(INT_VIEW[size]))  # sign-extends: mask back to the raw bits
     if size < 8:
         t &= (1 << (8 * size)) - 1
     t *= _i64(_C2)
@@ -146,15 +145,8 @@ class FingerprintRecorder:
             self._tls.in_copy = False
 
     @staticmethod
-    def _ranges(items):
-        rows = sorted((ptr, ptr + nbytes, *rest) for ptr, nbytes, *rest in items if nbytes)
-        return [r[0] for r in rows], rows
-
-    @staticmethod
-    def _find(ranges, ptr):
-        starts, rows = ranges
-        i = bisect.bisect_right(starts, ptr) - 1
-        return rows[i] if i >= 0 and ptr < rows[i][1] else None
+    def _ranges(items) -> RangeIndex:
+        return RangeIndex((ptr, ptr + nbytes, rest) for ptr, nbytes, *rest in items)
 
     def sources(self, named: Sequence[Tuple[str, torch.Tensor]]) -> None:
         """The HF tensors handed to the next ``load_weights`` call."""
@@ -164,15 +156,15 @@ class FingerprintRecorder:
         """Record ``dst.copy_(src)`` if it copies a view of a source into a param; True when recorded."""
         if not isinstance(src, torch.Tensor) or dst.shape != src.shape or not dst.numel():
             return False
-        owner = self._find(self._params, dst.data_ptr())
-        source = self._find(self._sources, src.data_ptr())
-        if owner is None or source is None or src.dtype != source[3].dtype:
+        owner = self._params.find(dst.data_ptr())
+        source = self._sources.find(src.data_ptr())
+        if owner is None or source is None or src.dtype != source[1].dtype:
             return False
-        base = source[3]
+        base = source[1]
         offset = (src.data_ptr() - base.data_ptr()) // src.element_size()
-        self.copies.setdefault(source[2], []).append(_Copy(
-            owner[2], (tuple(dst.shape), tuple(dst.stride()), dst.storage_offset()),
-            (tuple(src.shape), tuple(src.stride()), offset), owner[2].data_ptr()))
+        self.copies.setdefault(source[0], []).append(_Copy(
+            owner[0], (tuple(dst.shape), tuple(dst.stride()), dst.storage_offset()),
+            (tuple(src.shape), tuple(src.stride()), offset), owner[0].data_ptr()))
         return True
 
 

@@ -661,7 +661,7 @@ def unxor(payload: DeltaPayload, manifest, read_base) -> DeltaPayload:
     if base.dtype != val.dtype or base.shape != val.shape:
         raise DeltaError(f"base values{where}: {base.dtype} {list(base.shape)} do not match the flush's "
                          f"{val.dtype} {list(val.shape)}", Refusal.NO_BASE)
-    iv = _INT_VIEW[val.element_size()]
+    iv = INT_VIEW[val.element_size()]
     rebuilt = torch.bitwise_xor(val.view(iv), base.to(val.device).view(iv)).view(val.dtype)
     return dataclasses.replace(payload, values=rebuilt, xored=False, sums=None, decoded=(found, flags))
 
@@ -828,7 +828,7 @@ def flush_file(payload: DeltaPayload, zstd_level: Optional[int] = None) -> bytes
     if DeltaEncoding(payload.spec.encoding) is DeltaEncoding.XOR_ZSTD:
         if payload.base is None or payload.base.shape != values.shape or payload.base.dtype != values.dtype:
             raise DeltaError("an xor_zstd flush needs its base values, one per value")
-        iv = _INT_VIEW[values.element_size()]
+        iv = INT_VIEW[values.element_size()]
         values = torch.bitwise_xor(values.view(iv), payload.base.to(values.device).view(iv)).view(values.dtype)
     data = write_safetensors(payload.spec, payload.positions, values)
     if zstd_level is None:
@@ -939,7 +939,7 @@ def read_safetensors(data: bytes, name: str = "") -> DeltaPayload:
 
 # ---------------------------------------------------------------- encoding a flush
 
-_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 _DIFF_BLOCK = 1 << 20  # elements per block of the CPU diff: a block's operands stay in cache
@@ -960,7 +960,7 @@ def changed_positions(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """Flat positions whose bytes differ (dtype-agnostic, no arithmetic: -0.0 vs 0.0 and NaN payloads count)."""
     if old.shape != new.shape or old.dtype != new.dtype:
         raise DeltaError(f"cannot diff {old.dtype} {list(old.shape)} against {new.dtype} {list(new.shape)}")
-    iv = _INT_VIEW[new.element_size()]
+    iv = INT_VIEW[new.element_size()]
     a, b = old.detach().reshape(-1).view(iv), new.detach().reshape(-1).view(iv)
     if new.device.type != "cpu":
         return torch.nonzero(a != b).reshape(-1)

@@ -45,32 +45,40 @@ def model_tensors(model: torch.nn.Module) -> List[torch.Tensor]:
         [t for _, t in model.named_buffers(remove_duplicate=False)]
 
 
-def storage_index(model: torch.nn.Module) -> Callable[[torch.Tensor], Optional[str]]:
-    """Map a tensor to the name of the param/buffer whose storage holds it (views included), else None.
+class RangeIndex:
+    """Byte ranges ``[start, end)`` with an item each; :meth:`find` bisects to the range that holds an address.
 
-    Sorted ``[data_ptr, data_ptr + nbytes)`` ranges and a bisect: a ``narrow``ed shard of a fused
-    QKV weight lands inside its owner, a loader's scratch tensor falls in a gap.
+    ``merge``: a range that starts inside an earlier one is folded into it (aliases, nested views: the
+    enclosing item stands); otherwise every range is kept and, of equal starts, the last sorted wins.
     """
-    ranges = []
-    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
-        if t.numel():
-            ranges.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name))
-    ranges.sort()
-    starts, ends, names = [], [], []
-    for s, e, n in ranges:
-        if ends and s < ends[-1]:  # aliases or nested views: merge into the enclosing range
-            ends[-1] = max(ends[-1], e)
-            continue
-        starts.append(s)
-        ends.append(e)
-        names.append(n)
+
+    def __init__(self, rows, merge: bool = False):
+        rows = sorted((r for r in rows if r[1] > r[0]), key=lambda r: (r[0], r[1]))
+        self.starts, self.ends, self.items = [], [], []
+        for start, end, item in rows:
+            if merge and self.ends and start < self.ends[-1]:
+                self.ends[-1] = max(self.ends[-1], end)
+                continue
+            self.starts.append(start)
+            self.ends.append(end)
+            self.items.append(item)
+
+    def find(self, ptr: int):
+        i = bisect.bisect_right(self.starts, ptr) - 1
+        return self.items[i] if i >= 0 and ptr < self.ends[i] else None
+
+
+def storage_index(model: torch.nn.Module) -> Callable[[torch.Tensor], Optional[str]]:
+    """Map a tensor to the name of the param/buffer whose storage holds it (views included), else None:
+    a ``narrow``ed shard of a fused QKV weight lands inside its owner, a loader's scratch tensor in a gap."""
+    index = RangeIndex(((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name) for name, t in
+                        list(model.named_parameters(remove_duplicate=False))
+                        + list(model.named_buffers(remove_duplicate=False)) if t.numel()), merge=True)
 
     def owner(t: torch.Tensor) -> Optional[str]:
         if not isinstance(t, torch.Tensor) or t.numel() == 0:
             return None
-        ptr = t.data_ptr()
-        i = bisect.bisect_right(starts, ptr) - 1
-        return names[i] if i >= 0 and ptr < ends[i] else None
+        return index.find(t.data_ptr())
 
     return owner
 

@@ -1,0 +1,115 @@
+"""How a request's blobs arrive at an engine: flush files read from a shared directory, or two broadcasts
+received on the weight-update group — every size bounded before anything is read or allocated."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import os
+from typing import List, Tuple
+
+import torch
+
+from sglang.srt.weight_sync.delta.collectives import CollectiveStuck, abort_group, await_collectives, tp_agree
+from sglang.srt.weight_sync.delta.engine_state import host_device, host_model, receiver_state, server_arg
+from sglang.srt.weight_sync.delta.wire import (
+    HEADER_CAP,
+    POSITIONS,
+    VALUES,
+    DeltaError,
+    DeltaPayload,
+    Refusal,
+    dtype_from_str,
+    maybe_zstd_decompress,
+    read_safetensors,
+)
+
+DEFAULT_READ_WORKERS = 4
+
+
+def max_request_bytes(model: torch.nn.Module) -> int:
+    """Bound on one decompressed flush: every element of the model dense, plus positions and header (once per model)."""
+    state = receiver_state(model)
+    if not state.max_payload_bytes:
+        state.max_payload_bytes = 8 + HEADER_CAP + 8 * sum(p.numel() for p in model.parameters())
+    return state.max_payload_bytes
+
+
+def read_delta_file(model_path: str, name: str, max_bytes: int) -> DeltaPayload:
+    if not isinstance(name, str) or not name or os.path.basename(name) != name or name in (".", ".."):
+        raise DeltaError(f"file {name!r}: must be a plain file name inside model_path")
+    root = os.path.realpath(model_path)
+    path = os.path.realpath(os.path.join(root, name))
+    if os.path.dirname(path) != root:
+        raise DeltaError(f"file {name!r}: resolves outside model_path (symlink escape)")
+    try:
+        size = os.path.getsize(path)
+        if size > max_bytes:
+            raise DeltaError(f"file {name!r}: {size} bytes exceeds the {max_bytes}-byte bound")
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise DeltaError(f"file {name!r}: cannot read ({e.strerror})") from None
+    return read_safetensors(maybe_zstd_decompress(data, max_bytes, name), name)
+
+
+def read_files(host, model_path: str, files: List[str]) -> List[DeltaPayload]:
+    """The announced files of one publish, read and decompressed in parallel (``DeltaError`` names the first bad one)."""
+    workers = int(server_arg(host, "update_weight_delta_read_workers", DEFAULT_READ_WORKERS))
+    max_bytes = max_request_bytes(host_model(host))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        return list(pool.map(lambda n: read_delta_file(model_path, n, max_bytes), files))
+
+
+def receive_broadcast(self, names, dtypes, shapes, group_name: str) -> List[Tuple[str, torch.Tensor]]:
+    """Receive one flush's two blobs on the weight-update group, in full, before anything is judged.
+
+    Refused without receiving only when the request cannot say what to receive (no such group, not two
+    blobs, an unknown dtype) or declares more than ``max_request_bytes`` — which the sender learns from
+    this engine's status and never exceeds. The wait is bounded by the group timeout; a broadcast given
+    up on aborts the group (the sender re-creates it; this engine's status decides what it gets next).
+    """
+    try:
+        return _receive(self, names, dtypes, shapes, group_name)
+    except DeltaError as e:  # v0.5.23 reports it as a failed receive: the status must say so as well
+        receiver_state(host_model(self)).last = (None, e.code.value, False)
+        tp_agree(False)  # the ranks that did receive refuse too (they agree before judging the blobs)
+        raise
+
+
+def _receive(self, names, dtypes, shapes, group_name: str) -> List[Tuple[str, torch.Tensor]]:
+    groups = self._model_update_group
+    if group_name not in groups:
+        raise DeltaError(f"group {group_name!r} not in {list(groups)}; call init_weights_update_group first",
+                         Refusal.NOT_RECEIVED)
+    try:
+        if list(names) != [POSITIONS, VALUES] or len(dtypes) != 2 or len(shapes) != 2:
+            raise DeltaError(f"names must be {[POSITIONS, VALUES]} with two dtypes and shapes, got {list(names)}")
+        pos_dtype, val_dtype = dtype_from_str(dtypes[0]), dtype_from_str(dtypes[1])
+        n_pos, n_val = (int(math.prod(s)) for s in shapes)
+    except (DeltaError, TypeError, ValueError) as e:
+        raise DeltaError(f"malformed broadcast declaration: {e}", Refusal.NOT_RECEIVED) from None
+    declared = n_pos * pos_dtype.itemsize + n_val * val_dtype.itemsize
+    if min(n_pos, n_val) < 0 or declared > max_request_bytes(host_model(self)):
+        raise DeltaError(f"broadcast of {n_pos} position and {n_val} value elements exceeds this engine's "
+                         f"max_request_bytes {max_request_bytes(host_model(self))}", Refusal.NOT_RECEIVED)
+    device = host_device(self)
+    received = [(POSITIONS, torch.empty(n_pos, dtype=pos_dtype, device=device)),
+                (VALUES, torch.empty(n_val, dtype=val_dtype, device=device))]
+    group = groups[group_name]
+    try:
+        works = [torch.distributed.broadcast(t, src=0, group=group, async_op=True) for _, t in received]
+        await_collectives(works, update_group_timeout(self).total_seconds())
+    except Exception as e:
+        if isinstance(e, CollectiveStuck):
+            abort_group(group)
+            del groups[group_name]
+        raise DeltaError(f"broadcast on group {group_name!r} failed: {e}", Refusal.NOT_RECEIVED) from None
+    return received
+
+
+def update_group_timeout(self):
+    """Explicit, short timeout for weight-update groups: a missing peer fails a sync instead of hanging it."""
+    import datetime
+
+    return datetime.timedelta(seconds=float(server_arg(self, "update_weight_group_timeout", 120.0)))

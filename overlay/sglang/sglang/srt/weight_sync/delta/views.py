@@ -1,0 +1,191 @@
+"""Direct writes: a delta written straight through the views the model's own loader used in the full sync.
+
+The full sync records every view copy the loader makes (``fingerprint.FingerprintRecorder``); where the
+loader did nothing else, a param's changed elements map through those views into model storage by
+index arithmetic alone (:class:`Direct`). The same geometry reads the committed bytes an ``xor_zstd``
+flush is relative to (:func:`read_base`, :func:`rebuild_xor`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from sglang.srt.weight_sync.delta import fingerprint
+from sglang.srt.weight_sync.delta.collectives import tp_group
+from sglang.srt.weight_sync.delta.wire import DeltaError, DeltaPayload, Refusal, host_values, unxor
+
+logger = logging.getLogger(__name__)
+
+
+def _contiguous_strides(sizes) -> Tuple[int, ...]:
+    out, step = [], 1
+    for n in reversed(sizes):
+        out.append(step)
+        step *= n
+    return tuple(reversed(out))
+
+
+@dataclasses.dataclass
+class Direct:
+    """Where one recorded copy puts HF flat positions: ``flat`` (the param's whole storage) at
+    ``doff + sum(i_d * dst_stride_d)`` for the multi-index ``i`` with ``p = soff + sum(i_d * src_stride_d)``."""
+
+    flat: torch.Tensor
+    soff: int
+    doff: int
+    numel: int  # elements the view spans in the HF tensor
+    dims: List[Tuple[int, int, int]]  # (size, src stride, dst stride), outer to inner; [] = one contiguous block
+
+    @classmethod
+    def of(cls, c) -> Optional["Direct"]:
+        """None when the source view cannot be inverted by division (overlapping or interleaved strides)."""
+        (_, dstr, doff), (ssz, sstr, soff) = c.dst, c.src
+        if c.param.data_ptr() != c.ptr:
+            return None  # the param's tensor was replaced after this copy: the recorded offsets are stale
+        keep = [d for d in range(len(ssz)) if ssz[d] > 1]
+        numel = math.prod(ssz)
+        dense = _contiguous_strides(ssz)  # sizes are equal on both sides (the recorder checks)
+        block = all(sstr[d] == dense[d] and dstr[d] == dense[d] for d in keep)
+        dims = sorted(((ssz[d], sstr[d], dstr[d]) for d in keep), key=lambda x: -x[1])
+        span = 1
+        for size, stride, _ in reversed(dims):
+            if stride < span:
+                return None
+            span += stride * (size - 1)
+        storage = c.param.untyped_storage().nbytes() // c.param.element_size()
+        flat = torch.as_strided(c.param.detach(), (storage,), (1,), 0)
+        return cls(flat, soff, doff, numel, [] if block else dims)
+
+    def targets(self, idx: torch.Tensor, whole: bool) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
+        """(a mask of the entries of ``idx`` this view holds, or None for all; every entry's offset in ``flat``,
+        meaningful where the mask holds). No host synchronization: the caller selects for a whole flush at once."""
+        if not self.dims:
+            offsets = idx + (self.doff - self.soff)
+            return (None, offsets) if whole else ((idx >= self.soff) & (idx < self.soff + self.numel), offsets)
+        rem = idx - self.soff
+        ok = rem >= 0
+        out = torch.full_like(idx, self.doff)
+        for size, sstride, dstride in self.dims:
+            i = torch.div(rem, sstride, rounding_mode="floor")
+            ok &= (i >= 0) & (i < size)
+            rem -= i * sstride
+            out += i * dstride
+        return ok & (rem == 0), out
+
+
+def direct_plan(model: torch.nn.Module, recorder: fingerprint.FingerprintRecorder) -> Dict[str, List[Direct]]:
+    """Names whose view copies can take deltas directly: all of them, if the full sync saw the loader write
+    nothing else; none otherwise (then every delta goes through the loader)."""
+    if getattr(model, "post_load_weights", None) is not None:
+        logger.info("delta: the model post-processes loaded weights; deltas go through its loader")
+        return {}
+    if recorder.unexplained is not None:
+        logger.info("delta: the loader wrote %s outside a view copy; deltas go through its loader",
+                    recorder.unexplained)
+        return {}
+    plan = {}
+    for name, copies in recorder.copies.items():
+        targets = [Direct.of(c) for c in copies]
+        if all(t is not None for t in targets):
+            plan[name] = targets
+    return plan
+
+
+def write_direct(items) -> None:
+    """Overwrite the changed elements of a flush's params in place, through every view their loader used.
+
+    ``items``: ``(targets, positions, values, numel)`` per param. A view that holds all of an HF tensor is
+    written at once; the views that hold part of one (TP shards) are selected together, with one
+    ``nonzero`` and one host read for the whole flush, not one per param."""
+    partial = []  # (view, mask, offsets, values)
+    for targets, idx, values, numel in items:
+        device = targets[0].flat.device
+        idx, values = idx.to(device, non_blocking=True), values.to(device, non_blocking=True)
+        for t in targets:
+            mask, offsets = t.targets(idx, whole=t.soff == 0 and t.numel == numel)
+            if mask is None:
+                t.flat.index_copy_(0, offsets, values.to(t.flat.dtype))
+            else:
+                partial.append((t, mask, offsets, values))
+    if not partial:
+        return
+    starts = [0]
+    for _, mask, _, _ in partial:
+        starts.append(starts[-1] + mask.numel())
+    hits = torch.cat([m for _, m, _, _ in partial]).nonzero().squeeze(1)
+    bounds = host_values(torch.searchsorted(hits, torch.tensor(starts, device=hits.device)))
+    for (t, _, offsets, values), a, b, start in zip(partial, bounds, bounds[1:], starts):
+        if b > a:
+            sel = hits[a:b] - start
+            t.flat.index_copy_(0, offsets[sel], values[sel].to(t.flat.dtype))
+
+
+def read_base(direct: Dict[str, List[Direct]], params, idxs, dtype, device, held_parts: list) -> torch.Tensor:
+    """The committed values at ``idxs`` through each param's recorded views; appends, per param, the mask of the
+    entries this rank holds (None: all of them) to ``held_parts``. Entries no view holds read as zero (a param no
+    rank stores travels raw) or as anything (the caller refuses a param that is held only in part)."""
+    vals = []
+    for p, idx in zip(params, idxs):
+        idx = torch.arange(p.numel, device=device) if idx is None else idx.to(device)
+        v, h = None, torch.zeros(idx.numel(), dtype=torch.bool, device=device)
+        for t in direct.get(p.name, ()):
+            if t.flat.dtype != dtype:  # the engine keeps other bytes than the trainer sends: no base here
+                continue
+            mask, offsets = t.targets(idx, whole=t.soff == 0 and t.numel == p.numel)
+            if mask is None:  # the whole HF tensor, and idx is clamped into it: every offset is in range
+                v, h = t.flat[offsets], None
+                break
+            got = t.flat[offsets.clamp(0, max(t.flat.numel() - 1, 0))]  # entries outside this view are masked off
+            v = got if v is None else torch.where(mask, got, v)
+            h |= mask
+        vals.append(torch.zeros(idx.numel(), dtype=dtype, device=device) if v is None else v)
+        held_parts.append(h)
+    return torch.cat(vals) if vals else torch.zeros(0, dtype=dtype, device=device)
+
+
+def rebuild_xor(direct: Dict[str, List[Direct]], manifest, payloads: Sequence[DeltaPayload], device) -> List[DeltaPayload]:
+    """``xor_zstd``: rebuild every flush's new values from this rank's committed bytes (see ``wire.unxor``).
+
+    With tensor parallelism a rank holds only its shard of some params; the ranks rebuild together with
+    two collectives over the flush's values (O(changed)): the lowest rank holding an element owns it,
+    owners contribute its rebuilt bytes, every rank gets them all. The checksum then judges the whole
+    flush on every rank. Called on every rank after the ranks agreed to rebuild, so the collectives match.
+    """
+    helds: list = []  # per param: None (all held) or a mask
+    rebuilt = [unxor(pl, manifest, lambda ps, ix, pl=pl: read_base(direct, ps, ix, pl.values.dtype, device, helds))
+               for pl in payloads]
+    params = [p for pl in rebuilt for p in pl.spec.params]
+    group = tp_group()
+    if group is not None and params:
+        world, rank = group.world_size, group.rank_in_group
+        held = torch.cat([torch.ones(p.nnz, dtype=torch.bool, device=device) if h is None else h
+                          for p, h in zip(params, helds)])
+        owner = torch.where(held, rank, world).to(torch.int32)
+        torch.distributed.all_reduce(owner, op=torch.distributed.ReduceOp.MIN, group=group.device_group)
+        mine = owner == rank
+        parts = [pl.values.view(torch.uint8).view(pl.values.numel(), pl.values.element_size()) for pl in rebuilt]
+        raw = torch.cat([torch.where(m[:, None], b, 0) for m, b in zip(mine.split([p.shape[0] for p in parts]), parts)])
+        torch.distributed.all_reduce(raw, op=torch.distributed.ReduceOp.SUM, group=group.device_group)  # disjoint bytes
+        out, at = [], 0
+        for pl, part in zip(rebuilt, parts):
+            n = part.shape[0]
+            out.append(dataclasses.replace(pl, values=raw[at:at + n].reshape(-1).view(pl.values.dtype)))
+            at += n
+        rebuilt = out
+        helds = list((owner < world).split([p.nnz for p in params]))
+    # A param no rank holds any of (the loader ignores it, e.g. a tied lm_head) travels raw: XOR zero. A param
+    # held only in part cannot be rebuilt. One host read for the flush.
+    partial = [(k, h) for k, h in enumerate(helds) if h is not None and h.numel()]
+    if partial:
+        some = torch.stack([h.any() & ~h.all() for _, h in partial])
+        bad = host_values(some)
+        if any(bad):
+            name = params[partial[bad.index(True)][0]].name
+            raise DeltaError(f"param {name!r}: xor_zstd values need its committed bytes, which this engine cannot read "
+                             "all of through recorded views (send it planes_zstd)", Refusal.NO_BASE)
+    return rebuilt
