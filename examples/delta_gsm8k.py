@@ -2,7 +2,7 @@ r"""GRPO on GSM8K with Qwen3.5-0.8B, non-colocated (1 actor GPU, 3 rollout GPUs)
 
 Run inside the image (``make image``) on a 4-GPU host::
 
-    python /opt/delta-weight-sync/examples/delta_gsm8k.py --transport disk   # deltas_zstd files on a shared dir
+    python /opt/delta-weight-sync/examples/delta_gsm8k.py --transport disk   # xor_zstd files on a shared dir
     python /opt/delta-weight-sync/examples/delta_gsm8k.py --transport nccl   # indices over slime's NCCL group
 
 or on one GPU, with the rollout engine launched by hand beside the trainer (slime's external engines; disk only,
@@ -32,7 +32,7 @@ def delta_args(transport: str, disk_dir: str, fingerprint_every: int = 1) -> str
     """The flags this project adds (everything else is a stock slime GRPO run)."""
     common = f"--update-weight-mode delta --update-weight-delta-fingerprint-interval {fingerprint_every} "
     if transport == "disk":
-        return common + (f"--update-weight-transport disk --update-weight-delta-encoding deltas_zstd "
+        return common + (f"--update-weight-transport disk --update-weight-delta-encoding xor_zstd "
                          f"--update-weight-disk-dir {disk_dir} ")
     return common + "--update-weight-transport nccl --update-weight-delta-encoding indices "
 

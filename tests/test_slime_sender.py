@@ -136,7 +136,7 @@ def test_slime_xor_updater_is_still_selected_and_lands(world):
     )
     from slime.utils.delta_sync_args import sparse_delta_updater_cls
 
-    for enc in ("indices", "deltas", "deltas_zstd"):
+    for enc in ("indices", "deltas", "deltas_zstd", "planes_zstd", "xor_zstd"):
         assert sparse_delta_updater_cls(H.make_args(update_weight_delta_encoding=enc)) is UpdateWeightFromDistributedDelta
     for mode, enc in (("delta", "xor"), ("delta", "overwrite"), ("full", "indices")):
         assert sparse_delta_updater_cls(H.make_args(update_weight_mode=mode, update_weight_delta_encoding=enc)) is None
@@ -179,7 +179,7 @@ def test_the_example_parses_with_slimes_own_arguments():
 
     parser = argparse.ArgumentParser()
     parser = get_slime_extra_args_provider()(parser) or parser
-    for transport, encoding in (("disk", "deltas_zstd"), ("nccl", "indices")):
+    for transport, encoding in (("disk", "xor_zstd"), ("nccl", "indices")):
         ns, _ = parser.parse_known_args(shlex.split(train_args(transport, "/shared", 4)))
         assert (ns.update_weight_mode, ns.update_weight_transport, ns.update_weight_delta_encoding) == \
             ("delta", transport, encoding)
@@ -194,6 +194,51 @@ def test_the_example_parses_with_slimes_own_arguments():
         validate_sparse_delta_args(ns)
     with pytest.raises(SystemExit):
         parser.parse_known_args(argv + ["--update-weight-delta-encoding", "lz4"])
+
+
+@pytest.mark.parametrize("transport", ["nccl", "disk"])
+def test_slimes_glm_example_runs_our_encodings(transport):
+    """slime's own GLM-4.7-Flash delta script as examples/glm47_flash_delta.py rewrites it: every argument array it
+    hands to train.py, expanded by bash (nothing runs), through slime's real (patched) argument definitions; our
+    updater is selected and our argument rules pass. The unmodified script still selects slime's own updater."""
+    import argparse
+    import re
+    import subprocess
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    from glm47_flash_delta import UPSTREAM, rewrite
+    from slime.backends.megatron_utils.update_weight.update_weight_from_distributed_delta import (
+        UpdateWeightFromDistributedDelta,
+    )
+    from slime.utils.arguments import get_slime_extra_args_provider
+    from slime.utils.delta_sync_args import resolve_delta_encoding, sparse_delta_updater_cls, validate_sparse_delta_args
+
+    upstream = open(os.path.join(SLIME, UPSTREAM)).read()
+    parser = argparse.ArgumentParser()
+    parser = get_slime_extra_args_provider()(parser) or parser
+
+    def parsed(script):
+        arrays = re.findall(r"^([A-Z_]+_ARGS)=\(\n.*?^\)\n", script, re.M | re.S)
+        defs = "".join(re.findall(r"^[A-Z_]+_ARGS=\(\n.*?^\)\n", script, re.M | re.S))
+        out = subprocess.run(["bash", "-c", defs + "printf '%s\\n' " + " ".join(f'"${{{a}[@]}}"' for a in arrays)],
+                             capture_output=True, text=True, check=True,
+                             env={"PATH": os.environ["PATH"], "MODEL_DIR": "/root/models/GLM-4.7-Flash",
+                                  "DATA_PATH": "/root/datasets/dapo-math-17k.jsonl"})
+        argv = out.stdout.split()
+        ns, _ = parser.parse_known_args(argv)
+        ns.pipeline_model_parallel_size = int(argv[argv.index("--pipeline-model-parallel-size") + 1])  # a Megatron flag
+        resolve_delta_encoding(ns)
+        return ns
+
+    ns = parsed(upstream)
+    assert (ns.update_weight_mode, ns.update_weight_delta_encoding) == ("delta", "xor")
+    assert sparse_delta_updater_cls(ns) is None  # slime's own UpdateWeightFromDiskDelta
+    ns = parsed(rewrite(upstream, transport, "/shared/fs/glm47-delta"))
+    want = {"nccl": ("nccl", "deltas", 2), "disk": ("disk", "xor_zstd", 1)}[transport]
+    assert (ns.update_weight_transport, ns.update_weight_delta_encoding, ns.pipeline_model_parallel_size) == want
+    validate_sparse_delta_args(ns)
+    assert sparse_delta_updater_cls(ns) is UpdateWeightFromDistributedDelta
 
 
 def test_the_single_gpu_example_attaches_to_an_external_patched_server(world):
