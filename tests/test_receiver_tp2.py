@@ -14,14 +14,14 @@ from sglang.srt.weight_sync.delta.wire import flush_file
 TP = 2
 
 
-def _rank_main(rank, init_method, root, n_syncs, errors, encoding):
+def _rank_main(rank, init_method, root, n_syncs, errors, encoding, arch, raw):
     try:
         from cpu_harness import Host, init_sglang_inprocess, nan_filled, sglang_model
         from sglang.srt.weight_sync.delta.receiver import receiver_state
         from test_sync_counts import SyncCounter
 
         init_sglang_inprocess(tp_rank=rank, tp_size=TP, init_method=init_method)
-        cfg = hf_config("qwen2", hidden=128)
+        cfg = hf_config(arch, hidden=128)
         host = Host(nan_filled(sglang_model(cfg)), chunk_bytes=32 << 10)
         def holds(v):
             ref = nan_filled(sglang_model(cfg))
@@ -43,6 +43,7 @@ def _rank_main(rank, init_method, root, n_syncs, errors, encoding):
             with SyncCounter() as syncs:
                 ok, msg = host.call("_apply_delta", vdir, files, str(v))
             assert ok, f"rank {rank} v{v}: {msg}"
+            assert receiver_state(host.model).xor_raw == raw  # what the status tells the sender to send raw
             # per file: checksum + checks; per request: two TP agreements, one selection of the shard's entries
             # (xor_zstd: one more agreement, and the check that every element was rebuilt)
             assert len(syncs.ops) <= 2 * len(files) + 4 + 3 * (encoding == "xor_zstd" and v > 1), (len(files), syncs.ops)
@@ -51,15 +52,17 @@ def _rank_main(rank, init_method, root, n_syncs, errors, encoding):
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
 
 
-@pytest.mark.parametrize("encoding", ["deltas", "xor_zstd"])
-def test_tp2_each_rank_narrows_the_global_delta(tmp_path, encoding):
-    """xor_zstd: each rank holds only its shard of the base, so the ranks rebuild the new values together."""
-    cfg = hf_config("qwen2", hidden=128)
+@pytest.mark.parametrize("arch, encoding", [("qwen2", "deltas"), ("qwen2", "xor_zstd"), ("qwen3-tied", "xor_zstd")])
+def test_tp2_each_rank_narrows_the_global_delta(tmp_path, arch, encoding):
+    """xor_zstd: each rank holds only its shard of the base, so the ranks rebuild the new values together; the tied
+    lm_head, which no rank stores, travels raw."""
+    cfg = hf_config(arch, hidden=128)
+    raw = ["lm_head.weight"] if cfg.tie_word_embeddings else []  # the loader skips the tied head on every rank
     states = rl_states(cfg, 3, seed=0)
     for v, state in enumerate(states, start=1):
         save_file(state, str(tmp_path / f"state{v}.safetensors"))
         payloads = full_flushes(state, version=1, max_params=9) if v == 1 else \
-            delta_flushes(states[v - 2], state, encoding, version=v, base_version=v - 1, max_params=9)
+            delta_flushes(states[v - 2], state, encoding, version=v, base_version=v - 1, max_params=9, raw=raw)
         vdir = tmp_path / f"weight_v{v:06d}"
         vdir.mkdir()
         for k, pl in enumerate(payloads):  # one publish: every flush file of the sync in one request
@@ -69,7 +72,7 @@ def test_tp2_each_rank_narrows_the_global_delta(tmp_path, encoding):
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
     init_method = f"tcp://127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=_rank_main, args=(r, init_method, str(tmp_path), len(states), errors, encoding)) for r in range(TP)]
+    procs = [ctx.Process(target=_rank_main, args=(r, init_method, str(tmp_path), len(states), errors, encoding, arch, raw)) for r in range(TP)]
     for p in procs:
         p.start()
     for p in procs:

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from sglang.srt.weight_sync.delta import fingerprint
-from sglang.srt.weight_sync.delta.collectives import tp_group
+from sglang.srt.weight_sync.delta.collectives import tp_agree, tp_group
 from sglang.srt.weight_sync.delta.wire import DeltaError, DeltaPayload, Refusal, host_values, unxor
 
 logger = logging.getLogger(__name__)
@@ -157,17 +157,25 @@ def rebuild_xor(direct: Dict[str, List[Direct]], manifest, payloads: Sequence[De
     flush on every rank. Called on every rank after the ranks agreed to rebuild, so the collectives match.
     """
     helds: list = []  # per param: None (all held) or a mask
-    rebuilt = [unxor(pl, manifest, lambda ps, ix, pl=pl: read_base(direct, ps, ix, pl.values.dtype, device, helds))
-               for pl in payloads]
+    group, error = tp_group(), None
+    try:
+        rebuilt = [unxor(pl, manifest, lambda ps, ix, pl=pl: read_base(direct, ps, ix, pl.values.dtype, device, helds))
+                   for pl in payloads]
+    except DeltaError as e:
+        error = e
+    if group is not None and not tp_agree(error is None):  # never enter the collectives alone
+        raise error or DeltaError("another tensor-parallel rank could not rebuild the xor_zstd values", Refusal.PEER)
+    if error is not None:
+        raise error
     params = [p for pl in rebuilt for p in pl.spec.params]
-    group = tp_group()
     if group is not None and params:
         world, rank = group.world_size, group.rank_in_group
         held = torch.cat([torch.ones(p.nnz, dtype=torch.bool, device=device) if h is None else h
                           for p, h in zip(params, helds)])
         owner = torch.where(held, rank, world).to(torch.int32)
         torch.distributed.all_reduce(owner, op=torch.distributed.ReduceOp.MIN, group=group.device_group)
-        mine = owner == rank
+        # an element no rank holds is a raw param's (XOR zero): every rank has the same bytes, rank 0 gives them
+        mine = (owner == rank) | ((owner == world) & (rank == 0))
         parts = [pl.values.view(torch.uint8).view(pl.values.numel(), pl.values.element_size()) for pl in rebuilt]
         raw = torch.cat([torch.where(m[:, None], b, 0) for m, b in zip(mine.split([p.shape[0] for p in parts]), parts)])
         torch.distributed.all_reduce(raw, op=torch.distributed.ReduceOp.SUM, group=group.device_group)  # disjoint bytes
