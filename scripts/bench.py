@@ -17,7 +17,10 @@ Three phases, so the numbers share one process and the memory run repeats them e
    each phase (that run's times are inflated by page faults and are not used).
 3. **report** — ``docs/benchmarks.md`` (tables + method) and ``docs/benchmarks.png``.
 
-    python scripts/bench.py [--shape qwen2.5-0.5b|tiny] [--steps 4] [--workdir build/bench] [--out docs]
+    python scripts/bench.py [--shape qwen2.5-0.5b|qwen3-30b-a3b-topology|qwen3-235b-a22b-topology|tiny] [--steps 4]
+        [--workdir build/bench] [--out docs]
+
+A ``*-topology`` shape writes ``docs/benchmarks-<shape>.md`` and its plot instead.
 """
 from __future__ import annotations
 
@@ -44,6 +47,16 @@ SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=256, tie_word_embeddings=True,
                  initializer_range=0.02),
+    # Qwen3-30B-A3B's and Qwen3-235B-A22B's topology (48 / 94 layers of 128 experts, top-8: 18,867 / 36,945 HF
+    # tensors) at narrow widths: the per-tensor cost that decides the sync time of large MoE models
+    "qwen3-30b-a3b-topology": dict(_moe=True, hidden_size=64, intermediate_size=128, num_hidden_layers=48,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=128,
+                                   num_experts_per_tok=8, moe_intermediate_size=32, vocab_size=2048,
+                                   max_position_embeddings=256, tie_word_embeddings=False, initializer_range=0.02),
+    "qwen3-235b-a22b-topology": dict(_moe=True, hidden_size=64, intermediate_size=128, num_hidden_layers=94,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=128,
+                                     num_experts_per_tok=8, moe_intermediate_size=32, vocab_size=2048,
+                                     max_position_embeddings=256, tie_word_embeddings=False, initializer_range=0.02),
 }
 ENCODINGS = ("indices", "deltas", "deltas_zstd", "planes_zstd", "xor_zstd")
 TRANSPORT = {"indices": "nccl", "deltas": "nccl", "deltas_zstd": "disk", "planes_zstd": "disk",
@@ -59,10 +72,18 @@ ANCHORS = [
 ]
 
 
-def qwen2_config(shape: str):
+def model_config(shape: str):
     import transformers
 
-    return transformers.Qwen2Config(**SHAPES[shape])
+    fields = dict(SHAPES[shape])
+    if fields.pop("_moe", False):
+        return transformers.Qwen3MoeConfig(**fields)
+    return transformers.Qwen2Config(**fields)
+
+
+def doc_name(shape: str, ext: str) -> str:
+    """benchmarks.md / .png; a topology shape writes its own pair beside them."""
+    return f"benchmarks-{shape}.{ext}" if shape.endswith("-topology") else f"benchmarks.{ext}"
 
 
 # ---------------------------------------------------------------- phase 1: states
@@ -81,7 +102,7 @@ def train_states(shape: str, steps: int, workdir: str, seed: int = 1) -> list:
         print(f"states: reusing {len(paths)} saved bf16 states in {workdir}")
         return paths
     os.makedirs(workdir, exist_ok=True)
-    cfg = qwen2_config(shape)
+    cfg = model_config(shape)
     t0 = time.time()
     model = hf_model(cfg, seed=seed)
 
@@ -183,7 +204,7 @@ def whole_tensor_xor_bytes(old, new) -> int:
 def measure(paths: list, shape: str, out_json: str, check: bool) -> None:
     from safetensors.torch import load_file
 
-    from cpu_harness import Host, full_flushes, sglang_model
+    from cpu_harness import Host, SyncCounter, full_flushes, sglang_model
     from sglang.srt.weight_sync.delta import fingerprint
     from sglang.srt.weight_sync.delta.receiver import delta_status, receiver_state
     from sglang.srt.weight_sync.delta.wire import changed_positions
@@ -192,9 +213,9 @@ def measure(paths: list, shape: str, out_json: str, check: bool) -> None:
     states = [load_file(p) for p in paths]
     n = sum(t.numel() for t in states[0].values())
     full_bytes = sum(t.numel() * t.element_size() for t in states[0].values())
-    model = sglang_model(qwen2_config(shape))
+    model = sglang_model(model_config(shape))
     host = Host(model)
-    res = {"params": n, "full_bytes": full_bytes, "steps": []}
+    res = {"params": n, "tensors": len(states[0]), "full_bytes": full_bytes, "steps": []}
 
     _, res["full_wire_s"], res["full_wire_mem"] = measured(host.call, "_apply_delta_payload", full_flushes(states[0], version=1))
     full = [measured(model.load_weights, list(states[0].items())) for _ in range(3)]
@@ -221,6 +242,13 @@ def measure(paths: list, shape: str, out_json: str, check: bool) -> None:
             return host.call("_apply_delta", wire_dir, names)
         return host.call("_apply_delta_payload", payloads)
 
+    def counted_apply(payloads, names):
+        """The memory run (its times are not used) also counts the apply's host synchronizations."""
+        with SyncCounter() as c:
+            out = apply(payloads, names)
+        counted_apply.syncs = len(c.ops)
+        return out
+
     for step in range(1, len(states)):
         old, new = states[step - 1], states[step]
         nnz = sum(changed_positions(old[k], new[k]).numel() for k in new)
@@ -237,7 +265,7 @@ def measure(paths: list, shape: str, out_json: str, check: bool) -> None:
             assert all(torch.equal(snapshot[k].view(torch.int16), new[k].view(torch.int16)) for k in new)
             files, t_ser, m_ser = measured(serialize, payloads, encoding)
             names = publish(payloads, files) if TRANSPORT[encoding] == "disk" else None
-            (ok, msg), t_apply, m_apply = measured(apply, payloads, names)
+            (ok, msg), t_apply, m_apply = measured(apply if check else counted_apply, payloads, names)
             assert ok, msg
             if check:
                 engine = fingerprint.engine_shares(receiver_state(model).copies)
@@ -246,7 +274,8 @@ def measure(paths: list, shape: str, out_json: str, check: bool) -> None:
             row["enc"][encoding] = {
                 "wire_bytes": sum(map(len, files)), "flushes": len(payloads), "encode_s": t_enc, "encode_mem": m_enc,
                 "serialize_s": t_ser if TRANSPORT[encoding] == "disk" else 0.0, "apply_s": t_apply,
-                "apply_mem": m_apply}
+                "apply_mem": m_apply, "tensors_sent": sum(len(p.spec.params) for p in payloads),
+                "host_syncs": None if check else counted_apply.syncs}
             if i < len(ENCODINGS) - 1:  # back to the step's base for the next encoding (untimed)
                 version += 1
                 ok, msg = host.call("_apply_delta_payload", sender_sync({k: v.clone() for k, v in new.items()},
@@ -269,7 +298,9 @@ def summarize(t: dict, m: dict) -> dict:
         mr = [s["enc"][e] for s in m["steps"]]
         out[e] = {"wire": mean(r["wire_bytes"] for r in tr), "encode": mean(r["encode_s"] for r in tr),
                   "serialize": mean(r["serialize_s"] for r in tr), "apply": mean(r["apply_s"] for r in tr),
-                  "encode_mem": max(r["encode_mem"] for r in mr), "apply_mem": max(r["apply_mem"] for r in mr)}
+                  "encode_mem": max(r["encode_mem"] for r in mr), "apply_mem": max(r["apply_mem"] for r in mr),
+                  "tensors_sent": mean(r["tensors_sent"] for r in tr),
+                  "host_syncs": max((r.get("host_syncs") or 0) for r in mr)}
     return out
 
 
@@ -350,12 +381,13 @@ def report(t: dict, m: dict, args, env: str) -> str:
         "# Benchmarks: full sync vs delta sync",
         "",
         f"Written by `make bench` (`scripts/bench.py`); one run on {env}. Model: "
-        f"{'Qwen2.5-0.5B' if args.shape == 'qwen2.5-0.5b' else args.shape}-shaped, {n / 1e6:.0f}M params, "
+        f"{'Qwen2.5-0.5B' if args.shape == 'qwen2.5-0.5b' else args.shape}-shaped, {n / 1e6:.0f}M params "
+        f"({t['tensors']:,} tensors), "
         f"{mb(full_bytes)} in bf16 (a full sync). {len(t['steps'])} real AdamW steps at lr 1e-6 changed "
         f"{min(dens):.2%}–{max(dens):.2%} of bf16 elements (mean {mean(dens):.2%}). Figures are ratios within this run; "
         "absolute times depend on the machine.",
         "",
-        "![wire bytes and modeled sync time](benchmarks.png)",
+        f"![wire bytes and modeled sync time]({doc_name(args.shape, 'png')})",
         "",
         "## Wire bytes and sync time (mean over steps)",
         "",
@@ -451,6 +483,24 @@ def report(t: dict, m: dict, args, env: str) -> str:
         "so RSS follows live tensors). The received payload itself is counted on the engine side for `disk` (it reads "
         "the files) and not for `nccl` (the broadcast buffers exist before the apply starts).",
         "",
+        "## Cost per tensor",
+        "",
+        f"The model has {t['tensors']:,} HF tensors. Per encoding, mean over the steps: the sender's and the engine's "
+        "time divided by the model's tensor count (the sender visits every tensor; the engine every tensor the "
+        "sync names), and the host synchronizations of one apply (counted by a dispatch mode in the memory run: "
+        "value reads, data-dependent shapes, copies to the host — each a stall on a GPU). A full sync through the "
+        f"wire (checksum, checks, recorder) takes {ms(t['full_wire_s'])} ms, "
+        f"{t['full_wire_s'] / t['full_load_s']:.1f}x a plain `load_weights` of the same state.",
+        "",
+        "| encoding | tensors named per sync | sender µs / tensor | engine µs / tensor | host syncs per apply |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for e in ENCODINGS:
+        s = summ[e]
+        L.append(f"| `{e}` | {s['tensors_sent']:,.0f} | {1e6 * (s['encode'] + s['serialize']) / t['tensors']:,.1f} | "
+                 f"{1e6 * s['apply'] / t['tensors']:,.1f} | {s['host_syncs']} |")
+    L += [
+        "",
         "## Fingerprint (the periodic bit-identity check)",
         "",
         f"Engine side over all params: {ms(t['fingerprint_engine_s'])} ms "
@@ -477,13 +527,16 @@ def report(t: dict, m: dict, args, env: str) -> str:
         "## Method",
         "",
         "```",
-        f"make bench            # = python scripts/bench.py --shape {args.shape} --steps {args.steps}",
+        f"make bench BENCH_ARGS='--shape {args.shape} --steps {args.steps}'   # = python scripts/bench.py ...",
         "```",
         "",
-        "The states come from a transformers `Qwen2ForCausalLM` at the shape of Qwen2.5-0.5B's `config.json` (HF "
-        "init, seed 1), trained with `torch.optim.AdamW(lr=1e-6, weight_decay=0)` on fp32 master weights, "
+        ("The states come from a transformers `Qwen2ForCausalLM` at the shape of Qwen2.5-0.5B's `config.json` (HF "
+         if not args.shape.endswith("-topology") else
+         f"The states come from a transformers `Qwen3MoeForCausalLM` with the layer and expert counts of {args.shape} "
+         "and narrow widths (hidden 64, expert intermediate 32; HF ")
+        + "init, seed 1), trained with `torch.optim.AdamW(lr=1e-6, weight_decay=0)` on fp32 master weights, "
         "forward/backward on 2x32 random tokens per step; each step's bf16 cast is what the trainer ships. The "
-        "engine is SGLang's own `Qwen2ForCausalLM` (patched tree, CPU, bf16). Times are wall-clock in one process "
+        "engine is SGLang's own model class of the same architecture (patched tree, CPU, bf16). Times are wall-clock in one process "
         "with all cores; the memory figures come from a second identical run (see above).",
         "",
     ]
@@ -523,9 +576,9 @@ def main():
            f"(patched), {time.strftime('%Y-%m-%d')}")
     os.makedirs(args.out, exist_ok=True)
     summ = summarize(results["timing"], results["memory"])
-    plot(results["timing"], summ, os.path.join(args.out, "benchmarks.png"))
+    plot(results["timing"], summ, os.path.join(args.out, doc_name(args.shape, "png")))
     text = report(results["timing"], results["memory"], args, env)
-    path = os.path.join(args.out, "benchmarks.md")
+    path = os.path.join(args.out, doc_name(args.shape, "md"))
     old = open(path).read() if os.path.exists(path) else ""
     begin, end = "<!-- bench-slime:begin -->", "<!-- bench-slime:end -->"
     if begin in old:  # `make bench-slime` writes that section; keep it

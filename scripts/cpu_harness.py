@@ -11,6 +11,7 @@ import socket
 from typing import Dict, Iterator, List, Optional, Sequence
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from sglang.srt.weight_sync.delta.wire import DeltaPayload, changed_positions, encode_flush
 
@@ -368,3 +369,31 @@ def engine_mismatch(server: Server, state: Dict[str, torch.Tensor]) -> Optional[
         if got.shape != want.shape or not torch.equal(got.view(torch.int16), want.view(torch.int16)):
             return n
     return None
+
+
+# ---------------------------------------------------------------- counting host synchronizations
+
+aten = torch.ops.aten
+_ALWAYS = {aten.nonzero, aten._local_scalar_dense, aten.is_nonzero, aten.unique_consecutive, aten._unique2,
+           aten.unique_dim, aten.masked_select, aten.equal}
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts the ops that would wait for the device: value reads, data-dependent shapes, copies to the host."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        packet = func.overloadpacket
+        syncs = packet in _ALWAYS
+        syncs |= packet is aten._to_copy and str(kwargs.get("device")) == "cpu"  # an explicit copy to the host
+        syncs |= packet is aten.index and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                                              for i in (args[1] if len(args) > 1 else []))
+        syncs |= packet is aten.repeat_interleave and kwargs.get("output_size") is None and func is not \
+            aten.repeat_interleave.self_int
+        if syncs:
+            self.ops.append(str(func))
+        return func(*args, **kwargs)

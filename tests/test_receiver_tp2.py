@@ -16,9 +16,8 @@ TP = 2
 
 def _rank_main(rank, init_method, root, n_syncs, errors, encoding, arch, raw):
     try:
-        from cpu_harness import Host, init_sglang_inprocess, nan_filled, sglang_model
+        from cpu_harness import Host, SyncCounter, init_sglang_inprocess, nan_filled, sglang_model
         from sglang.srt.weight_sync.delta.receiver import receiver_state
-        from test_sync_counts import SyncCounter
 
         init_sglang_inprocess(tp_rank=rank, tp_size=TP, init_method=init_method)
         cfg = hf_config(arch, hidden=128)
