@@ -416,7 +416,7 @@ def report(t: dict, m: dict, args, env: str) -> str:
         f"**vs memcpy**: the throughput of that as a ratio to `torch.clone` of the same {mb(full_bytes)} "
         f"({ms(memcpy)} ms here; higher is faster). The bytewise diff alone takes "
         f"{ms(mean(s['diff_s'] for s in t['steps']))} ms ({memcpy / mean(s['diff_s'] for s in t['steps']):.2f}x memcpy).",
-        "- **engine ms**: the receiver applying that sync to a real SGLang `Qwen2ForCausalLM` on CPU — validate the "
+        "- **engine ms**: the receiver applying that sync to the real SGLang model class on CPU — validate the "
         "whole request, then write the changed elements through the views the model's loader used in the full sync "
         "— from the received tensors (`nccl`) or by reading and decompressing the files (`disk`); "
         "**vs full load**: against upstream `model.load_weights` of the full state "
