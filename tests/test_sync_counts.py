@@ -8,6 +8,7 @@ through the direct path, synchronize a constant number of times however many par
 """
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from cpu_harness import Host, SyncCounter, delta_flushes, full_flushes, hf_config, rl_states, sglang_model
 from sglang.srt.weight_sync.delta.wire import changed_positions, encode_flush, validate_payload
@@ -55,3 +56,32 @@ def test_a_delta_apply_through_the_direct_path_synchronizes_a_constant_number_of
         ops = _count(lambda: host.call("_apply_delta_payload", [pl]))
         counts.append(ops)
     assert counts[0] == counts[1] and len(counts[1]) <= 4, counts
+
+
+class ScatterCounter(TorchDispatchMode):
+    """Counts the scatters that write model storage (``index_copy_``), one kernel launch each on a GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func.overloadpacket is torch.ops.aten.index_copy_
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("layers", [2, 6])
+def test_direct_writes_scatter_once_per_destination_not_per_tensor(layers):
+    """A real SGLang Qwen3-MoE: every expert's gate/up/down lands in one fused weight per layer, and a delta that
+    changes all of them writes each fused weight with one scatter (a dense model: one per fused QKV/gate-up too)."""
+    cfg = hf_config("qwen3-moe", layers=layers)
+    states = rl_states(cfg, 1, seed=0)
+    host = Host(sglang_model(cfg))
+    assert all(host.call("_apply_delta_payload", [pl])[0] for pl in full_flushes(states[0], version=1))
+    (pl,) = delta_flushes(states[0], states[1], "deltas", version=2, base_version=1)
+    storages = {p.untyped_storage().data_ptr() for p in host.model.parameters()}
+    assert len(pl.spec.params) > 2 * len(storages)  # far more HF tensors than destinations
+    with ScatterCounter() as c:
+        ok, msg = host.call("_apply_delta_payload", [pl])
+    assert ok, msg
+    assert c.n <= len(storages), (c.n, len(storages), len(pl.spec.params))

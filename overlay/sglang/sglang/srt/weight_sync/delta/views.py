@@ -99,19 +99,26 @@ def direct_plan(model: torch.nn.Module, recorder: fingerprint.FingerprintRecorde
 def write_direct(items) -> None:
     """Overwrite the changed elements of a flush's params in place, through every view their loader used.
 
-    ``items``: ``(targets, positions, values, numel)`` per param. A view that holds all of an HF tensor is
-    written at once; the views that hold part of one (TP shards) are selected together, with one
-    ``nonzero`` and one host read for the whole flush, not one per param."""
+    ``items``: ``(targets, positions, values, numel)`` per param. Views that hold a whole HF tensor as one
+    contiguous block (every expert of a fused MoE weight, most dense weights) are written with one
+    ``index_copy_`` per destination storage for the whole flush; the views that hold part of one (TP shards)
+    are selected together, with one ``nonzero`` and one host read for the flush, not one per param."""
+    blocks: Dict[Tuple[int, torch.dtype], list] = {}  # destination storage -> [(view, positions, values)]
     partial = []  # (view, mask, offsets, values)
     for targets, idx, values, numel in items:
         device = targets[0].flat.device
         idx, values = idx.to(device, non_blocking=True), values.to(device, non_blocking=True)
         for t in targets:
+            if not t.dims and t.soff == 0 and t.numel == numel:
+                blocks.setdefault((t.flat.data_ptr(), t.flat.dtype), []).append((t, idx, values))
+                continue
             mask, offsets = t.targets(idx, whole=t.soff == 0 and t.numel == numel)
             if mask is None:
                 t.flat.index_copy_(0, offsets, values.to(t.flat.dtype))
             else:
                 partial.append((t, mask, offsets, values))
+    for entries in blocks.values():
+        _write_blocks(entries)
     if not partial:
         return
     starts = [0]
@@ -123,6 +130,24 @@ def write_direct(items) -> None:
         if b > a:
             sel = hits[a:b] - start
             t.flat.index_copy_(0, offsets[sel], values[sel].to(t.flat.dtype))
+
+
+def _write_blocks(entries) -> None:
+    """One storage's whole-block writes of a flush as one ``index_copy_`` (offsets shifted per block by a
+    ``repeat_interleave`` of host-known counts: no synchronization). Blocks whose destinations overlap (a loader
+    that writes two HF tensors over the same elements) keep their order, one write each: a batched scatter with
+    duplicate offsets has no defined winner on a GPU."""
+    flat = entries[0][0].flat
+    spans = sorted((t.doff, t.doff + t.numel) for t, _, _ in entries)
+    if len(entries) == 1 or any(b[0] < a[1] for a, b in zip(spans, spans[1:])):
+        for t, idx, values in entries:
+            flat.index_copy_(0, idx + t.doff, values.to(flat.dtype))
+        return
+    counts = [idx.numel() for _, idx, _ in entries]
+    shift = torch.repeat_interleave(torch.tensor([t.doff for t, _, _ in entries], device=flat.device),
+                                    torch.tensor(counts, device=flat.device), output_size=sum(counts))
+    offsets = torch.cat([idx for _, idx, _ in entries]).add_(shift)
+    flat.index_copy_(0, offsets, torch.cat([v for _, _, v in entries]).to(flat.dtype))
 
 
 def read_base(direct: Dict[str, List[Direct]], params, idxs, dtype, device, held_parts: list) -> torch.Tensor:
