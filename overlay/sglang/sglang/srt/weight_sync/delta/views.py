@@ -151,26 +151,51 @@ def _write_blocks(entries) -> None:
 
 
 def read_base(direct: Dict[str, List[Direct]], params, idxs, dtype, device, held_parts: list) -> torch.Tensor:
-    """The committed values at ``idxs`` through each param's recorded views; appends, per param, the mask of the
-    entries this rank holds (None: all of them) to ``held_parts``. Entries no view holds read as zero (a param no
-    rank stores travels raw) or as anything (the caller refuses a param that is held only in part)."""
-    vals = []
-    for p, idx in zip(params, idxs):
+    """The committed values at ``idxs`` through each param's recorded views, aligned with the flush's values;
+    appends, per param, the mask of the entries this rank holds (None: all of them) to ``held_parts``.
+
+    A param with a whole-block view is read with the others of its storage in one gather per storage; the
+    rest per param. Entries no view holds read as zero (a param no rank stores travels raw) or as anything
+    (the caller refuses a param that is held only in part)."""
+    counts = [p.nnz for p in params]
+    out = torch.zeros(sum(counts), dtype=dtype, device=device)
+    blocks: Dict[Tuple[int, torch.dtype], list] = {}  # storage -> [(view, positions, start in out)]
+    at = 0
+    for p, idx, n in zip(params, idxs, counts):
         idx = torch.arange(p.numel, device=device) if idx is None else idx.to(device)
-        v, h = None, torch.zeros(idx.numel(), dtype=torch.bool, device=device)
-        for t in direct.get(p.name, ()):
-            if t.flat.dtype != dtype:  # the engine keeps other bytes than the trainer sends: no base here
-                continue
-            mask, offsets = t.targets(idx, whole=t.soff == 0 and t.numel == p.numel)
-            if mask is None:  # the whole HF tensor, and idx is clamped into it: every offset is in range
-                v, h = t.flat[offsets], None
-                break
-            got = t.flat[offsets.clamp(0, max(t.flat.numel() - 1, 0))]  # entries outside this view are masked off
-            v = got if v is None else torch.where(mask, got, v)
-            h |= mask
-        vals.append(torch.zeros(idx.numel(), dtype=dtype, device=device) if v is None else v)
-        held_parts.append(h)
-    return torch.cat(vals) if vals else torch.zeros(0, dtype=dtype, device=device)
+        targets = [t for t in direct.get(p.name, ()) if t.flat.dtype == dtype]  # other bytes than the trainer's: no base
+        block = next((t for t in targets if not t.dims and t.soff == 0 and t.numel == p.numel), None)
+        if block is not None:
+            blocks.setdefault((block.flat.data_ptr(), dtype), []).append((block, idx, at))
+            held_parts.append(None)
+        else:
+            v, h = None, torch.zeros(n, dtype=torch.bool, device=device)
+            for t in targets:
+                mask, offsets = t.targets(idx, whole=t.soff == 0 and t.numel == p.numel)
+                got = t.flat[offsets.clamp(0, max(t.flat.numel() - 1, 0))]  # entries outside this view are masked off
+                if mask is None:
+                    v, h = got, None
+                    break
+                v = got if v is None else torch.where(mask, got, v)
+                h |= mask
+            if v is not None and n:
+                out[at:at + n] = v
+            held_parts.append(h)
+        at += n
+    for entries in blocks.values():  # idx is clamped into each param: every offset lies inside its block
+        flat, sizes = entries[0][0].flat, [idx.numel() for _, idx, _ in entries]
+        total = sum(sizes)
+        sizes_t = torch.tensor(sizes, device=device)
+        src = torch.cat([idx for _, idx, _ in entries]).add_(torch.repeat_interleave(
+            torch.tensor([t.doff for t, _, _ in entries], device=device), sizes_t, output_size=total))
+        firsts = [0]
+        for n in sizes[:-1]:
+            firsts.append(firsts[-1] + n)
+        dst = torch.arange(total, device=device).add_(torch.repeat_interleave(
+            torch.tensor([start - first for (_, _, start), first in zip(entries, firsts)], device=device), sizes_t,
+            output_size=total))
+        out.index_copy_(0, dst, flat[src])
+    return out
 
 
 def rebuild_xor(direct: Dict[str, List[Direct]], manifest, payloads: Sequence[DeltaPayload], device) -> List[DeltaPayload]:
