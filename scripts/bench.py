@@ -580,7 +580,8 @@ def main():
     text = report(results["timing"], results["memory"], args, env)
     path = os.path.join(args.out, doc_name(args.shape, "md"))
     old = open(path).read() if os.path.exists(path) else ""
-    begin, end = "<!-- bench-slime:begin -->", "<!-- bench-slime:end -->"
+    from bench_slime import BEGIN as begin, END as end
+
     if begin in old:  # `make bench-slime` writes that section; keep it
         text = text.rstrip("\n") + "\n\n" + old[old.index(begin):old.index(end) + len(end)] + "\n"
     with open(path, "w") as f:
