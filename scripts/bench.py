@@ -579,13 +579,9 @@ def main():
     plot(results["timing"], summ, os.path.join(args.out, doc_name(args.shape, "png")))
     text = report(results["timing"], results["memory"], args, env)
     path = os.path.join(args.out, doc_name(args.shape, "md"))
-    old = open(path).read() if os.path.exists(path) else ""
-    from bench_slime import BEGIN as begin, END as end
+    from bench_slime import section_of, with_section
 
-    if begin in old:  # `make bench-slime` writes that section; keep it
-        text = text.rstrip("\n") + "\n\n" + old[old.index(begin):old.index(end) + len(end)] + "\n"
-    with open(path, "w") as f:
-        f.write(text)
+    with_section(path, text, section_of(open(path).read()) if os.path.exists(path) else None)  # keep bench-slime's
     print(text)
     return 0
 

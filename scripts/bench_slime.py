@@ -142,6 +142,21 @@ def run(steps: int, root: str) -> dict:
     return out
 
 
+def with_section(path: str, doc: str, section) -> None:
+    """Write ``doc`` to ``path`` with ``section`` (text between the markers, or None) as its last part, replacing
+    the one it held: ``make bench`` rewrites the rest of the file and keeps this section, this script the reverse."""
+    if BEGIN in doc:
+        doc = doc[:doc.index(BEGIN)] + doc[doc.index(END) + len(END):]
+    doc = doc.rstrip("\n") + "\n"
+    with open(path, "w") as f:
+        f.write(doc + ("\n" + section.strip("\n") + "\n" if section else ""))
+
+
+def section_of(doc: str):
+    """The ``bench-slime`` section of a benchmarks file, or None."""
+    return doc[doc.index(BEGIN):doc.index(END) + len(END)] if BEGIN in doc and END in doc else None
+
+
 def section(res: dict, env: str) -> str:
     first = res["methods"]["slime:xor"]
     L = [
@@ -203,13 +218,7 @@ def main():
     env = f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
     text = section(res, env)
     path = os.path.join(args.out, "benchmarks.md")
-    doc = open(path).read() if os.path.exists(path) else ""
-    if BEGIN in doc:
-        doc = doc[:doc.index(BEGIN)] + text + doc[doc.index(END) + len(END):]
-    else:
-        doc = doc.rstrip("\n") + "\n\n" + text + "\n"
-    with open(path, "w") as f:
-        f.write(doc)
+    with_section(path, open(path).read() if os.path.exists(path) else "", text)
     print(text)
     return 0
 

@@ -264,7 +264,7 @@ def test_training_loop_into_a_server_over_disk_then_gloo(server):
     srv, cfg, root = server
     trainer = hf_model(cfg, seed=1)
     engine = HttpEngine(srv.url)
-    disk = DiskTransport(str(root / "shared"), [engine], zstd=True)
+    disk = DiskTransport(str(root / "shared"), [engine], zstd=zstd_level("deltas_zstd"))
     sender = DeltaSender(disk, [engine], encoding="deltas_zstd", buffer_bytes=64 << 10, fingerprint_every=1)
     state = bf16_state(trainer)
     for k in range(3):

@@ -43,7 +43,7 @@ import torch
 from sglang.srt.weight_sync.delta import fingerprint
 from sglang.srt.weight_sync.delta.collectives import tp_agree
 from sglang.srt.weight_sync.delta.engine_state import ReceiverState, host_device, host_model, receiver_state, server_arg
-from sglang.srt.weight_sync.delta.ingest import (  # noqa: F401  (receive_broadcast, update_group_timeout: hook entry points)
+from sglang.srt.weight_sync.delta.ingest import (
     max_request_bytes,
     read_files,
     receive_broadcast,
@@ -66,6 +66,11 @@ from sglang.srt.weight_sync.delta.wire import (
 from sglang.srt.weight_sync.delta.write_guard import delta_apply_context, full_sync_context, model_tensors
 
 logger = logging.getLogger(__name__)
+
+# What the patched SGLang calls (model runner, weight updater, weights checker) and the tests read.
+__all__ = ["_apply_delta", "_apply_delta_from_distributed", "_apply_delta_payload", "_apply_received_delta",
+           "checker_action", "delta_status", "fingerprint_payload", "note_outside_load", "receive_broadcast",
+           "receiver_state", "update_group_timeout"]
 
 DEFAULT_CHUNK_BYTES = 512 << 20
 

@@ -25,6 +25,7 @@ from sglang.srt.weight_sync.delta.wire import (
     DeltaEncoding,
     DeltaError,
     changed_positions,
+    check_structure,
     dtype_to_str,
     encode_flush,
     encode_positions,
@@ -229,7 +230,7 @@ def inspect(path: str) -> dict:
         try:
             pl = _read_flush(f)
             if pl.xored:  # the checksum covers the new values, which need the base: `apply` checks them
-                unxor(pl, None, lambda ps, ix: pl.values)  # the structure, at least
+                check_structure(pl)
                 status = "unverified"
             else:
                 validate_payload(pl, None)

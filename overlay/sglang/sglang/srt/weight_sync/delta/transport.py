@@ -69,13 +69,13 @@ class AsyncSafetensorsWriter:
 class DiskTransport:
     shared_group = False
 
-    def __init__(self, root: str, engines: Sequence, *, rank: int = 0, zstd: int = 0, keep_files: bool = False,
+    def __init__(self, root: str, engines: Sequence, *, rank: int = 0, zstd: Optional[int] = None, keep_files: bool = False,
                  post_write_hook: Optional[Callable[[str], Optional[concurrent.futures.Future]]] = None,
                  gather_files: Optional[Callable[[List[str]], List[str]]] = None):
         self.root, self.engines, self.rank = root, list(engines), rank
         self.keep_files, self.hook = keep_files, post_write_hook
         self.gather_files = gather_files or (lambda names: names)  # multi-rank: all-gather names to the publisher
-        self.writer = AsyncSafetensorsWriter(int(zstd) if zstd else None)  # a zstd level (True: 1), falsy: none
+        self.writer = AsyncSafetensorsWriter(zstd)  # a zstd level (``wire.zstd_level``); None: uncompressed
         self.announcer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="delta-publish")
         self.calls = concurrent.futures.ThreadPoolExecutor(max(1, len(self.engines)), thread_name_prefix="delta-rpc")
         self.vdir = ""

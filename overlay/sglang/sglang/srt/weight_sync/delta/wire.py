@@ -36,8 +36,12 @@ import hashlib
 import json
 import math
 import struct
+import warnings
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
+import safetensors
+import safetensors.torch
 import torch
 
 __all__ = [
@@ -55,6 +59,7 @@ __all__ = [
     "decode_positions",
     "validate_payload",
     "unxor",
+    "check_structure",
     "plane_segments",
     "write_safetensors",
     "flush_file",
@@ -390,7 +395,7 @@ class DeltaPayload:
     sums: Optional[Tuple[int, int]] = None  # blob_sums of the two blobs, once computed
     base: Optional[torch.Tensor] = None  # sender, xor_zstd: base_version's bytes beside ``values`` (the file XORs them)
     xored: bool = False  # receiver, xor_zstd: ``values`` still hold new XOR base (see :func:`unxor`)
-    decoded: Optional[tuple] = None  # (positions by name, fault flags) that unxor decoded from these position bytes
+    decoded: Optional[tuple] = None  # (manifest, positions by name, fault flags): unxor's structure check and decode
 
     def seal(self, spec_only: bool = False) -> "DeltaPayload":
         """Set the spec's checksum; ``spec_only``: only spec fields changed since the last seal (reuses the blob sums)."""
@@ -558,8 +563,10 @@ def validate_payload(payload: DeltaPayload, manifest: Optional[Dict[str, Tuple[L
     if actual != spec.checksum:
         raise DeltaError(f"checksum mismatch{where}: expected {spec.checksum or '<none>'}, got {actual} "
                          f"(positions, values or the spec corrupted)", Refusal.CHECKSUM)
-    sparse = _check_structure(payload, manifest, where)
-    found, flags = payload.decoded if payload.decoded is not None else _decode_all(pos, sparse, spec.encoding)
+    if payload.decoded is not None and payload.decoded[0] is manifest:  # unxor checked it against this manifest
+        found, flags = payload.decoded[1:]
+    else:
+        found, flags = _decode_all(pos, _check_structure(payload, manifest, where), spec.encoding)
     flags = list(flags)  # one bool per check, read together: the flush's one synchronization after the checksum
     if val.is_floating_point() and val.numel():
         flags.append(torch.isnan(val).any())
@@ -569,15 +576,26 @@ def validate_payload(payload: DeltaPayload, manifest: Optional[Dict[str, Tuple[L
     return [None if p.dense else found.get(p.name, empty) for p in spec.params]
 
 
-def _decode_all(pos: torch.Tensor, sparse: Dict[int, List[DeltaParam]], encoding: str):
-    """Every sparse param's positions by name, and the fault flags of their decode (unread)."""
+def _decode_all(pos: torch.Tensor, sparse: Dict[int, List[DeltaParam]], encoding: str, clamp: bool = False):
+    """Every sparse param's positions by name, and the fault flags of their decode (unread); ``clamp``: positions
+    past a param's end are clamped to its last element after the flags saw them (safe to gather with; equal to
+    the decoded positions whenever the flags pass)."""
     found: Dict[str, torch.Tensor] = {}
     flags = []
     for width, params in sparse.items():
-        idx, bad = _decode_group(pos, [p for p in params if p.nnz], width, encoding != DeltaEncoding.INDICES.value)
+        idx, bad = _decode_group(pos, [p for p in params if p.nnz], width, encoding != DeltaEncoding.INDICES.value,
+                                 clamp)
         flags += bad
         found.update(idx)
     return found, flags
+
+
+def check_structure(payload: DeltaPayload, manifest=None) -> Dict[int, List[DeltaParam]]:
+    """The checks that need no checksum: blob shapes, the spec's own rules and its fit to the blobs, names, shapes
+    and dtypes against ``manifest``; returns the sparse params by position width."""
+    where = f" in {payload.source}" if payload.source else ""
+    _check_blobs(payload, where)
+    return _check_structure(payload, manifest, where)
 
 
 def _check_blobs(payload: DeltaPayload, where: str) -> None:
@@ -652,18 +670,16 @@ def unxor(payload: DeltaPayload, manifest, read_base) -> DeltaPayload:
     where = f" in {payload.source}" if payload.source else ""
     if DeltaEncoding(spec.encoding) is not DeltaEncoding.XOR_ZSTD or not payload.xored:
         raise DeltaError(f"unxor needs xor_zstd values{where}, got a {spec.encoding} flush")
-    _check_blobs(payload, where)
-    sparse = _check_structure(payload, manifest, where)
-    found, flags = _decode_all(pos, sparse, spec.encoding)  # reused by validate_payload: the same position bytes
+    found, flags = _decode_all(pos, check_structure(payload, manifest), spec.encoding, clamp=True)  # validate reuses it
     empty = pos.new_empty(0, dtype=torch.int64)
-    idxs = [None if p.dense else found.get(p.name, empty).clamp(max=max(p.numel - 1, 0)) for p in spec.params]
+    idxs = [None if p.dense else found.get(p.name, empty) for p in spec.params]
     base = read_base(spec.params, idxs)
     if base.dtype != val.dtype or base.shape != val.shape:
         raise DeltaError(f"base values{where}: {base.dtype} {list(base.shape)} do not match the flush's "
                          f"{val.dtype} {list(val.shape)}", Refusal.NO_BASE)
     iv = INT_VIEW[val.element_size()]
     rebuilt = torch.bitwise_xor(val.view(iv), base.to(val.device).view(iv)).view(val.dtype)
-    return dataclasses.replace(payload, values=rebuilt, xored=False, sums=None, decoded=(found, flags))
+    return dataclasses.replace(payload, values=rebuilt, xored=False, sums=None, decoded=(manifest, found, flags))
 
 
 def host_values(t: torch.Tensor) -> list:
@@ -675,7 +691,7 @@ def host_values(t: torch.Tensor) -> list:
 _DECODE_CHUNK = 1 << 20  # positions decoded per pass: bounds the int64 scratch and keeps it in cache
 
 
-def _decode_group(pos: torch.Tensor, params: List[DeltaParam], width: int, gaps: bool):
+def _decode_group(pos: torch.Tensor, params: List[DeltaParam], width: int, gaps: bool, clamp: bool = False):
     """Decode every (non-empty) param of one position width: ``({name: int64 positions}, [fault flags])``.
 
     Params are taken in runs of about ``_DECODE_CHUNK`` positions; per run the tensor ops (a cat, a
@@ -692,12 +708,12 @@ def _decode_group(pos: torch.Tensor, params: List[DeltaParam], width: int, gaps:
         run.append(p)
         size += p.nnz
         if size >= _DECODE_CHUNK or k == len(params) - 1:
-            out.update(_decode_run(pos, run, width, gaps, flags))
+            out.update(_decode_run(pos, run, width, gaps, flags, clamp))
             run, size = [], 0
     return out, flags
 
 
-def _decode_run(pos: torch.Tensor, params: List[DeltaParam], width: int, gaps: bool, flags: list):
+def _decode_run(pos: torch.Tensor, params: List[DeltaParam], width: int, gaps: bool, flags: list, clamp: bool):
     device = pos.device
     raw = torch.cat([pos[p.pos_start:p.pos_end] for p in params]) if len(params) > 1 else \
         pos[params[0].pos_start:params[0].pos_end].clone()  # an aligned copy for the integer view
@@ -722,6 +738,9 @@ def _decode_run(pos: torch.Tensor, params: List[DeltaParam], width: int, gaps: b
         flags.append(~rising.all())
     numel = torch.tensor([p.numel for p in params], dtype=torch.int64, device=device)
     flags.append((idx[last] >= numel).any())  # increasing: each param's last position is its largest
+    if clamp:  # one op for the run, not one per param
+        idx = torch.minimum(idx, torch.repeat_interleave(numel - 1, torch.tensor(counts, device=device),
+                                                         output_size=idx.numel()))
     return {p.name: idx[s:s + c] for p, s, c in zip(params, starts, counts)}
 
 
@@ -750,8 +769,6 @@ def _check_one_by_one(payload: DeltaPayload, where: str) -> None:
 def write_safetensors(payload_spec: DeltaSpec, positions: torch.Tensor, values: torch.Tensor) -> bytes:
     """Serialize one flush as a safetensors file (two tensors + the spec as ``__metadata__``); plane-major
     encodings store each param's segments byte-plane by byte-plane (see :func:`plane_segments`)."""
-    from safetensors.torch import save
-
     pos = positions.detach().reshape(-1).to("cpu").contiguous()
     val = values.detach().reshape(-1).to("cpu").contiguous()
     if DeltaEncoding(payload_spec.encoding).plane_major:
@@ -760,7 +777,7 @@ def write_safetensors(payload_spec: DeltaSpec, positions: torch.Tensor, values: 
             pos = torch.from_numpy(_to_planes(pos.numpy(), pos_seg))
         if val_seg:
             val = torch.from_numpy(_to_planes(val.view(torch.uint8).numpy(), val_seg)).view(val.dtype)
-    return save({POSITIONS: pos, VALUES: val}, metadata=payload_spec.to_metadata())
+    return safetensors.torch.save({POSITIONS: pos, VALUES: val}, metadata=payload_spec.to_metadata())
 
 
 def plane_segments(spec: DeltaSpec, pos_bytes: int, n_values: int, value_size: int):
@@ -792,8 +809,6 @@ def _to_planes(blob, segments):
     """Element-major -> plane-major per segment (numpy uint8, on the host: files are written there)."""
     if not segments:
         return blob
-    import numpy as np
-
     out = np.empty_like(blob)  # the segments tile the blob
     for start, n, w in segments:
         out[start:start + n * w].reshape(w, n)[:] = blob[start:start + n * w].reshape(n, w).T
@@ -805,8 +820,6 @@ def _from_planes(blob, segments):
     elements are rebuilt by shifts and ors on whole planes, ~3x a strided byte copy."""
     if not segments:
         return blob
-    import numpy as np
-
     out = np.empty_like(blob)
     for start, n, w in segments:
         src, dst = blob[start:start + n * w], out[start:start + n * w]
@@ -875,8 +888,6 @@ def _raw_bytes(data: bytes) -> torch.Tensor:
     received blob; decoding, rebuilding and writing to the model make new tensors)."""
     if not data:
         return torch.empty(0, dtype=torch.uint8)
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "the given buffer is not writable"
         return torch.frombuffer(data, dtype=torch.uint8)
@@ -914,8 +925,6 @@ def read_safetensors(data: bytes, name: str = "") -> DeltaPayload:
             raise DeltaError(f"{tag}: {key} offsets [{start},{end}) / shape {shape} do not fit the "
                              f"{body_len}-byte body (truncated file?)")
         tensors[key] = dtype
-    import safetensors
-
     try:
         views = dict(safetensors.deserialize(bytes(data)))
     except Exception as e:  # SafetensorError: holes or overlaps between the tensors, a body of the wrong size
@@ -965,8 +974,6 @@ def changed_positions(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     if new.device.type != "cpu":
         return torch.nonzero(a != b).reshape(-1)
     # CPU: numpy's flatnonzero is ~2x torch.nonzero, and releases the GIL, so blocks run on all cores
-    import numpy as np
-
     na, nb = a.numpy(), b.numpy()
     if na.size <= _DIFF_BLOCK:
         return torch.from_numpy(np.flatnonzero(na != nb))
