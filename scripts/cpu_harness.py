@@ -280,22 +280,29 @@ class Server:
 
     def __init__(self, model_dir: str, log_path: str, extra: Optional[List[str]] = None,
                  env: Optional[Dict[str, str]] = None, api_key: Optional[str] = None):
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._args = [model_dir, log_path, (["--api-key", api_key] if api_key else []) + (extra or []),
+                      dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **(env or {}))]
+        self._launch()
+
+    def _launch(self) -> None:
         import subprocess
         import sys
 
+        model_dir, log_path, extra, env = self._args
         self.port = free_port(below=50000)  # SGLang derives further ports from it (e.g. +10000 for gRPC)
         self.url = f"http://127.0.0.1:{self.port}"
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_dir, "--device", "cpu",
                "--attention-backend", "torch_native", "--host", "127.0.0.1", "--port", str(self.port),
                "--disable-cuda-graph", "--mem-fraction-static", "0.1", "--skip-server-warmup", "--tp", "1",
                "--max-total-tokens", "2048", "--sampling-backend", "pytorch", "--grammar-backend", "none",
-               "--log-level", "warning"] + (["--api-key", api_key] if api_key else []) + (extra or [])
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **(env or {}))
+               "--log-level", "warning"] + extra
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
-    def wait_healthy(self, timeout: float = 300) -> "Server":
+    def wait_healthy(self, timeout: float = 300, relaunches: int = 2) -> "Server":
+        """Wait for ``/health``; a server that lost its port to another process between ``free_port`` and its bind
+        (a race of the test machine, not of the product) is launched again on another port."""
         import time
 
         import requests
@@ -303,6 +310,13 @@ class Server:
         t0 = time.time()
         while time.time() - t0 < timeout:
             if self.proc.poll() is not None:
+                self.log.close()
+                with open(self.log.name) as f:
+                    lost_port = "address already in use" in f.read()
+                if lost_port and relaunches > 0:
+                    relaunches -= 1
+                    self._launch()
+                    continue
                 raise RuntimeError(f"server exited rc={self.proc.returncode}; see {self.log.name}")
             try:
                 if requests.get(self.url + "/health", timeout=2).status_code == 200:
