@@ -6,7 +6,9 @@ Real parts only: transformers models, AdamW steps, safetensors files, ``python -
 """
 from __future__ import annotations
 
+import copy
 import os
+import re
 import socket
 from typing import Dict, Iterator, List, Optional, Sequence
 
@@ -115,9 +117,10 @@ def rl_states(cfg, steps: int, seed: int = 1, **step_kwargs) -> List[Dict[str, t
 
 
 def delta_flushes(old: Dict[str, torch.Tensor], new: Dict[str, torch.Tensor], encoding: str, *, version: int,
-                  base_version: int, max_params: int = 1 << 30, raw: Sequence[str] = ()) -> List[DeltaPayload]:
+                  base_version: int, max_params: int = 1 << 30, raw: Sequence[str] = (),
+                  dense: Sequence[str] = ()) -> List[DeltaPayload]:
     """The changed elements of ``new`` vs ``old`` as one sync's flushes (by dtype, at most max_params each);
-    ``xor_zstd`` values XOR ``old``, except the ``raw`` names (an engine's ``xor_raw``)."""
+    ``xor_zstd`` values XOR ``old``, except the ``raw`` names (an engine's ``xor_raw``); ``dense`` names whole."""
     names = list(new)
     groups: Dict[torch.dtype, List[str]] = {}
     for n in names:
@@ -125,7 +128,8 @@ def delta_flushes(old: Dict[str, torch.Tensor], new: Dict[str, torch.Tensor], en
     batches = [g[i:i + max_params] for g in groups.values() for i in range(0, len(g), max_params)]
     out = []
     for k, batch in enumerate(batches):
-        entries = [(n, new[n], changed_positions(old[n], new[n]) if new[n].is_floating_point() else None) for n in batch]
+        entries = [(n, new[n], changed_positions(old[n], new[n]) if new[n].is_floating_point() and n not in dense
+                    else None) for n in batch]
         bases = [torch.zeros_like(t.reshape(-1) if i is None else t.reshape(-1)[i]) if n in raw else
                  old[n].reshape(-1) if i is None else old[n].reshape(-1)[i] for n, t, i in entries] \
             if encoding == "xor_zstd" else None
@@ -190,7 +194,34 @@ def init_sglang_inprocess(tp_rank: int = 0, tp_size: int = 1, init_method: Optio
     _DIST_READY = True
 
 
-def sglang_model(cfg):
+FP8_BLOCK = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+_FP8_LINEAR = re.compile(r"^model\.layers\.\d+\..*_proj\.weight$")  # decoder linears (experts too), not the router
+
+
+def fp8_block_quantize(state: Dict[str, torch.Tensor], block=(128, 128)) -> Dict[str, torch.Tensor]:
+    """slime's FP8 rollout conversion (``quantize_params_fp8`` with block scales) on CPU: every decoder linear weight
+    becomes e4m3 plus an fp32 ``weight_scale_inv`` per block, with the arithmetic of slime's Triton kernel
+    (``amax = max(|x|, 1e-10)``, ``s = amax / 448``, ``q = clamp(x * (1 / s), ±448)``); other tensors as they are."""
+    out = {}
+    for name, x in state.items():
+        if not _FP8_LINEAR.match(name):
+            out[name] = x
+            continue
+        (m, n), (bm, bn) = x.shape, block
+        mb, nb = -(-m // bm), -(-n // bn)
+        padded = torch.zeros(mb * bm, nb * bn, dtype=torch.float32)
+        padded[:m, :n] = x.float()
+        blocks = padded.view(mb, bm, nb, bn)
+        scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-10) / 448.0
+        q = (blocks * (1.0 / scale)[:, None, :, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        out[name] = q.view(mb * bm, nb * bn)[:m, :n].contiguous()
+        out[name.removesuffix("weight") + "weight_scale_inv"] = scale.contiguous()
+    return out
+
+
+def sglang_model(cfg, quant=None):
+    """An SGLang model class in-process; ``quant``: a checkpoint's ``quantization_config`` dict or an ``Fp8Config``
+    (e.g. online quantization of a bf16 checkpoint)."""
     init_sglang_inprocess()
     arch = cfg.architectures[0] if cfg.architectures else type(cfg).__name__.replace("Config", "ForCausalLM")
     import importlib
@@ -198,8 +229,22 @@ def sglang_model(cfg):
     mod = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
            "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe"}[arch]
     cls = getattr(importlib.import_module(f"sglang.srt.models.{mod}"), arch)
-    with torch.device("cpu"):
-        model = cls(cfg).to(torch.bfloat16)
+    if quant is None:
+        with torch.device("cpu"):
+            return cls(cfg).to(torch.bfloat16)
+    from sglang.srt.layers.quantization.fp8 import Fp8Config
+
+    config = Fp8Config.from_config(quant) if isinstance(quant, dict) else quant
+    cfg = copy.deepcopy(cfg)
+    if isinstance(quant, dict):
+        cfg.quantization_config = quant
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # as the server builds it: scales stay fp32, fp8 weights e4m3
+    try:
+        with torch.device("cpu"):
+            model = cls(cfg, quant_config=config)
+    finally:
+        torch.set_default_dtype(default)
     return model
 
 

@@ -10,7 +10,7 @@ import torch
 
 import sglang
 from cpu_harness import free_port
-from sglang.srt.weight_sync.delta.wire import DeltaPayload
+from sglang.srt.weight_sync.delta.wire import DeltaPayload, broadcastable
 
 SGLANG_VERSION = sglang.__version__
 ARCHS = ["qwen2", "qwen3", "qwen3-tied", "llama"]
@@ -64,7 +64,7 @@ class GlooSender:
         return pg
 
     def send(self, payload: DeltaPayload) -> None:
-        self.inbox.put([payload.positions.contiguous(), payload.values.contiguous()])
+        self.inbox.put([broadcastable(payload.positions.contiguous()), broadcastable(payload.values.contiguous())])
 
     def wait_sent(self) -> None:
         assert self.outbox.get(timeout=60) == "sent"

@@ -20,6 +20,7 @@ def test_bench_writes_its_report(tmp_path):
                     ("xor_zstd", "disk")):
         assert f"| delta `{e}` | {path} |" in text
     assert "## Bytes per changed element" in text and "whole-tensor XOR, zstd-1" in text
-    assert re.findall(r"^\| (\d+) \| [\d.]+% \|", text, re.M) == ["1", "2"] * 2  # per-step tables: one row a step
+    assert re.findall(r"^\| (\d+) \| [\d.]+% \|", text, re.M) == ["1", "2"] * 3  # per-step tables: one row a step
+    assert "## FP8 rollout engine" in text and r.stdout.count("measure: fp8 step") == 4  # both runs
     assert "(theirs)" in text
     assert (out / "benchmarks.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -276,13 +276,3 @@ def test_speculative_engine_refused(engine):
     assert not ok and "speculative decoding (EAGLE) is not supported by delta weight sync" in msg, msg
     assert_untouched(engine, before)
     assert receiver_state(engine.model).last[1] == "unsupported"
-
-
-def test_quantized_engine_refused(engine):
-    import types
-
-    before = weights(engine)
-    engine.model_config = types.SimpleNamespace(quantization="fp8")  # what ModelRunner.model_config says for fp8
-    ok, msg = engine.call("_apply_delta_payload", [good_delta()])
-    assert not ok and "quantized engines (fp8) are not supported by delta weight sync" in msg
-    assert_untouched(engine, before)

@@ -32,6 +32,8 @@ class ReceiverState:
     last: tuple = (None, None, None)  # ([version, flush], refusal code or None, received) of the last request
     xor_ready: bool = False  # every param this rank loaded has direct views of its own dtype (xor_zstd bases)
     xor_raw: List[str] = dataclasses.field(default_factory=list)  # names this rank's loader never stored
+    dense: List[str] = dataclasses.field(default_factory=list)  # byte-sparse names without recorded views
+    changed: set = dataclasses.field(default_factory=set)  # names changed so far in the pending version
 
 
 _STATES: "weakref.WeakKeyDictionary[torch.nn.Module, ReceiverState]" = weakref.WeakKeyDictionary()

@@ -19,6 +19,7 @@ from sglang.srt.weight_sync.delta.wire import (
     DeltaError,
     DeltaPayload,
     Refusal,
+    broadcastable,
     dtype_from_str,
     maybe_zstd_decompress,
     read_safetensors,
@@ -98,7 +99,7 @@ def _receive(self, names, dtypes, shapes, group_name: str) -> List[Tuple[str, to
                 (VALUES, torch.empty(n_val, dtype=val_dtype, device=device))]
     group = groups[group_name]
     try:
-        works = [torch.distributed.broadcast(t, src=0, group=group, async_op=True) for _, t in received]
+        works = [torch.distributed.broadcast(broadcastable(t), src=0, group=group, async_op=True) for _, t in received]
         await_collectives(works, update_group_timeout(self).total_seconds())
     except Exception as e:
         if isinstance(e, CollectiveStuck):

@@ -26,7 +26,10 @@ Contract (see the wire module for the format):
   committed version, whether only a full sync helps and why, the last request's refusal code. The
   sender decides on those fields, never on the message.
 
-Not supported, refused loudly: quantized engines, sparse fp8/integer params (they travel dense).
+Quantized engines: FP8 checkpoints with block scales are served as any other (fp8 values are bytes; they travel
+sparse only to names written through recorded views, the others are in the status' ``dense``); an engine whose
+after-loading step transforms its weights is refused (``quant``). A block scale never changes without its weight.
+Not supported, refused loudly: speculative decoding (the draft model would keep old weights).
 How the loader is watched (per thread, aten-level bypasses, foreign threads): see ``write_guard``.
 """
 
@@ -49,6 +52,7 @@ from sglang.srt.weight_sync.delta.ingest import (
     receive_broadcast,
     update_group_timeout,
 )
+from sglang.srt.weight_sync.delta.quant import check_names, check_quantization
 from sglang.srt.weight_sync.delta.versions import check_version, check_xor_base, full_reason
 from sglang.srt.weight_sync.delta.views import direct_plan, rebuild_xor, write_direct
 from sglang.srt.weight_sync.delta.wire import (
@@ -61,6 +65,8 @@ from sglang.srt.weight_sync.delta.wire import (
     DeltaStatus,
     Refusal,
     dtype_from_str,
+    nan_sentinel,
+    sparse_allowed,
     validate_payload,
 )
 from sglang.srt.weight_sync.delta.write_guard import delta_apply_context, full_sync_context, model_tensors
@@ -96,7 +102,7 @@ def delta_status(model: torch.nn.Module) -> DeltaStatus:
     request, code, received = state.last
     return DeltaStatus(version=state.version, needs_full=reason is not None, reason=reason, pending=state.pending,
                        request=request, code=code, received=received, max_request_bytes=max_request_bytes(model),
-                       xor=state.xor_ready and reason is None, xor_raw=list(state.xor_raw))
+                       xor=state.xor_ready and reason is None, xor_raw=list(state.xor_raw), dense=list(state.dense))
 
 
 def checker_action(action: str, model: torch.nn.Module, parallelism_info=None) -> dict:
@@ -146,6 +152,9 @@ def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version:
             names = [q.name for p in payloads for q in p.spec.params]
             if len(set(names)) != len(names):
                 raise DeltaError(f"param {next(n for n in names if names.count(n) > 1)!r} appears in two files of one request")
+            check_names(names)
+            if not head.full:
+                _check_writable(state, head, [q for p in payloads for q in p.spec.params])
         except DeltaError as e:
             error = e
     peer = DeltaError("another tensor-parallel rank of this engine refused the request (its delta_status says why)",
@@ -235,6 +244,8 @@ def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version:
             state.xor_ready = all(n in state.direct and all(t.flat.dtype == dtype_from_str(d) for t in state.direct[n])
                                   for n, (_, d) in state.manifest.items() if n in state.recorder.copies)
             state.xor_raw = sorted(n for n in state.manifest if n not in state.recorder.copies)
+            state.dense = sorted(n for n, (_, d) in state.manifest.items() if n not in state.direct
+                                 and sparse_allowed(dtype_from_str(d)) and not nan_sentinel(dtype_from_str(d)))
             state.copies, state.recorder, state.pending_manifest = state.recorder.copies, None, {}
     kind = "full sync" if head.full else "delta"
     return True, (f"Succeeded to apply {kind} version {head.version} flush {head.flush} "
@@ -273,10 +284,32 @@ def note_outside_load(host, entry_point: str) -> None:
         state.outside_load = entry_point
 
 
+def _check_writable(state: ReceiverState, head: DeltaSpec, params: Sequence[DeltaParam]) -> None:
+    """Delta rules beyond the wire's: a sparse param without NaN sentinel (fp8) needs recorded views to be written
+    through, and a changed block scale needs its weight's bytes in the same version (a scale applied to the old
+    bytes would rescale them: a silently wrong layer). Checked before this request's first write; a version whose
+    earlier flushes already landed is then left dirty by the caller."""
+    direct = state.direct or {}
+    changed = {p.name for p in params if p.dense or p.nnz}
+    for p in params:
+        dtype = dtype_from_str(p.dtype)
+        if not p.dense and p.nnz and sparse_allowed(dtype) and not nan_sentinel(dtype) and p.name not in direct:
+            raise DeltaError(f"param {p.name!r}: {p.dtype} values travel sparse only to params written through "
+                             "recorded views, and this engine has none for it (its status lists it under 'dense')",
+                             Refusal.NEEDS_DENSE)
+    if head.flush == 0:
+        state.changed = set()
+    state.changed |= changed
+    if head.final:
+        for name in sorted(state.changed):
+            weight = name.removesuffix("_scale_inv")
+            if weight != name and weight in (state.manifest or {}) and weight not in state.changed:
+                raise DeltaError(f"param {name!r} changed in version {head.version} without {weight!r}: a block "
+                                 "scale moves with its weight's bytes (a sender that dropped the weight?)")
+
+
 def _refuse_unsupported(host) -> None:
-    quant = getattr(getattr(host, "model_config", None), "quantization", None)
-    if quant:
-        raise DeltaError(f"quantized engines ({quant}) are not supported by delta weight sync", Refusal.UNSUPPORTED)
+    check_quantization(host_model(host))
     spec = server_arg(host, "speculative_algorithm", None)
     if spec:
         raise DeltaError(f"speculative decoding ({spec}) is not supported by delta weight sync: the draft model would "

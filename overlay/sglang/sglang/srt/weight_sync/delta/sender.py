@@ -42,6 +42,7 @@ from sglang.srt.weight_sync.delta.wire import (
     Refusal,
     changed_positions,
     encode_flush,
+    nan_sentinel,
     sparse_allowed,
 )
 
@@ -212,6 +213,7 @@ class EngineStatus:
     max_request_bytes: int = 0  # from the engine's DeltaStatus (0: not known yet)
     xor: bool = False  # every rank can rebuild xor_zstd values (and did not refuse them for want of a base)
     xor_raw: frozenset = frozenset()  # names no rank stores: xor_zstd sends them raw (XOR zero)
+    dense: frozenset = frozenset()  # names some rank can take only dense (fp8 without recorded views)
 
 
 def _engine_ranks(engine) -> List[DeltaStatus]:
@@ -271,6 +273,7 @@ class DeltaSender:
                 or not (self.state.version <= st.version <= self.version)
             st.xor = all(r.xor for r in ranks) and not any(r.code == Refusal.NO_BASE.value for r in ranks)
             st.xor_raw = frozenset.intersection(*(frozenset(r.xor_raw) for r in ranks))
+            st.dense = frozenset().union(*(r.dense for r in ranks))
 
     def update(self, segments: Sequence[Callable[[], Iterable[Chunk]]]) -> Dict[int, Tuple[bool, str]]:
         """One sync over ``segments`` (callables yielding chunks of HF ``(name, tensor)``); publishes after each."""
@@ -322,8 +325,8 @@ class DeltaSender:
             self.state.commit(v)
         else:
             self.state.stage()
-        # xor_zstd: what a fresh full sync lets an engine rebuild (its recorded views) only its status says
-        relearn = [i for i in acked if i in full_targets] if self.encoding == DeltaEncoding.XOR_ZSTD.value else []
+        # what a full sync let an engine write directly (xor bases, byte-sparse params) only its status says
+        relearn = [i for i in acked if i in full_targets]
         self._learn(failed + relearn)
         for i in failed:
             st = self.status[i]
@@ -400,6 +403,7 @@ class _SyncRun:
                  encodings: Dict[str, str], fingerprint_on: bool = False):
         self.s, self.v, self.encodings = sender, version, encodings
         self.xor_raw = sender.status[delta_targets[0]].xor_raw if delta_targets else frozenset()
+        self.dense = frozenset().union(*(sender.status[i].dense for i in delta_targets))
         self.fingerprints: Optional[Dict[str, "fingerprint.NameSum"]] = {} if fingerprint_on else None
         self.fingerprint_s = 0.0  # trainer-side hashing, reported apart from encode
         self.fp_scratch = fingerprint.Scratch() if fingerprint_on else None
@@ -433,8 +437,9 @@ class _SyncRun:
             self.elements += tensor.numel()
             self.nnz += tensor.numel() if idx is None else idx.numel()
             if "delta" in self.buckets:
-                sparse = idx is not None and sparse_allowed(tensor.dtype)
-                if not (sparse and not idx.numel()):  # an unchanged param is left out of the spec
+                sparse = idx is not None and sparse_allowed(tensor.dtype) and \
+                    (nan_sentinel(tensor.dtype) or name not in self.dense)
+                if idx is None or idx.numel():  # an unchanged param is left out of the spec
                     self.buckets["delta"].add(name, tensor, idx if sparse else None,
                                               self._xor_base(name, tensor, base, idx if sparse else None))
             if "full" in self.buckets:

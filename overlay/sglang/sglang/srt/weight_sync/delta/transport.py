@@ -29,7 +29,15 @@ from typing import Callable, ContextManager, Dict, List, Optional, Sequence, Tup
 import torch
 
 from sglang.srt.weight_sync.delta.collectives import abort_group, await_collectives, group_named
-from sglang.srt.weight_sync.delta.wire import POSITIONS, VALUES, DeltaPayload, DeltaStatus, dtype_to_str, flush_file
+from sglang.srt.weight_sync.delta.wire import (
+    POSITIONS,
+    VALUES,
+    DeltaPayload,
+    DeltaStatus,
+    broadcastable,
+    dtype_to_str,
+    flush_file,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +209,8 @@ class NcclTransport:
         broadcast_error = None
         t0 = time.perf_counter()
         try:
-            works = [torch.distributed.broadcast(t, src=0, group=self.group, async_op=True) for t in (pos, vals)]
+            works = [torch.distributed.broadcast(broadcastable(t), src=0, group=self.group, async_op=True)
+                     for t in (pos, vals)]
             await_collectives(works, self.timeout_s, peers_gone=lambda: all(f.done() for f in futs.values()))
         except Exception as e:
             abort_group(self.group)

@@ -17,7 +17,7 @@ import torch
 
 from sglang.srt.weight_sync.delta import fingerprint
 from sglang.srt.weight_sync.delta.collectives import tp_agree, tp_group
-from sglang.srt.weight_sync.delta.wire import DeltaError, DeltaPayload, Refusal, host_values, unxor
+from sglang.srt.weight_sync.delta.wire import INT_VIEW, DeltaError, DeltaPayload, Refusal, host_values, unxor
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ def write_direct(items) -> None:
                 continue
             mask, offsets = t.targets(idx, whole=t.soff == 0 and t.numel == numel)
             if mask is None:
-                t.flat.index_copy_(0, offsets, values.to(t.flat.dtype))
+                _scatter(t.flat, offsets, values)
             else:
                 partial.append((t, mask, offsets, values))
     for entries in blocks.values():
@@ -129,7 +129,19 @@ def write_direct(items) -> None:
     for (t, _, offsets, values), a, b, start in zip(partial, bounds, bounds[1:], starts):
         if b > a:
             sel = hits[a:b] - start
-            t.flat.index_copy_(0, offsets[sel], values[sel].to(t.flat.dtype))
+            _scatter(t.flat, offsets[sel], values[sel])
+
+
+def _scatter(flat: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor) -> None:
+    """``flat[offsets] = values`` as bits (the values cast to the param's dtype first, as the loader's copy does):
+    integer views, because index ops lack fp8 kernels (CPU) and a bit copy is what a delta means anyway."""
+    iv = INT_VIEW[flat.element_size()]
+    flat.view(iv).index_copy_(0, offsets, values.to(flat.dtype).view(iv))
+
+
+def _bits(flat: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``flat[offsets]`` as integers of the same width (see :func:`_scatter`)."""
+    return flat.view(INT_VIEW[flat.element_size()])[offsets]
 
 
 def _write_blocks(entries) -> None:
@@ -141,13 +153,13 @@ def _write_blocks(entries) -> None:
     spans = sorted((t.doff, t.doff + t.numel) for t, _, _ in entries)
     if len(entries) == 1 or any(b[0] < a[1] for a, b in zip(spans, spans[1:])):
         for t, idx, values in entries:
-            flat.index_copy_(0, idx + t.doff, values.to(flat.dtype))
+            _scatter(flat, idx + t.doff, values)
         return
     counts = [idx.numel() for _, idx, _ in entries]
     shift = torch.repeat_interleave(torch.tensor([t.doff for t, _, _ in entries], device=flat.device),
                                     torch.tensor(counts, device=flat.device), output_size=sum(counts))
     offsets = torch.cat([idx for _, idx, _ in entries]).add_(shift)
-    flat.index_copy_(0, offsets, torch.cat([v for _, _, v in entries]).to(flat.dtype))
+    _scatter(flat, offsets, torch.cat([v for _, _, v in entries]))
 
 
 def read_base(direct: Dict[str, List[Direct]], params, idxs, dtype, device, held_parts: list) -> torch.Tensor:
@@ -158,7 +170,7 @@ def read_base(direct: Dict[str, List[Direct]], params, idxs, dtype, device, held
     rest per param. Entries no view holds read as zero (a param no rank stores travels raw) or as anything
     (the caller refuses a param that is held only in part)."""
     counts = [p.nnz for p in params]
-    out = torch.zeros(sum(counts), dtype=dtype, device=device)
+    out = torch.zeros(sum(counts), dtype=INT_VIEW[torch.empty((), dtype=dtype).element_size()], device=device)
     blocks: Dict[Tuple[int, torch.dtype], list] = {}  # storage -> [(view, positions, start in out)]
     at = 0
     for p, idx, n in zip(params, idxs, counts):
@@ -172,7 +184,7 @@ def read_base(direct: Dict[str, List[Direct]], params, idxs, dtype, device, held
             v, h = None, torch.zeros(n, dtype=torch.bool, device=device)
             for t in targets:
                 mask, offsets = t.targets(idx, whole=t.soff == 0 and t.numel == p.numel)
-                got = t.flat[offsets.clamp(0, max(t.flat.numel() - 1, 0))]  # entries outside this view are masked off
+                got = _bits(t.flat, offsets.clamp(0, max(t.flat.numel() - 1, 0)))  # outside this view: masked off
                 if mask is None:
                     v, h = got, None
                     break
@@ -194,8 +206,8 @@ def read_base(direct: Dict[str, List[Direct]], params, idxs, dtype, device, held
         dst = torch.arange(total, device=device).add_(torch.repeat_interleave(
             torch.tensor([start - first for (_, _, start), first in zip(entries, firsts)], device=device), sizes_t,
             output_size=total))
-        out.index_copy_(0, dst, flat[src])
-    return out
+        out.index_copy_(0, dst, _bits(flat, src))
+    return out.view(dtype)
 
 
 def rebuild_xor(direct: Dict[str, List[Direct]], manifest, payloads: Sequence[DeltaPayload], device) -> List[DeltaPayload]:

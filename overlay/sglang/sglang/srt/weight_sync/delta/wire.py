@@ -100,7 +100,8 @@ _ST_NAMES = {
     torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64", torch.bool: "BOOL",
 }
 _ST_DTYPES = {v: k for k, v in _ST_NAMES.items()}
-_SPARSE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+_SENTINEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+_BYTE_SPARSE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 class Refusal(str, enum.Enum):
@@ -116,6 +117,7 @@ class Refusal(str, enum.Enum):
     APPLY_FAILED = "apply_failed"  # a write failed after others landed: the engine is dirty
     PEER = "peer_refused"  # this rank was fine, another TP rank of the engine refused or failed
     NO_BASE = "no_base"  # xor_zstd: this engine cannot read the base bytes of every named param (send it planes_zstd)
+    NEEDS_DENSE = "needs_dense"  # a sparse param without NaN sentinel that no recorded view writes (status' dense)
 
 
 class DeltaError(ValueError):
@@ -144,6 +146,7 @@ class DeltaStatus:
     max_request_bytes: int = 0  # the most bytes one request may declare (the sender never declares more)
     xor: bool = False  # can rebuild xor_zstd values: every param this rank loaded is readable through recorded views
     xor_raw: List[str] = dataclasses.field(default_factory=list)  # names its loader never stored: xor_zstd sends them raw
+    dense: List[str] = dataclasses.field(default_factory=list)  # names that must travel dense (see nan_sentinel)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -215,12 +218,20 @@ def dtype_to_str(dtype: torch.dtype) -> str:
 
 
 def sparse_allowed(dtype: torch.dtype) -> bool:
-    """Only float dtypes with a NaN that the receiver can use as 'unchanged' travel sparse.
+    """Float dtypes travel sparse; integer params always travel dense."""
+    return dtype in _SENTINEL_DTYPES or dtype in _BYTE_SPARSE_DTYPES
 
-    Integer params have no NaN sentinel and fp8 NaN is not reliably preserved by loaders'
-    casts, so both always travel dense.
-    """
-    return dtype in _SPARSE_DTYPES
+
+def broadcastable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a collective moves it: fp8 as its bytes (gloo has no fp8 type, NCCL's depends on its version)."""
+    return t.view(torch.uint8) if t.dtype in _BYTE_SPARSE_DTYPES else t
+
+
+def nan_sentinel(dtype: torch.dtype) -> bool:
+    """Whether NaN can mean 'unchanged' in a source tensor fed to a model's loader. fp8 cannot: loaders cast and
+    copy fp8 bytes through paths that do not keep NaN apart, so sparse fp8 params are written only through the
+    views recorded in the full sync (an engine lists the others in its status' ``dense``)."""
+    return dtype in _SENTINEL_DTYPES
 
 
 @dataclasses.dataclass
@@ -759,8 +770,8 @@ def _check_one_by_one(payload: DeltaPayload, where: str) -> None:
             if dup.numel():
                 raise DeltaError(f"{tag}: duplicate position {int(s[int(dup[0])])}")
         if val.is_floating_point() and bool(torch.isnan(val[p.val_start:p.val_end]).any()):
-            raise DeltaError(f"{tag}: NaN among values (NaN is reserved to mean 'unchanged', so it cannot also be "
-                             "sent as a value)")
+            raise DeltaError(f"{tag}: NaN among values (no weight is NaN, and NaN means 'unchanged' to a "
+                             "loader)")
 
 
 # ---------------------------------------------------------------- safetensors + zstd
