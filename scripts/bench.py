@@ -165,7 +165,7 @@ def sender_sync(snapshot, new, encoding: str, version: int, raw=()):
     state.snapshot = snapshot
     bucket, payloads = DeltaBucket(encoding, BUFFER_BYTES), []
     for name, t in new.items():
-        if bucket.should_flush():
+        if bucket.should_flush(name):
             payloads += bucket.take(version=version, base_version=version - 1, flush=len(payloads), final=False)
         idx = state.positions(name, t, snapshot[name])
         base = None

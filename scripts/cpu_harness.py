@@ -33,7 +33,8 @@ def free_port(below: int = 65536) -> int:
 
 
 def hf_config(arch: str, vocab: int = 256, hidden: int = 64, layers: int = 2):
-    """Tiny configs of the architectures the tests cover: qwen2, qwen3(-tied), llama, qwen2-moe, qwen3-moe."""
+    """Tiny configs of the architectures the tests cover: qwen2, qwen3(-tied), llama, qwen2-moe, qwen3-moe,
+    deepseek-v3 and glm4.7-flash (MLA with q LoRA, one dense layer then MoE with a shared expert)."""
     import transformers
 
     common = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
@@ -50,7 +51,34 @@ def hf_config(arch: str, vocab: int = 256, hidden: int = 64, layers: int = 2):
         return transformers.Qwen2MoeConfig(shared_expert_intermediate_size=hidden, **moe, **common)
     if arch == "qwen3-moe":
         return transformers.Qwen3MoeConfig(head_dim=hidden // 4, **moe, **common)
+    mla = dict(num_key_value_heads=4, moe_intermediate_size=hidden // 2, n_routed_experts=4, n_shared_experts=1,
+               num_experts_per_tok=2, q_lora_rank=hidden // 2, kv_lora_rank=hidden // 4, qk_rope_head_dim=hidden // 8,
+               qk_nope_head_dim=hidden // 4, v_head_dim=hidden // 4, n_group=1, topk_group=1)
+    if arch == "deepseek-v3":
+        return transformers.DeepseekV3Config(**{**common, **mla}, first_k_dense_replace=1)
+    if arch == "glm4.7-flash":
+        return transformers.Glm4MoeLiteConfig(**{**common, **mla},
+                                              mlp_layer_types=["dense"] + ["sparse"] * (layers - 1))
     raise ValueError(arch)
+
+
+def _engine_config(cfg, arch: str):
+    """What SGLang's DeepSeek-V2/V3-loader classes read from a real ``config.json`` that transformers' config lacks
+    (the trainer side builds without ``rope_scaling``: transformers' rotary init does not know ``deepseek_yarn``)."""
+    cfg = copy.deepcopy(cfg)
+    cfg.architectures = [arch]
+    if arch == "DeepseekV3ForCausalLM":
+        cfg.rope_scaling = dict(getattr(cfg, "rope_parameters", None) or {}, type="yarn", rope_type="yarn", factor=4.0,
+                                original_max_position_embeddings=64, beta_fast=32, beta_slow=1, mscale=1.0,
+                                mscale_all_dim=1.0)
+    extra = dict(moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True, ep_size=1)
+    if arch == "Glm4MoeLiteForCausalLM":  # transformers 5 spells the first dense layers as mlp_layer_types
+        extra["first_k_dense_replace"] = cfg.mlp_layer_types.index("sparse")
+    else:
+        extra["routed_scaling_factor"] = 2.5
+    for k, v in extra.items():
+        setattr(cfg, k, v)
+    return cfg
 
 
 def checkpoint_items(items):
@@ -195,7 +223,7 @@ def init_sglang_inprocess(tp_rank: int = 0, tp_size: int = 1, init_method: Optio
 
 
 FP8_BLOCK = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-_FP8_LINEAR = re.compile(r"^model\.layers\.\d+\..*_proj\.weight$")  # decoder linears (experts too), not the router
+_FP8_LINEAR = re.compile(r"^model\.layers\.\d+\..*_proj(_with_mqa)?\.weight$")  # decoder linears (experts, MLA), not the router
 
 
 def fp8_block_quantize(state: Dict[str, torch.Tensor], block=(128, 128)) -> Dict[str, torch.Tensor]:
@@ -227,7 +255,10 @@ def sglang_model(cfg, quant=None):
     import importlib
 
     mod = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
-           "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe"}[arch]
+           "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe",
+           "DeepseekV3ForCausalLM": "deepseek_v2", "Glm4MoeLiteForCausalLM": "glm4_moe_lite"}[arch]
+    if mod in ("deepseek_v2", "glm4_moe_lite"):
+        cfg = _engine_config(cfg, arch)
     cls = getattr(importlib.import_module(f"sglang.srt.models.{mod}"), arch)
     if quant is None:
         with torch.device("cpu"):
@@ -249,10 +280,11 @@ def sglang_model(cfg, quant=None):
 
 
 def nan_filled(model):
-    """Fill every param with NaN, so a name a loader silently skips shows up in the comparison."""
+    """Fill every param with NaN, so a name a loader silently skips shows up in the comparison (not an FP8
+    engine's KV-cache scales: no checkpoint of the trainer's carries them)."""
     with torch.no_grad():
-        for p in model.parameters():
-            if p.is_floating_point():
+        for n, p in model.named_parameters():
+            if p.is_floating_point() and not n.endswith((".k_scale", ".v_scale")):
                 p.fill_(float("nan"))
     return model
 

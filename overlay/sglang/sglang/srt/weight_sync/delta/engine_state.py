@@ -34,6 +34,7 @@ class ReceiverState:
     xor_raw: List[str] = dataclasses.field(default_factory=list)  # names this rank's loader never stored
     dense: List[str] = dataclasses.field(default_factory=list)  # byte-sparse names without recorded views
     changed: set = dataclasses.field(default_factory=set)  # names changed so far in the pending version
+    post_pending: set = dataclasses.field(default_factory=set)  # written directly, not yet post-processed
 
 
 _STATES: "weakref.WeakKeyDictionary[torch.nn.Module, ReceiverState]" = weakref.WeakKeyDictionary()

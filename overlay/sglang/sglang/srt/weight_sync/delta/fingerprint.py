@@ -128,6 +128,7 @@ class FingerprintRecorder:
     def __init__(self, params: Iterable[torch.Tensor]):
         self._params = self._ranges((p.data_ptr(), p.numel() * p.element_size(), p) for p in params)
         self._sources = self._ranges(())
+        self._joined: Dict[int, Tuple[torch.Tensor, int, list]] = {}  # cat of source views: ptr -> (out, dim, parts)
         self.copies: Dict[str, List[_Copy]] = {}
         self._tls = threading.local()  # per loader thread: inside a recorded copy_ (its aten write is explained)
         self.unexplained: Optional[str] = None  # the first write into the model that no recorded copy explains
@@ -151,20 +152,48 @@ class FingerprintRecorder:
     def sources(self, named: Sequence[Tuple[str, torch.Tensor]]) -> None:
         """The HF tensors handed to the next ``load_weights`` call."""
         self._sources = self._ranges((t.data_ptr(), t.numel() * t.element_size(), n, t) for n, t in named)
+        self._joined = {}  # held until the next chunk: a freed cat output's address could come back
+
+    def _view_of_source(self, t: torch.Tensor):
+        """(name, (sizes, strides, flat offset)) when ``t`` is a view of one source of this chunk, else None."""
+        source = self._sources.find(t.data_ptr())
+        if source is None or t.dtype != source[1].dtype:
+            return None
+        offset = (t.data_ptr() - source[1].data_ptr()) // t.element_size()
+        return source[0], (tuple(t.shape), tuple(t.stride()), offset)
+
+    def joined(self, out: torch.Tensor, parts: Sequence[torch.Tensor], dim: int) -> None:
+        """``out = torch.cat(parts, dim)``: a loader fusing HF tensors before one copy (DeepSeek's
+        ``fused_qkv_a_proj_with_mqa``). When every part is a view of a source, a later copy of ``out`` is
+        recorded as one view copy per part."""
+        views = [self._view_of_source(p) if p.numel() else None for p in parts]
+        if out.numel() and all(views) and out.is_contiguous():
+            dim, starts = dim % out.dim(), [0]
+            for p in parts:
+                starts.append(starts[-1] + p.shape[dim])
+            self._joined[out.data_ptr()] = (out, dim, [(v, a, b - a) for v, a, b in zip(views, starts, starts[1:])])
 
     def observe(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
-        """Record ``dst.copy_(src)`` if it copies a view of a source into a param; True when recorded."""
+        """Record ``dst.copy_(src)`` if it copies a view of a source (or a cat of such views) into a param;
+        True when recorded."""
         if not isinstance(src, torch.Tensor) or dst.shape != src.shape or not dst.numel():
             return False
         owner = self._params.find(dst.data_ptr())
-        source = self._sources.find(src.data_ptr())
-        if owner is None or source is None or src.dtype != source[1].dtype:
+        if owner is None:
             return False
-        base = source[1]
-        offset = (src.data_ptr() - base.data_ptr()) // src.element_size()
-        self.copies.setdefault(source[0], []).append(_Copy(
-            owner[0], (tuple(dst.shape), tuple(dst.stride()), dst.storage_offset()),
-            (tuple(src.shape), tuple(src.stride()), offset), owner[0].data_ptr()))
+        joined = self._joined.get(src.data_ptr())
+        if joined is not None and joined[0].shape == src.shape and joined[0].stride() == src.stride() \
+                and joined[0].dtype == src.dtype:
+            _, dim, parts = joined
+            pieces = [(name, dst.narrow(dim, start, n), geometry) for (name, geometry), start, n in parts]
+        else:
+            view = self._view_of_source(src)
+            if view is None:
+                return False
+            pieces = [(view[0], dst, view[1])]
+        for name, d, geometry in pieces:
+            self.copies.setdefault(name, []).append(_Copy(
+                owner[0], (tuple(d.shape), tuple(d.stride()), d.storage_offset()), geometry, owner[0].data_ptr()))
         return True
 
 

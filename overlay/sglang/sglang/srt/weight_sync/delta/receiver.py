@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
 import os
 from typing import List, Optional, Sequence, Tuple
@@ -176,7 +177,10 @@ def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version:
             note = f"; engine is dirty (part of version {head.version} was written): it needs a full sync"
         return _refused(state, error, request, received, note)
 
-    chunk_cap = int(server_arg(self, "update_weight_delta_chunk_bytes", DEFAULT_CHUNK_BYTES))
+    # A full sync's sources are views of the received blobs (nothing densified): the whole request goes to the
+    # loader in one call, so pairs a loader fuses (DeepSeek's q_a/kv_a, cached per call) stay together.
+    chunk_cap = float("inf") if head.full else int(server_arg(self, "update_weight_delta_chunk_bytes",
+                                                               DEFAULT_CHUNK_BYTES))
     if head.flush == 0:
         state.pending_manifest = {}
         state.recorder = fingerprint.FingerprintRecorder(model_tensors(model)) if head.full else None
@@ -204,6 +208,7 @@ def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version:
                 write_direct([(direct[p.name], idx, values[p.val_start:p.val_end], p.numel)
                                for p, idx, values in via_views])
                 _kill_point()
+            _post_process(model, state, [p.name for p, _, _ in via_views], any(p.spec.final for p in payloads))
         if via_loader:
             context = contextlib.ExitStack()
             if head.full:
@@ -241,15 +246,34 @@ def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version:
         if head.full:
             state.manifest, state.dirty, state.outside_load = state.pending_manifest, False, None
             state.direct = direct_plan(model, state.recorder)
-            state.xor_ready = all(n in state.direct and all(t.flat.dtype == dtype_from_str(d) for t in state.direct[n])
-                                  for n, (_, d) in state.manifest.items() if n in state.recorder.copies)
-            state.xor_raw = sorted(n for n in state.manifest if n not in state.recorder.copies)
+            # xor_zstd bases: names this rank never stored, or stores in another dtype than the trainer's (DeepSeek's
+            # fp32 e_score_correction_bias from a bf16 checkpoint), travel raw (XOR zero); all others need views
+            state.xor_raw = sorted(n for n, (_, d) in state.manifest.items() if n not in state.recorder.copies or (
+                n in state.direct and any(t.flat.dtype != dtype_from_str(d) for t in state.direct[n])))
+            state.xor_ready = all(n in state.direct for n in state.manifest if n in state.recorder.copies)
             state.dense = sorted(n for n, (_, d) in state.manifest.items() if n not in state.direct
                                  and sparse_allowed(dtype_from_str(d)) and not nan_sentinel(dtype_from_str(d)))
             state.copies, state.recorder, state.pending_manifest = state.recorder.copies, None, {}
     kind = "full sync" if head.full else "delta"
     return True, (f"Succeeded to apply {kind} version {head.version} flush {head.flush} "
                   f"({len(names)} params, {nnz} values){' (final)' if state.pending is None else ''}.")
+
+
+def _post_process(model: torch.nn.Module, state: ReceiverState, written: List[str], final: bool) -> None:
+    """Re-derive what a model's ``post_load_weights`` builds from loaded params (MLA's ``w_kc``/``w_vc`` from
+    ``kv_b_proj``) after direct writes: for the names written, where it takes ``weight_names`` (the DeepSeek-V2/V3
+    loader: only the touched layers); else once, at the version's last request. The loader path runs it itself."""
+    post = getattr(model, "post_load_weights", None)
+    if post is None:
+        return
+    state.post_pending.update(written)
+    if "weight_names" in inspect.signature(post).parameters:
+        if state.post_pending:
+            post(weight_names=sorted(state.post_pending))
+        state.post_pending.clear()
+    elif final and state.post_pending:
+        post()
+        state.post_pending.clear()
 
 
 def fingerprint_payload(model: torch.nn.Module, parallelism_info=None) -> dict:

@@ -167,13 +167,17 @@ class DeltaState:
 
 
 class DeltaBucket:
-    """Encoded params waiting for a flush, grouped by values dtype; bounded by encoded bytes.
+    """Encoded params waiting for a flush, grouped by values dtype; bounded by encoded bytes plus one module.
 
-    Positions are encoded to host bytes at once (small); values stay where they are until flush.
+    Positions are encoded to host bytes at once (small); values stay where they are until flush. A flush never
+    separates params of one module (``model.layers.1.self_attn.*``, one expert): loaders fuse siblings only when
+    they arrive in one ``load_weights`` call (DeepSeek's ``q_a_proj`` + ``kv_a_proj_with_mqa`` are dropped
+    otherwise, silently, on SGLang's own update path too).
     """
 
     def __init__(self, encoding: str, max_bytes: int):
         self.encoding, self.max_bytes = encoding, max_bytes
+        self.module = ""  # of the last param added
         self.entries: Dict[torch.dtype, List[Tuple[str, torch.Tensor, Optional[torch.Tensor]]]] = {}
         self.bases: Dict[torch.dtype, List[torch.Tensor]] = {}  # xor_zstd: base_version's values per entry
         self.nbytes = 0
@@ -186,9 +190,11 @@ class DeltaBucket:
         self.entries.setdefault(tensor.dtype, []).append((name, tensor, idx))
         if base is not None:
             self.bases.setdefault(tensor.dtype, []).append(base)
+        self.module = _module(name)
 
-    def should_flush(self) -> bool:
-        return self.nbytes >= self.max_bytes
+    def should_flush(self, next_name: str) -> bool:
+        """Before adding ``next_name``: full, and that param starts another module."""
+        return self.nbytes >= self.max_bytes and _module(next_name) != self.module
 
     def take(self, **spec_fields) -> List[DeltaPayload]:
         out = [encode_flush(self.entries[dt], self.encoding, bases=self.bases.get(dt), **spec_fields)
@@ -198,6 +204,11 @@ class DeltaBucket:
 
     def __len__(self) -> int:
         return sum(len(v) for v in self.entries.values())
+
+
+def _module(name: str) -> str:
+    """``model.layers.1.self_attn.q_a_proj.weight`` -> ``model.layers.1.self_attn`` (siblings a loader may fuse)."""
+    return name.rsplit(".", 2)[0]
 
 
 # ---------------------------------------------------------------- engines and results
@@ -436,6 +447,9 @@ class _SyncRun:
             idx = state.positions(name, tensor, base)
             self.elements += tensor.numel()
             self.nnz += tensor.numel() if idx is None else idx.numel()
+            for kind, bucket in self.buckets.items():
+                if bucket.should_flush(name):
+                    self._flush(kind)
             if "delta" in self.buckets:
                 sparse = idx is not None and sparse_allowed(tensor.dtype) and \
                     (nan_sentinel(tensor.dtype) or name not in self.dense)
@@ -449,9 +463,6 @@ class _SyncRun:
                 t0 = time.perf_counter()
                 self.fingerprints[name] = fingerprint.tensor_fingerprint(name, tensor, scratch=self.fp_scratch)
                 self.fingerprint_s += time.perf_counter() - t0
-            for kind, bucket in self.buckets.items():
-                if bucket.should_flush():
-                    self._flush(kind)
 
     def _xor_base(self, name: str, tensor: torch.Tensor, base: Optional[torch.Tensor],
                   idx: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -151,9 +151,9 @@ def diff(old_dir: str, new_dir: str, out: str, encoding: str = "deltas_zstd", bu
             continue
         sparse = sparse_allowed(b.dtype)
         base = (a.reshape(-1)[idx] if sparse else a.reshape(-1)) if enc is DeltaEncoding.XOR_ZSTD else None
-        bucket.add(name, b, idx if sparse else None, base)
-        if bucket.should_flush():
+        if bucket.should_flush(name):
             emit(bucket.take(**spec))
+        bucket.add(name, b, idx if sparse else None, base)
     if len(bucket):
         emit(bucket.take(**spec))
     if not held:  # identical checkpoints: one empty flush still carries the versions

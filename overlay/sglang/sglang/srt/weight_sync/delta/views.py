@@ -80,10 +80,9 @@ class Direct:
 
 def direct_plan(model: torch.nn.Module, recorder: fingerprint.FingerprintRecorder) -> Dict[str, List[Direct]]:
     """Names whose view copies can take deltas directly: all of them, if the full sync saw the loader write
-    nothing else; none otherwise (then every delta goes through the loader)."""
-    if getattr(model, "post_load_weights", None) is not None:
-        logger.info("delta: the model post-processes loaded weights; deltas go through its loader")
-        return {}
+    nothing else into the model; none otherwise (then every delta goes through the loader). A model's
+    ``post_load_weights`` derives tensors that are no params (MLA's ``w_kc``/``w_vc``): the receiver re-runs it
+    after direct writes (``receiver._post_process``)."""
     if recorder.unexplained is not None:
         logger.info("delta: the loader wrote %s outside a view copy; deltas go through its loader",
                     recorder.unexplained)

@@ -346,7 +346,10 @@ class FullSyncWatch(TorchDispatchMode):
             dst = _model_write(func, args, kwargs, self.storages)
             if dst is not None:
                 self.recorder.unexplained = f"{func} into {tuple(dst.shape)}"
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if func is aten.cat.default and _current() is self.scope:
+            self.recorder.joined(out, args[0], args[1] if len(args) > 1 else kwargs.get("dim", 0))
+        return out
 
 
 @contextlib.contextmanager
