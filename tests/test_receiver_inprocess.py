@@ -143,3 +143,22 @@ def test_a_loader_copying_a_transformed_tensor_keeps_deltas_on_the_loader_path()
     ok, msg = host.call("_apply_delta_payload", delta_flushes(states[0], new, "deltas", version=2, base_version=1))
     assert ok, msg
     assert_params_equal(host.model, reference(cfg, new))
+
+
+@pytest.mark.parametrize("below", [0, 1 << 30])
+@pytest.mark.parametrize("encoding", ["deltas", "xor_zstd"])
+def test_direct_writes_and_base_reads_land_the_same_batched_or_one_by_one(tmp_path, monkeypatch, encoding, below):
+    """On CPU only entries below a size are batched per storage: both sides of that threshold, bit-identical."""
+    from sglang.srt.weight_sync.delta import views
+
+    monkeypatch.setattr(views, "_CPU_BATCH_BELOW", below)
+    cfg, states = trained("qwen3-tied")
+    transport = DiskTransport(str(tmp_path))
+    host = Host(nan_filled(sglang_model(cfg)))
+    assert all(ok for ok, _ in transport.apply(host, full_flushes(states[0], version=1), encoding))
+    for v in (2, 3):
+        raw = receiver_state(host.model).xor_raw
+        results = transport.apply(host, delta_flushes(states[v - 2], states[v - 1], encoding, version=v,
+                                                      base_version=v - 1, raw=raw), encoding)
+        assert all(ok for ok, _ in results), results
+        assert_params_equal(host.model, reference(cfg, states[v - 1]))
