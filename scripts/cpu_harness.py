@@ -237,7 +237,7 @@ def fp8_block_quantize(state: Dict[str, torch.Tensor], block=(128, 128)) -> Dict
             continue
         (m, n), (bm, bn) = x.shape, block
         mb, nb = -(-m // bm), -(-n // bn)
-        padded = torch.zeros(mb * bm, nb * bn, dtype=torch.float32)
+        padded = torch.zeros(mb * bm, nb * bn, dtype=torch.float32, device=x.device)
         padded[:m, :n] = x.float()
         blocks = padded.view(mb, bm, nb, bn)
         scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-10) / 448.0

@@ -166,11 +166,11 @@ def update_group(host, backend: str, name: str):
     return box[0]
 
 
-def engine_host(cfg, device):
+def engine_host(cfg, device, quant=None):
     """An in-process engine: SGLang's own model class on ``device`` behind the runner attributes the receiver reads."""
     from cpu_harness import Host, nan_filled, sglang_model
 
-    host = Host(nan_filled(sglang_model(cfg).to(device)))  # NaN: a name the loader skipped would show
+    host = Host(nan_filled(sglang_model(cfg, quant).to(device)))  # NaN: a name the loader skipped would show
     host.device = device
     return host
 
@@ -306,6 +306,51 @@ def check_stranded_broadcast(report, cfg, device, backend, engine_device, states
     transport.close()
 
 
+def check_fp8(report, args, device, workdir) -> None:
+    """The FP8 rollout lane: a Qwen3-MoE trained in bf16, converted to block FP8 as slime's rollout does, into
+    SGLang's class built with ``Fp8Config`` on ``device``; full sync then deltas (sparse e4m3 bytes written through
+    the recorded views), every param bit-identical to a full FP8 load, fingerprint equal."""
+    from cpu_harness import FP8_BLOCK, bf16_state, fp8_block_quantize, hf_config, hf_model, rl_steps, segments, \
+        sglang_model
+    from sglang.srt.weight_sync.delta.sender import DeltaSender
+    from sglang.srt.weight_sync.delta.transport import DiskTransport
+    from sglang.srt.weight_sync.delta.wire import changed_positions, zstd_level
+
+    hidden = max(256, args.hidden // 128 * 128)  # 128x128 blocks must tile every projection
+    cfg = hf_config("qwen3-moe", vocab=args.vocab, hidden=hidden, layers=args.layers)
+    trainer = hf_model(cfg, seed=2).to(device)
+    bf16 = [bf16_state(trainer)] + list(rl_steps(trainer, args.steps, lr=1e-6, batch=2, seq=64))
+    states = [fp8_block_quantize(s) for s in bf16]
+    fp8 = [k for k, v in states[0].items() if v.dtype == torch.float8_e4m3fn]
+    report.add(f"\nFP8 lane: Qwen3-MoE-shaped, hidden {hidden}, block FP8 (128x128, slime's conversion) on {device}")
+    for enc in ("deltas_zstd", "xor_zstd"):
+        host = engine_host(cfg, device, FP8_BLOCK)
+        engine = InProcessEngine(host)
+        transport = DiskTransport(os.path.join(workdir, f"fp8-{enc}"), [engine], zstd=zstd_level(enc))
+        sender = DeltaSender(transport, [engine], encoding=enc, buffer_bytes=64 << 20, device=device,
+                             fingerprint_every=1)
+        for step, state in enumerate(states):
+            ref = sglang_model(cfg, FP8_BLOCK).to(device)
+            with torch.no_grad():
+                ref.load_weights(list(state.items()))
+            results = sender.update(segments(state))
+            m = sender.pop_metrics()
+            bad = first_difference(host.model, ref)
+            ok = results[0][0] and bad is None and m["perf/update_weights_fingerprint_mismatches"] == 0 \
+                and m["perf/update_weights_fingerprint_uncovered"] == 0 and \
+                (not step or m["perf/update_weights_xor"] == (enc == "xor_zstd"))
+            density = ""
+            if step:
+                d8 = sum(changed_positions(states[step - 1][k], state[k]).numel() for k in fp8)
+                d16 = sum(changed_positions(bf16[step - 1][k], bf16[step][k]).numel() for k in fp8)
+                n = sum(state[k].numel() for k in fp8)
+                density = f", e4m3 density {d8 / n:.3%} (bf16 {d16 / n:.2%}), {m['perf/update_weights_wire_bytes']:,.0f} B"
+            report.check(ok, f"fp8 step {step} {enc}: {'full sync' if not step else 'delta'}{density}, every param "
+                             "bit-identical to a full FP8 load" + ("" if ok else f" — {results[0][1]}; first "
+                                                                   f"differing param: {bad}"))
+        transport.close()
+
+
 def run(args, device, report) -> None:
     from cpu_harness import bf16_state, delta_flushes, full_flushes, hf_config, hf_model, rl_steps, segments, sglang_model
     from sglang.srt.weight_sync.delta import receiver
@@ -420,6 +465,7 @@ def run(args, device, report) -> None:
     ratio = f"{t_full / t_apply:.2f}x faster" if t_apply <= t_full else f"{t_apply / t_full:.2f}x slower"
     report.check(ok and ok2, f"delta apply `deltas` {1e3 * t_apply:.2f} ms vs full load_weights {1e3 * t_full:.2f} ms "
                              f"({ratio})" + ("" if ok and ok2 else f" — {msg} / {msg2}"))
+    check_fp8(report, args, device, workdir)
 
 
 def main():

@@ -42,6 +42,7 @@ from sglang.srt.weight_sync.delta.wire import (
     Refusal,
     changed_positions,
     encode_flush,
+    gather,
     nan_sentinel,
     sparse_allowed,
 )
@@ -140,7 +141,7 @@ class DeltaState:
         if idx is None:
             self._sent[name] = (None, self.link.host_copy(tensor))
         else:
-            self._sent[name] = (idx.cpu(), self.link.to_host(tensor.reshape(-1)[idx]))
+            self._sent[name] = (idx.cpu(), self.link.to_host(gather(tensor.reshape(-1), idx)))
 
     def commit(self, version: int) -> None:
         """Every engine acknowledged ``version``: fold what it sent into the snapshot."""
@@ -472,7 +473,7 @@ class _SyncRun:
             return None
         if base is None or name in self.xor_raw:
             return torch.zeros(tensor.numel() if idx is None else idx.numel(), dtype=tensor.dtype, device=tensor.device)
-        return base.reshape(-1) if idx is None else base.reshape(-1)[idx]
+        return base.reshape(-1) if idx is None else gather(base.reshape(-1), idx)
 
     def _spec_fields(self, kind: str, final: bool) -> dict:
         full = kind == "full"

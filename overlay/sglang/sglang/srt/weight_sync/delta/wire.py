@@ -580,7 +580,7 @@ def validate_payload(payload: DeltaPayload, manifest: Optional[Dict[str, Tuple[L
         found, flags = _decode_all(pos, _check_structure(payload, manifest, where), spec.encoding)
     flags = list(flags)  # one bool per check, read together: the flush's one synchronization after the checksum
     if val.is_floating_point() and val.numel():
-        flags.append(torch.isnan(val).any())
+        flags.append(nan_mask(val).any())
     if flags and any(host_values(torch.stack(flags))):
         _check_one_by_one(payload, where)
     empty = pos.new_empty(0, dtype=torch.int64)
@@ -769,7 +769,7 @@ def _check_one_by_one(payload: DeltaPayload, where: str) -> None:
             dup = (s[1:] == s[:-1]).nonzero()
             if dup.numel():
                 raise DeltaError(f"{tag}: duplicate position {int(s[int(dup[0])])}")
-        if val.is_floating_point() and bool(torch.isnan(val[p.val_start:p.val_end]).any()):
+        if val.is_floating_point() and bool(nan_mask(val[p.val_start:p.val_end]).any()):
             raise DeltaError(f"{tag}: NaN among values (no weight is NaN, and NaN means 'unchanged' to a "
                              "loader)")
 
@@ -960,6 +960,23 @@ def read_safetensors(data: bytes, name: str = "") -> DeltaPayload:
 # ---------------------------------------------------------------- encoding a flush
 
 INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NAN_BITS = {torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80), torch.float16: (torch.int16, 0x7FFF, 0x7C00),
+             torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F800000), torch.float8_e4m3fn: (torch.uint8, 0x7F, 0x7E),
+             torch.float8_e5m2: (torch.uint8, 0x7F, 0x7C)}
+
+
+def nan_mask(t: torch.Tensor) -> torch.Tensor:
+    """``isnan`` from the raw bits (|bits| above the largest finite/inf pattern): integer ops, ~1.5x faster on
+    CPU, and defined for fp8 on every device."""
+    if t.dtype not in _NAN_BITS:
+        return torch.isnan(t)
+    int_dtype, abs_mask, inf_bits = _NAN_BITS[t.dtype]
+    return (t.view(int_dtype) & abs_mask) > inf_bits
+
+
+def gather(flat: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``flat[idx]`` through an integer view: the same bits, and index kernels that lack fp8 on some devices."""
+    return flat.view(INT_VIEW[flat.element_size()])[idx].view(flat.dtype)
 
 
 _DIFF_BLOCK = 1 << 20  # elements per block of the CPU diff: a block's operands stay in cache
@@ -1019,7 +1036,7 @@ def encode_flush(entries: Sequence[Tuple[str, torch.Tensor, Optional[torch.Tenso
             if not sparse_allowed(t.dtype):
                 raise DeltaError(f"param {name!r}: {dtype_to_str(t.dtype)} params travel dense")
             pb, width = encode_positions(idx, encoding)
-            vals = flat[idx]
+            vals = gather(flat, idx)
         params.append(DeltaParam(name, dtype_to_str(t.dtype), list(t.shape), pos_at, pos_at + pb.numel(), width,
                                  val_at, val_at + vals.numel()))
         pos_at += pb.numel()
