@@ -167,7 +167,7 @@ def sender_sync(snapshot, new, encoding: str, version: int, raw=()):
     for name, t in new.items():
         if bucket.should_flush(name):
             payloads += bucket.take(version=version, base_version=version - 1, flush=len(payloads), final=False)
-        idx = state.positions(name, t, snapshot[name])
+        idx = state.positions([(name, t)], [snapshot[name]])[0]
         base = None
         if encoding == "xor_zstd":
             base = torch.zeros(idx.numel(), dtype=t.dtype) if name in raw else snapshot[name].reshape(-1)[idx]

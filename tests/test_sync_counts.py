@@ -3,8 +3,9 @@
 On a GPU every op that needs a device value on the host (``.item()``, ``nonzero``, ``unique``, boolean
 indexing, a device-to-host copy) stalls the stream for tens of microseconds; done per param, that decides
 the sync time of a model with tens of thousands of tensors. The same ops dispatch on CPU, so counting them
-here proves the property the GPU needs: the engine's validation of a flush, and the whole apply of a delta
-through the direct path, synchronize a constant number of times however many params the flush holds.
+here proves the property the GPU needs: the engine's validation of a flush, the whole apply of a delta through
+the direct path, and the sender's diff and encode synchronize a constant number of times however many params the
+flush holds.
 """
 import pytest
 import torch
@@ -85,3 +86,39 @@ def test_direct_writes_scatter_once_per_destination_not_per_tensor(layers):
         ok, msg = host.call("_apply_delta_payload", [pl])
     assert ok, msg
     assert c.n <= len(storages), (c.n, len(storages), len(pl.spec.params))
+
+
+def test_the_sender_synchronizes_a_constant_number_of_times_per_chunk_and_flush(tmp_path, monkeypatch):
+    """The sender's side of a delta sync (diff against the snapshot, bucket, encode) on a real Qwen3-MoE at 2 and 6
+    layers (5x the tensors), one chunk and one flush per dtype: the same count. The diff runs its device path
+    (the CPU's numpy fast path has nothing to synchronize, so it would count nothing)."""
+    from sglang.srt.weight_sync.delta import wire
+    from sglang.srt.weight_sync.delta.receiver import delta_status
+    from sglang.srt.weight_sync.delta.sender import DeltaSender
+    from sglang.srt.weight_sync.delta.transport import DiskTransport
+
+    monkeypatch.setattr(wire, "_NUMPY_DIFF", False)
+
+    class Engine:  # the real receiver in-process; DiskTransport calls it on its own threads (not counted)
+        def __init__(self, host):
+            self.host = host
+
+        def update_weights_from_disk(self, model_path, files, weight_version):
+            return self.host.call("_apply_delta", model_path, files, weight_version)
+
+        def status(self):
+            return [delta_status(self.host.model)]
+
+    counts = []
+    for layers in (2, 6):
+        cfg = hf_config("qwen3-moe", layers=layers)
+        states = rl_states(cfg, 1, seed=0)
+        engine = Engine(Host(sglang_model(cfg)))
+        sender = DeltaSender(DiskTransport(str(tmp_path / str(layers)), [engine]), [engine], encoding="deltas")
+        assert sender.update([lambda: [list(states[0].items())]])[0][0]
+        ops = _count(lambda: sender.update([lambda: [list(states[1].items())]]))
+        m = sender.pop_metrics()
+        assert sender.state.version == 2 and 0 < m["perf/update_weights_density"] < 0.2, m
+        counts.append(ops)
+        sender.transport.close()
+    assert counts[0] == counts[1] and len(counts[1]) <= 4, counts  # the chunk's diff: 2; the flush's encode: 2

@@ -224,3 +224,18 @@ def test_no_pickle_on_the_delta_path():
         src = path.read_text()
         for banned in ("pickle", "torch.load", "np.load", "numpy.load", "eval(", "exec("):
             assert banned not in src, f"{path.name} uses {banned}"
+
+
+@pytest.mark.parametrize("numpy_diff", [True, False])
+def test_changed_positions_of_many_params_unite_the_staged_positions(monkeypatch, numpy_diff):
+    """The sender's diff of a chunk (numpy per param on CPU; one nonzero on a device), each param united with the
+    positions an unacknowledged sync staged: sorted, unique, bytes compared (-0.0 vs 0.0 counts)."""
+    from sglang.srt.weight_sync.delta import wire
+
+    monkeypatch.setattr(wire, "_NUMPY_DIFF", numpy_diff)
+    old = [torch.zeros(1000, dtype=torch.bfloat16) for _ in range(3)]
+    new = [o.clone() for o in old]
+    new[0][[5, 17]] = 1.0
+    new[2][999] = -0.0
+    got = wire.changed_positions_many(list(zip(old, new)), [torch.tensor([3, 17]), None, torch.tensor([0])])
+    assert [g.tolist() for g in got] == [[3, 5, 17], [], [0, 999]]

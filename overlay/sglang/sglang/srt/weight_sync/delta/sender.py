@@ -40,8 +40,10 @@ from sglang.srt.weight_sync.delta.wire import (
     DeltaPayload,
     DeltaStatus,
     Refusal,
-    changed_positions,
+    changed_positions_many,
+    Gathered,
     encode_flush,
+    encode_gathered,
     gather,
     nan_sentinel,
     sparse_allowed,
@@ -126,22 +128,25 @@ class DeltaState:
         self.staged: Dict[str, torch.Tensor] = {}  # positions sent by unacknowledged syncs (sorted int64)
         self._sent: Dict[str, Tuple[Optional[torch.Tensor], torch.Tensor]] = {}
 
-    def positions(self, name: str, tensor: torch.Tensor, base: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """Positions this sync must carry for ``name``; None when the param has no snapshot yet."""
-        if base is None or base.shape != tensor.shape or base.dtype != tensor.dtype:
-            return None
-        idx = changed_positions(base, tensor)
-        staged = self.staged.get(name)
-        if staged is not None and staged.numel():
-            idx = torch.unique(torch.cat([idx, staged.to(idx.device)]))
-        return idx
+    def positions(self, chunk: Chunk, bases: Sequence[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
+        """Positions this sync must carry for each param of a chunk (changed since the snapshot, plus those staged
+        by an unacknowledged sync); None where a param has no snapshot yet. One diff for the whole chunk."""
+        diffable = [k for k, ((_, t), b) in enumerate(zip(chunk, bases))
+                    if b is not None and b.shape == t.shape and b.dtype == t.dtype]
+        found = changed_positions_many([(bases[k], chunk[k][1]) for k in diffable],
+                                       [self.staged.get(chunk[k][0]) for k in diffable])
+        out: List[Optional[torch.Tensor]] = [None] * len(chunk)
+        for k, idx in zip(diffable, found):
+            out[k] = idx
+        return out
 
     def record(self, name: str, tensor: torch.Tensor, idx: Optional[torch.Tensor]) -> None:
-        """Keep what this sync sent — the changed values only, or a full copy for a new param."""
+        """Keep what this sync sent — the changed values only, or a full copy for a new param (positions and values
+        go to the host off the default stream: no synchronization per param)."""
         if idx is None:
             self._sent[name] = (None, self.link.host_copy(tensor))
         else:
-            self._sent[name] = (idx.cpu(), self.link.to_host(gather(tensor.reshape(-1), idx)))
+            self._sent[name] = (self.link.to_host(idx), self.link.to_host(gather(tensor.reshape(-1), idx)))
 
     def commit(self, version: int) -> None:
         """Every engine acknowledged ``version``: fold what it sent into the snapshot."""
@@ -170,7 +175,8 @@ class DeltaState:
 class DeltaBucket:
     """Encoded params waiting for a flush, grouped by values dtype; bounded by encoded bytes plus one module.
 
-    Positions are encoded to host bytes at once (small); values stay where they are until flush. A flush never
+    A sparse param's changed values are gathered when it is added (``wire.Gathered``): the bucket never pins the
+    caller's whole tensors, so its memory is what it will send (plus one module, below). A flush never
     separates params of one module (``model.layers.1.self_attn.*``, one expert): loaders fuse siblings only when
     they arrive in one ``load_weights`` call (DeepSeek's ``q_a_proj`` + ``kv_a_proj_with_mqa`` are dropped
     otherwise, silently, on SGLang's own update path too).
@@ -179,7 +185,7 @@ class DeltaBucket:
     def __init__(self, encoding: str, max_bytes: int):
         self.encoding, self.max_bytes = encoding, max_bytes
         self.module = ""  # of the last param added
-        self.entries: Dict[torch.dtype, List[Tuple[str, torch.Tensor, Optional[torch.Tensor]]]] = {}
+        self.entries: Dict[torch.dtype, List[Gathered]] = {}
         self.bases: Dict[torch.dtype, List[torch.Tensor]] = {}  # xor_zstd: base_version's values per entry
         self.nbytes = 0
 
@@ -188,7 +194,7 @@ class DeltaBucket:
         nnz = tensor.numel() if idx is None else idx.numel()
         width = 0 if idx is None else 4  # upper bound; the wire picks 2 where gaps fit
         self.nbytes += nnz * (width + tensor.element_size())
-        self.entries.setdefault(tensor.dtype, []).append((name, tensor, idx))
+        self.entries.setdefault(tensor.dtype, []).append(Gathered.of(name, tensor, idx))
         if base is not None:
             self.bases.setdefault(tensor.dtype, []).append(base)
         self.module = _module(name)
@@ -198,7 +204,7 @@ class DeltaBucket:
         return self.nbytes >= self.max_bytes and _module(next_name) != self.module
 
     def take(self, **spec_fields) -> List[DeltaPayload]:
-        out = [encode_flush(self.entries[dt], self.encoding, bases=self.bases.get(dt), **spec_fields)
+        out = [encode_gathered(self.entries[dt], self.encoding, bases=self.bases.get(dt), **spec_fields)
                for dt in sorted(self.entries, key=str)]
         self.entries, self.bases, self.nbytes = {}, {}, 0
         return out
@@ -443,9 +449,9 @@ class _SyncRun:
 
     def _process(self, chunk: Chunk, handles) -> None:
         state = self.s.state
-        for (name, tensor), h in zip(chunk, handles):
-            base = state.link.ready(h)
-            idx = state.positions(name, tensor, base)
+        chunk = list(chunk)
+        bases = [state.link.ready(h) for h in handles]
+        for (name, tensor), base, idx in zip(chunk, bases, state.positions(chunk, bases)):
             self.elements += tensor.numel()
             self.nnz += tensor.numel() if idx is None else idx.numel()
             for kind, bucket in self.buckets.items():

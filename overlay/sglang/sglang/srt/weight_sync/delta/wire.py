@@ -529,20 +529,34 @@ def flush_checksum(spec: "DeltaSpec", positions: torch.Tensor, values: torch.Ten
 
 def encode_positions(idx: torch.Tensor, encoding: str) -> Tuple[torch.Tensor, int]:
     """Sorted int64 flat positions -> (uint8 little-endian bytes, pos_width)."""
+    return encode_positions_many([idx], encoding)[0]
+
+
+def encode_positions_many(idxs: Sequence[torch.Tensor], encoding: str) -> List[Tuple[torch.Tensor, int]]:
+    """:func:`encode_positions` of a flush's sparse params; the widths come from one host read for all of them."""
     enc = DeltaEncoding(encoding)
-    idx = idx.reshape(-1).to(torch.int64)
-    if enc is DeltaEncoding.INDICES:
-        ints, width = idx, 4
-        if idx.numel() and int(idx[-1]) > _U32_MAX:
-            raise DeltaError(f"position {int(idx[-1])} does not fit the 4-byte 'indices' encoding")
-    else:
-        ints = torch.diff(idx, prepend=idx.new_full((1,), -1)) - 1 if idx.numel() else idx
-        width = 2 if not ints.numel() or int(ints.max()) <= _U16_MAX else 4
-        if width == 4 and int(ints.max()) > _U32_MAX:
-            raise DeltaError(f"gap {int(ints.max())} does not fit 4 bytes")
-    # Narrowing keeps the low bytes (values fit unsigned width), and tensors are little-endian on every
-    # platform torch runs on: the int16/int32 bytes are the wire's u16/u32.
-    return ints.to(torch.int16 if width == 2 else torch.int32).view(torch.uint8), width
+    ints = []
+    for idx in idxs:
+        idx = idx.reshape(-1).to(torch.int64)
+        ints.append(idx if enc is DeltaEncoding.INDICES or not idx.numel()
+                    else torch.diff(idx, prepend=idx.new_full((1,), -1)) - 1)
+    tops = [i[-1] if enc is DeltaEncoding.INDICES else i.max() for i in ints if i.numel()]
+    top = iter(host_values(torch.stack(tops)) if tops else [])
+    out = []
+    for i in ints:
+        biggest = next(top) if i.numel() else 0
+        if enc is DeltaEncoding.INDICES:
+            width = 4
+            if biggest > _U32_MAX:
+                raise DeltaError(f"position {biggest} does not fit the 4-byte 'indices' encoding")
+        else:
+            width = 2 if biggest <= _U16_MAX else 4
+            if biggest > _U32_MAX:
+                raise DeltaError(f"gap {biggest} does not fit 4 bytes")
+        # Narrowing keeps the low bytes (values fit unsigned width), and tensors are little-endian on every
+        # platform torch runs on: the int16/int32 bytes are the wire's u16/u32.
+        out.append((i.to(torch.int16 if width == 2 else torch.int32).view(torch.uint8), width))
+    return out
 
 
 def decode_positions(blob: torch.Tensor, width: int, encoding: str) -> torch.Tensor:
@@ -1010,41 +1024,92 @@ def changed_positions(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.concatenate(list(parts)))
 
 
+_NUMPY_DIFF = True  # CPU: numpy's multi-threaded flatnonzero per param (a CPU has no synchronization to batch away)
+
+
+def changed_positions_many(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]],
+                           extra: Optional[Sequence[Optional[torch.Tensor]]] = None) -> List[torch.Tensor]:
+    """:func:`changed_positions` of many ``(old, new)`` pairs, each united with its ``extra`` positions (sorted,
+    unique). On a device: one ``nonzero`` over the joined masks and one host read of the split points, for all of
+    them — a per-param ``nonzero`` is a host synchronization each."""
+    extra = list(extra) if extra is not None else [None] * len(pairs)
+    if not pairs:
+        return []
+    if _NUMPY_DIFF and all(new.device.type == "cpu" for _, new in pairs):
+        out = []
+        for (old, new), more in zip(pairs, extra):
+            idx = changed_positions(old, new)
+            out.append(idx if more is None or not more.numel() else
+                       torch.from_numpy(np.union1d(idx.numpy(), more.cpu().numpy())))
+        return out
+    masks, starts = [], [0]
+    for (old, new), more in zip(pairs, extra):
+        if old.shape != new.shape or old.dtype != new.dtype:
+            raise DeltaError(f"cannot diff {old.dtype} {list(old.shape)} against {new.dtype} {list(new.shape)}")
+        iv = INT_VIEW[new.element_size()]
+        mask = old.detach().reshape(-1).view(iv) != new.detach().reshape(-1).view(iv)
+        if more is not None and more.numel():
+            mask.index_fill_(0, more.to(mask.device, non_blocking=True), True)
+        masks.append(mask)
+        starts.append(starts[-1] + mask.numel())
+    hits = torch.cat(masks).nonzero().reshape(-1)
+    bounds = host_values(torch.searchsorted(hits, torch.tensor(starts, device=hits.device)))
+    return [hits[a:b] - s for a, b, s in zip(bounds, bounds[1:], starts)]
+
+
+@dataclasses.dataclass
+class Gathered:
+    """One param as a sender holds it until its flush: the changed positions and their values only (``idx`` None:
+    dense, ``values`` the whole tensor) — never a reference to the whole tensor of a sparse param."""
+
+    name: str
+    shape: List[int]
+    values: torch.Tensor  # flat, in the param's dtype
+    idx: Optional[torch.Tensor]
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor, idx: Optional[torch.Tensor]) -> "Gathered":
+        flat = tensor.detach().reshape(-1)
+        return cls(name, list(tensor.shape), flat if idx is None else gather(flat, idx), idx)
+
+
 def encode_flush(entries: Sequence[Tuple[str, torch.Tensor, Optional[torch.Tensor]]], encoding: str,
                  bases: Optional[Sequence[torch.Tensor]] = None, **spec_fields) -> DeltaPayload:
-    """``[(hf_name, new_tensor, changed_positions or None for dense)]`` -> one flush.
+    """``[(hf_name, new_tensor, changed_positions or None for dense)]`` -> one flush (see :func:`encode_gathered`)."""
+    return encode_gathered([Gathered.of(*e) for e in entries], encoding, bases, **spec_fields)
 
-    All tensors must share one dtype (the sender groups by dtype); values are gathered in the
-    tensor's own dtype, raw, so the receiver writes the trainer's exact bytes. ``xor_zstd`` needs
-    ``bases``: per entry, base_version's values at its positions (gathered like the values).
+
+def encode_gathered(items: Sequence[Gathered], encoding: str, bases: Optional[Sequence[torch.Tensor]] = None,
+                    **spec_fields) -> DeltaPayload:
+    """Params gathered by :meth:`Gathered.of` -> one flush.
+
+    All values must share one dtype (the sender groups by dtype); they are the tensors' own bytes, raw, so the
+    receiver writes the trainer's exact bytes. ``xor_zstd`` needs ``bases``: per param, base_version's values at
+    its positions (gathered like the values).
     """
     xor = DeltaEncoding(encoding) is DeltaEncoding.XOR_ZSTD
-    if xor and (bases is None or len(bases) != len(entries)):
+    if xor and (bases is None or len(bases) != len(items)):
         raise DeltaError("xor_zstd needs base_version's values of every param (bases)")
-    dtypes = {t.dtype for _, t, _ in entries}
+    dtypes = {g.values.dtype for g in items}
     if len(dtypes) > 1:
         raise DeltaError(f"one flush holds one values dtype, got {sorted(map(dtype_to_str, dtypes))}")
     dtype = dtypes.pop() if dtypes else torch.bfloat16
-    device = entries[0][1].device if entries else torch.device("cpu")
-    params, pos_parts, val_parts = [], [], []
+    device = items[0].values.device if items else torch.device("cpu")
+    for g in items:
+        if g.idx is not None and not sparse_allowed(g.values.dtype):
+            raise DeltaError(f"param {g.name!r}: {dtype_to_str(g.values.dtype)} params travel dense")
+    encoded = iter(encode_positions_many([g.idx for g in items if g.idx is not None], encoding))
+    params, pos_parts = [], []
     pos_at = val_at = 0
-    for name, t, idx in entries:
-        flat = t.detach().reshape(-1)
-        if idx is None:
-            pb, width, vals = torch.empty(0, dtype=torch.uint8, device=device), 0, flat
-        else:
-            if not sparse_allowed(t.dtype):
-                raise DeltaError(f"param {name!r}: {dtype_to_str(t.dtype)} params travel dense")
-            pb, width = encode_positions(idx, encoding)
-            vals = gather(flat, idx)
-        params.append(DeltaParam(name, dtype_to_str(t.dtype), list(t.shape), pos_at, pos_at + pb.numel(), width,
-                                 val_at, val_at + vals.numel()))
+    for g in items:
+        pb, width = (torch.empty(0, dtype=torch.uint8, device=device), 0) if g.idx is None else next(encoded)
+        params.append(DeltaParam(g.name, dtype_to_str(g.values.dtype), g.shape, pos_at, pos_at + pb.numel(), width,
+                                 val_at, val_at + g.values.numel()))
         pos_at += pb.numel()
-        val_at += vals.numel()
+        val_at += g.values.numel()
         pos_parts.append(pb)
-        val_parts.append(vals)
     positions = torch.cat(pos_parts) if pos_parts else torch.empty(0, dtype=torch.uint8, device=device)
-    values = torch.cat(val_parts) if val_parts else torch.empty(0, dtype=dtype, device=device)
+    values = torch.cat([g.values for g in items]) if items else torch.empty(0, dtype=dtype, device=device)
     base = None
     if xor:
         base = torch.cat([b.reshape(-1).to(device) for b in bases]) if bases else values.clone()
