@@ -367,3 +367,29 @@ def test_an_engine_that_cannot_rebuild_xor_gets_planes(tmp_path):
     m = sender.pop_metrics()
     assert m["perf/update_weights_xor"] == 0 and m["perf/update_weights_full_sync_engines"] == 0
     assert_params_equal(engine.host.model, reference(cfg, states[2]))
+
+
+def test_the_disk_writer_queue_is_bounded(tmp_path, monkeypatch):
+    """A sender faster than its disk waits in submit once two flushes are queued or being written (back-pressure),
+    instead of holding every flush of a sync in host memory; every file still lands."""
+    import threading
+
+    from cpu_harness import full_flushes
+    from sglang.srt.weight_sync.delta import transport as tr
+
+    gate, native = threading.Event(), tr.flush_file
+    monkeypatch.setattr(tr, "flush_file", lambda payload, level: gate.wait(30) and native(payload, level))
+    writer = tr.AsyncSafetensorsWriter(max_queued=2)
+    payloads = full_flushes({f"w{k}": torch.ones(4, dtype=torch.bfloat16) * k for k in range(3)}, version=1,
+                            max_params=1)
+    submitted = []
+    t = threading.Thread(target=lambda: [submitted.append(writer.submit(str(tmp_path / f"f{k}"), p))
+                                         for k, p in enumerate(payloads)])
+    t.start()
+    t.join(1.0)
+    assert len(submitted) == 2 and t.is_alive()  # the third waits for a slot
+    gate.set()
+    t.join(30)
+    assert len(submitted) == 3 and all(f.result(30) > 0 for f in submitted)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f0", "f1", "f2"]
+    writer.close()

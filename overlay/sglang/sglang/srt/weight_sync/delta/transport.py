@@ -23,6 +23,7 @@ import contextlib
 import logging
 import os
 import shutil
+import threading
 import time
 from typing import Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
@@ -47,28 +48,39 @@ Results = Dict[int, Tuple[bool, str]]
 class AsyncSafetensorsWriter:
     """One background thread: serialize, optionally zstd, write ``*.tmp``, fsync, ``os.replace``.
 
-    Readers never see half files; the caller gets a future of the bytes written.
+    Readers never see half files; the caller gets a future of the bytes written. At most ``max_queued`` flushes
+    wait or are being written: a sender faster than its disk blocks in :meth:`submit` instead of holding every
+    flush of a sync in host memory.
     """
 
-    def __init__(self, zstd_level: Optional[int] = None):
+    def __init__(self, zstd_level: Optional[int] = None, max_queued: int = 2):
         self.zstd_level = zstd_level
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="delta-writer")
+        self.slots = threading.BoundedSemaphore(max_queued)
         self.busy_s = 0.0  # time spent serializing, compressing and writing (one thread)
 
     def submit(self, path: str, payload: DeltaPayload) -> concurrent.futures.Future:
-        return self.pool.submit(self._write, path, payload)
+        self.slots.acquire()
+        try:
+            return self.pool.submit(self._write, path, payload)
+        except BaseException:
+            self.slots.release()
+            raise
 
     def _write(self, path: str, payload: DeltaPayload) -> int:
-        t0 = time.perf_counter()
-        data = flush_file(payload, self.zstd_level)
-        tmp = path + ".tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        self.busy_s += time.perf_counter() - t0
-        return len(data)
+        try:
+            t0 = time.perf_counter()
+            data = flush_file(payload, self.zstd_level)
+            tmp = path + ".tmp"
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            self.busy_s += time.perf_counter() - t0
+            return len(data)
+        finally:
+            self.slots.release()
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
