@@ -4,13 +4,14 @@ received on the weight-update group — every size bounded before anything is re
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import math
 import os
 from typing import List, Tuple
 
 import torch
 
-from sglang.srt.weight_sync.delta.collectives import CollectiveStuck, abort_group, await_collectives, tp_agree
+from sglang.srt.weight_sync.delta.collectives import CollectiveStuck, abort_group, await_collectives, tp_agree, tp_group
 from sglang.srt.weight_sync.delta.engine_state import host_device, host_model, receiver_state, server_arg
 from sglang.srt.weight_sync.delta.wire import (
     HEADER_CAP,
@@ -18,9 +19,11 @@ from sglang.srt.weight_sync.delta.wire import (
     VALUES,
     DeltaError,
     DeltaPayload,
+    DeltaSpec,
     Refusal,
     broadcastable,
     dtype_from_str,
+    dtype_to_str,
     maybe_zstd_decompress,
     read_safetensors,
 )
@@ -56,10 +59,58 @@ def read_delta_file(model_path: str, name: str, max_bytes: int) -> DeltaPayload:
 
 def read_files(host, model_path: str, files: List[str]) -> List[DeltaPayload]:
     """The announced files of one publish, read and decompressed in parallel (``DeltaError`` names the first bad one)."""
+    if not files:
+        raise DeltaError("load_format 'delta' needs 'files' (the flush files of this publish)")
+    if not os.path.isdir(model_path):
+        raise DeltaError(f"model_path {model_path!r} is not a directory")
     workers = int(server_arg(host, "update_weight_delta_read_workers", DEFAULT_READ_WORKERS))
     max_bytes = max_request_bytes(host_model(host))
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         return list(pool.map(lambda n: read_delta_file(model_path, n, max_bytes), files))
+
+
+def read_files_once(host, model_path: str, files: List[str]) -> List[DeltaPayload]:
+    """:func:`read_files`, once per engine: with tensor parallelism the first TP rank reads and decompresses, then
+    broadcasts each flush's spec and blobs over the TP group (on the engine's device, where they go anyway); the
+    other ranks never touch the filesystem. A failed read raises the same ``DeltaError`` on every rank."""
+    group = tp_group()
+    if group is None:
+        return read_files(host, model_path, files)
+    first, payloads, error = group.rank_in_group == 0, [], None
+    if first:
+        try:
+            payloads = read_files(host, model_path, files)
+        except DeltaError as e:
+            error = e
+    header = _broadcast_text(group, json.dumps(
+        {"error": [str(error), error.code.value]} if error is not None else
+        {"flushes": [[p.spec.to_json(), p.source, dtype_to_str(p.values.dtype), p.positions.numel(), p.values.numel()]
+                     for p in payloads]}) if first else "")
+    if "error" in header:
+        raise DeltaError(header["error"][0], Refusal(header["error"][1]))
+    device, out = host_device(host), []
+    for k, (spec, source, dtype, n_pos, n_val) in enumerate(header["flushes"]):
+        if first:
+            pos, val = payloads[k].positions.to(device).contiguous(), payloads[k].values.to(device).contiguous()
+        else:
+            pos = torch.empty(n_pos, dtype=torch.uint8, device=device)
+            val = torch.empty(n_val, dtype=dtype_from_str(dtype), device=device)
+        for t in (pos, val):
+            torch.distributed.broadcast(broadcastable(t), src=group.first_rank, group=group.device_group)
+        spec = DeltaSpec.from_json(spec)
+        out.append(DeltaPayload(spec, pos, val, source=source, xored=spec.encoding == "xor_zstd"))
+    return out
+
+
+def _broadcast_text(group, text: str) -> dict:
+    """The first TP rank's JSON to every rank of the group (host memory, its CPU group; no pickle)."""
+    data = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8) if text else torch.empty(0, dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    torch.distributed.broadcast(size, src=group.first_rank, group=group.cpu_group)
+    if group.rank_in_group != 0:
+        data = torch.empty(int(size[0]), dtype=torch.uint8)
+    torch.distributed.broadcast(data, src=group.first_rank, group=group.cpu_group)
+    return json.loads(bytes(data.numpy()).decode())
 
 
 def receive_broadcast(self, names, dtypes, shapes, group_name: str) -> List[Tuple[str, torch.Tensor]]:

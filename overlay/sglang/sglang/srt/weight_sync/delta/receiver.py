@@ -49,7 +49,7 @@ from sglang.srt.weight_sync.delta.collectives import tp_agree
 from sglang.srt.weight_sync.delta.engine_state import ReceiverState, host_device, host_model, receiver_state, server_arg
 from sglang.srt.weight_sync.delta.ingest import (
     max_request_bytes,
-    read_files,
+    read_files_once,
     receive_broadcast,
     update_group_timeout,
 )
@@ -344,16 +344,11 @@ def _refuse_unsupported(host) -> None:
 
 
 def _apply_delta(self, model_path: str, files: Optional[List[str]], weight_version: Optional[str] = None) -> Tuple[bool, str]:
-    """Disk transport: read the announced files of one publish in parallel, then apply them as one request."""
-    if not files:
-        return _apply_delta_payload(self, [], weight_version, failure=DeltaError(
-            "load_format 'delta' needs 'files' (the flush files of this publish)"))
-    if not os.path.isdir(model_path):
-        return _apply_delta_payload(self, [], weight_version, failure=DeltaError(
-            f"model_path {model_path!r} is not a directory"))
+    """Disk transport: read the announced files of one publish (once per engine, in parallel), then apply them as
+    one request."""
     try:
-        payloads = read_files(self, model_path, files)
-    except DeltaError as e:  # this rank alone may have failed to read: the TP ranks still agree
+        payloads = read_files_once(self, model_path, files)
+    except DeltaError as e:  # every rank refuses alike (the TP ranks still agree before any write)
         return _apply_delta_payload(self, [], weight_version, failure=e)
     return _apply_delta_payload(self, payloads, weight_version)
 
