@@ -312,6 +312,35 @@ class Host:
         return getattr(receiver_class(), name)(self, *args, **kwargs)
 
 
+class InProcessEngine:
+    """An engine as the sender's transports call it, in-process: the receiver's entry points on a ``Host``, called
+    directly (not through SGLang's runner classes, which a bare GPU host with an import stub cannot load)."""
+
+    def __init__(self, host: Host):
+        self.host = host
+
+    def update_weights_from_disk(self, model_path, files, weight_version):
+        from sglang.srt.weight_sync.delta import receiver
+
+        return receiver._apply_delta(self.host, model_path, files, weight_version)
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name, delta, weight_version):
+        from sglang.srt.weight_sync.delta import receiver
+
+        return receiver._apply_delta_from_distributed(self.host, delta, names, dtypes, shapes, group_name,
+                                                      weight_version)
+
+    def fingerprint(self):
+        from sglang.srt.weight_sync.delta import receiver
+
+        return [receiver.fingerprint_payload(self.host.model)]
+
+    def status(self):
+        from sglang.srt.weight_sync.delta import receiver
+
+        return [receiver.delta_status(self.host.model)]
+
+
 def receiver_class():
     """Where the patch set binds the receiver: ModelRunner (v0.5.15) or its WeightUpdater (v0.5.23)."""
     try:

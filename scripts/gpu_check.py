@@ -99,37 +99,6 @@ def install_sgl_kernel_stub() -> bool:
         return True
 
 
-# ---------------------------------------------------------------- the engine, in-process
-
-
-class InProcessEngine:
-    """The engine side of the disk transport, called in-process: the receiver's own entry points on a Host."""
-
-    def __init__(self, host):
-        self.host = host
-
-    def update_weights_from_disk(self, model_path, files, weight_version):
-        from sglang.srt.weight_sync.delta import receiver
-
-        return receiver._apply_delta(self.host, model_path, files, weight_version)
-
-    def update_weights_from_distributed(self, names, dtypes, shapes, group_name, delta, weight_version):
-        from sglang.srt.weight_sync.delta import receiver
-
-        return receiver._apply_delta_from_distributed(self.host, delta, names, dtypes, shapes, group_name,
-                                                      weight_version)
-
-    def fingerprint(self):
-        from sglang.srt.weight_sync.delta import receiver
-
-        return [receiver.fingerprint_payload(self.host.model)]
-
-    def status(self):
-        from sglang.srt.weight_sync.delta import receiver
-
-        return [receiver.delta_status(self.host.model)]
-
-
 def update_group(host, backend: str, name: str):
     """Both ranks of one weight-update group in this process: rank 0 (the trainer's, returned) here, rank 1
     (the engine's, stored on the host as SGLang's init_weights_update_group does) in a thread beside it."""
@@ -266,7 +235,7 @@ def check_stranded_broadcast(report, cfg, device, backend, engine_device, states
     """The engine refuses a request before receiving it: the sender aborts its pending broadcast at once (NCCL:
     the communicator, whose kernel would spin forever), re-creates the group through ``reconnect`` and the next
     sync lands bit-identically."""
-    from cpu_harness import segments
+    from cpu_harness import InProcessEngine, segments
     from sglang.srt.weight_sync.delta.collectives import abort_group
     from sglang.srt.weight_sync.delta.sender import DeltaSender
     from sglang.srt.weight_sync.delta.transport import NcclTransport
@@ -310,8 +279,8 @@ def check_fp8(report, args, device, workdir) -> None:
     """The FP8 rollout lane: a Qwen3-MoE trained in bf16, converted to block FP8 as slime's rollout does, into
     SGLang's class built with ``Fp8Config`` on ``device``; full sync then deltas (sparse e4m3 bytes written through
     the recorded views), every param bit-identical to a full FP8 load, fingerprint equal."""
-    from cpu_harness import FP8_BLOCK, bf16_state, fp8_block_quantize, hf_config, hf_model, rl_steps, segments, \
-        sglang_model
+    from cpu_harness import FP8_BLOCK, InProcessEngine, bf16_state, fp8_block_quantize, hf_config, hf_model, \
+        rl_steps, segments, sglang_model
     from sglang.srt.weight_sync.delta.sender import DeltaSender
     from sglang.srt.weight_sync.delta.transport import DiskTransport
     from sglang.srt.weight_sync.delta.wire import changed_positions, zstd_level
@@ -352,7 +321,8 @@ def check_fp8(report, args, device, workdir) -> None:
 
 
 def run(args, device, report) -> None:
-    from cpu_harness import bf16_state, delta_flushes, full_flushes, hf_config, hf_model, rl_steps, segments, sglang_model
+    from cpu_harness import InProcessEngine, bf16_state, delta_flushes, full_flushes, hf_config, hf_model, rl_steps, \
+        segments, sglang_model
     from sglang.srt.weight_sync.delta import receiver
     from sglang.srt.weight_sync.delta.sender import DeltaBucket, DeltaSender
     from sglang.srt.weight_sync.delta.transport import DiskTransport, NcclTransport

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 
+import pytest
 import torch
 
 import sglang
@@ -14,6 +15,24 @@ from sglang.srt.weight_sync.delta.wire import DeltaPayload, broadcastable
 
 SGLANG_VERSION = sglang.__version__
 ARCHS = ["qwen2", "qwen3", "qwen3-tied", "llama"]
+
+def copy_from_a_temporary(host, name: str = "model.norm.weight"):
+    """Make the model's loader copy ``name`` from a temporary: no view of the HF tensor left to follow, so the full
+    sync turns the direct path off and every delta goes through the loader."""
+    params, native = dict(host.model.named_parameters()), host.model.load_weights
+
+    def load_weights(weights):
+        rest = []
+        for n, t in weights:
+            if n == name:
+                params[n].copy_(t.clone())
+            else:
+                rest.append((n, t))
+        return native(rest)
+
+    host.model.load_weights = load_weights
+    return host
+
 
 def assert_params_equal(model, reference) -> None:
     got, want = dict(model.named_parameters()), dict(reference.named_parameters())
@@ -74,3 +93,17 @@ class GlooSender:
         self.proc.join(10)
         if self.proc.is_alive():
             self.proc.kill()
+
+
+def gloo_fixture(group_name: str):
+    """A module-scoped fixture: a gloo sender process and this process's receiving group. Each module names its
+    own group: process groups outlive the module that made them."""
+
+    @pytest.fixture(scope="module")
+    def gloo():
+        sender = GlooSender(group_name=group_name)
+        pg = sender.join_as_receiver()
+        yield sender, pg
+        sender.close()
+
+    return gloo

@@ -4,10 +4,10 @@ after-loading step transforms its weights is refused before the first write."""
 import pytest
 import torch
 
-from cpu_harness import FP8_BLOCK, Host, delta_flushes, fp8_block_quantize, full_flushes, hf_config, nan_filled, \
-    rl_states, sglang_model
-from delta_helpers import GlooSender, assert_params_equal
-from sglang.srt.weight_sync.delta.receiver import delta_status, fingerprint_payload, receiver_state
+from cpu_harness import FP8_BLOCK, Host, InProcessEngine, delta_flushes, fp8_block_quantize, full_flushes, hf_config, \
+    nan_filled, rl_states, sglang_model
+from delta_helpers import assert_params_equal, copy_from_a_temporary, gloo_fixture
+from sglang.srt.weight_sync.delta.receiver import delta_status, receiver_state
 from sglang.srt.weight_sync.delta.sender import DeltaSender
 from sglang.srt.weight_sync.delta.transport import DiskTransport
 from sglang.srt.weight_sync.delta.wire import zstd_level
@@ -17,12 +17,7 @@ ARCHS = ["qwen3", "qwen3-moe"]
 _STATES = {}
 
 
-@pytest.fixture(scope="module")
-def gloo():
-    sender = GlooSender(group_name="delta-fp8-test")  # a group name of its own: process groups outlive modules
-    pg = sender.join_as_receiver()
-    yield sender, pg
-    sender.close()
+gloo = gloo_fixture("delta-fp8-test")  # the fixture make_transport asks for
 
 
 def fp8_states(arch):
@@ -154,22 +149,9 @@ def test_a_block_scale_without_its_weight_is_refused():
 
 
 def loader_path_engine(cfg):
-    """An FP8 engine whose loader copies one weight from a temporary: no recorded view to follow, so the full sync
-    turns the direct path off and every fp8 param must travel dense to it."""
-    host = engine(cfg)
-    params, native = dict(host.model.named_parameters()), host.model.load_weights
-
-    def load_weights(weights):
-        rest = []
-        for n, t in weights:
-            if n == "model.norm.weight":
-                params[n].copy_(t.clone())
-            else:
-                rest.append((n, t))
-        return native(rest)
-
-    host.model.load_weights = load_weights
-    return host
+    """An FP8 engine without direct path (its loader copies one weight from a temporary): every fp8 param must
+    travel dense to it."""
+    return copy_from_a_temporary(engine(cfg))
 
 
 def test_sparse_fp8_to_an_engine_without_views_is_refused_and_dense_lands():
@@ -188,28 +170,12 @@ def test_sparse_fp8_to_an_engine_without_views_is_refused_and_dense_lands():
     assert_params_equal(host.model, reference(cfg, states[1]))
 
 
-class FP8Engine:
-    """An in-process engine for the sender: the real receiver behind the disk transport's engine interface."""
-
-    def __init__(self, host):
-        self.host = host
-
-    def update_weights_from_disk(self, model_path, files, weight_version):
-        return self.host.call("_apply_delta", model_path, files, weight_version)
-
-    def fingerprint(self):
-        return [fingerprint_payload(self.host.model)]
-
-    def status(self):
-        return [delta_status(self.host.model)]
-
-
 @pytest.mark.parametrize("encoding", ["deltas_zstd", "xor_zstd"])
 def test_the_sender_diffs_quantized_bytes_into_fp8_engines(tmp_path, encoding):
     """slime's updater hands the sender the converted (quantized) tensors: it diffs their bytes, learns after the
     full sync which engine takes fp8 only dense, and the fingerprint covers fp8 weights and scales."""
     cfg, _, states = fp8_states("qwen3-moe")
-    engines = [FP8Engine(engine(cfg)), FP8Engine(loader_path_engine(cfg))]
+    engines = [InProcessEngine(engine(cfg)), InProcessEngine(loader_path_engine(cfg))]
     sender = DeltaSender(DiskTransport(str(tmp_path), engines, zstd=zstd_level(encoding)), engines,
                          encoding=encoding, buffer_bytes=64 << 10, fingerprint_every=1)
     for v, state in enumerate(states, start=1):

@@ -5,10 +5,10 @@ deltas are written through the recorded views and the derivation re-runs for the
 import pytest
 import torch
 
-from cpu_harness import FP8_BLOCK, Host, delta_flushes, fp8_block_quantize, full_flushes, hf_config, nan_filled, \
-    rl_states, sglang_model
-from delta_helpers import GlooSender, assert_params_equal
-from sglang.srt.weight_sync.delta.receiver import delta_status, fingerprint_payload, receiver_state
+from cpu_harness import FP8_BLOCK, Host, InProcessEngine, delta_flushes, fp8_block_quantize, full_flushes, hf_config, \
+    nan_filled, rl_states, sglang_model
+from delta_helpers import assert_params_equal, gloo_fixture
+from sglang.srt.weight_sync.delta.receiver import receiver_state
 from sglang.srt.weight_sync.delta.sender import DeltaSender
 from sglang.srt.weight_sync.delta.transport import DiskTransport
 from test_receiver_inprocess import make_transport
@@ -16,12 +16,7 @@ from test_receiver_inprocess import make_transport
 _STATES = {}
 
 
-@pytest.fixture(scope="module")
-def gloo():
-    sender = GlooSender(group_name="delta-mla-test")  # a group name of its own: process groups outlive modules
-    pg = sender.join_as_receiver()
-    yield sender, pg
-    sender.close()
+gloo = gloo_fixture("delta-mla-test")  # the fixture make_transport asks for
 
 
 def states(arch, dtype):
@@ -89,20 +84,6 @@ def test_mla_deltas_take_the_direct_path_and_rederive_touched_layers(request, tm
 
 
 
-class Engine:
-    def __init__(self, host):
-        self.host = host
-
-    def update_weights_from_disk(self, model_path, files, weight_version):
-        return self.host.call("_apply_delta", model_path, files, weight_version)
-
-    def fingerprint(self):
-        return [fingerprint_payload(self.host.model)]
-
-    def status(self):
-        return [delta_status(self.host.model)]
-
-
 @pytest.mark.parametrize("dtype", sorted(QUANTS))
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_sender_keeps_fused_siblings_in_one_flush(tmp_path, arch, dtype):
@@ -111,7 +92,7 @@ def test_the_sender_keeps_fused_siblings_in_one_flush(tmp_path, arch, dtype):
     lands whole, the fingerprint covers every name, and the deltas that follow are bit-identical."""
     quant = QUANTS[dtype]
     cfg, seq = states(arch, dtype)
-    engine = Engine(Host(nan_filled(sglang_model(cfg, quant))))
+    engine = InProcessEngine(Host(nan_filled(sglang_model(cfg, quant))))
     sender = DeltaSender(DiskTransport(str(tmp_path), [engine]), [engine], encoding="deltas",
                          buffer_bytes=4 << 10, fingerprint_every=1)
     for state in seq:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from cpu_harness import Host, delta_flushes, full_flushes, hf_config, nan_filled, rl_states, sglang_model
-from delta_helpers import ARCHS, GlooSender, assert_params_equal
+from delta_helpers import ARCHS, assert_params_equal, copy_from_a_temporary, gloo_fixture
 from sglang.srt.weight_sync.delta.receiver import receiver_state
 from sglang.srt.weight_sync.delta.wire import POSITIONS, VALUES, DeltaEncoding, dtype_to_str, flush_file
 
@@ -55,12 +55,7 @@ class DistributedTransport:
         return results
 
 
-@pytest.fixture(scope="module")
-def gloo():
-    sender = GlooSender()
-    pg = sender.join_as_receiver()
-    yield sender, pg
-    sender.close()
+gloo = gloo_fixture("delta-test")
 
 
 # the *_zstd encodings are disk-only by contract (file-level compression): they have no distributed case.
@@ -120,19 +115,7 @@ def test_a_loader_copying_a_transformed_tensor_keeps_deltas_on_the_loader_path()
     """A copy from a temporary (no view of the HF tensor left to follow) turns the direct path off: every delta
     goes through the loader and the NaN mask, and lands bit-identically."""
     cfg, states = trained("qwen3")
-    host = Host(nan_filled(sglang_model(cfg)), chunk_bytes=64 << 10)
-    params, native = dict(host.model.named_parameters()), host.model.load_weights
-
-    def load_weights(weights):
-        rest = []
-        for n, t in weights:
-            if n == "model.norm.weight":
-                params[n].copy_(t.clone())
-            else:
-                rest.append((n, t))
-        return native(rest)
-
-    host.model.load_weights = load_weights
+    host = copy_from_a_temporary(Host(nan_filled(sglang_model(cfg)), chunk_bytes=64 << 10))
     for pl in full_flushes(states[0], version=1, max_params=7):
         ok, msg = host.call("_apply_delta_payload", [pl])
         assert ok, msg

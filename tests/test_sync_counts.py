@@ -92,28 +92,17 @@ def test_the_sender_synchronizes_a_constant_number_of_times_per_chunk_and_flush(
     """The sender's side of a delta sync (diff against the snapshot, bucket, encode) on a real Qwen3-MoE at 2 and 6
     layers (5x the tensors), one chunk and one flush per dtype: the same count. The diff runs its device path
     (the CPU's numpy fast path has nothing to synchronize, so it would count nothing)."""
+    from cpu_harness import InProcessEngine
     from sglang.srt.weight_sync.delta import wire
-    from sglang.srt.weight_sync.delta.receiver import delta_status
     from sglang.srt.weight_sync.delta.sender import DeltaSender
     from sglang.srt.weight_sync.delta.transport import DiskTransport
 
-    monkeypatch.setattr(wire, "_NUMPY_DIFF", False)
-
-    class Engine:  # the real receiver in-process; DiskTransport calls it on its own threads (not counted)
-        def __init__(self, host):
-            self.host = host
-
-        def update_weights_from_disk(self, model_path, files, weight_version):
-            return self.host.call("_apply_delta", model_path, files, weight_version)
-
-        def status(self):
-            return [delta_status(self.host.model)]
-
+    monkeypatch.setattr(wire, "_NUMPY_DIFF", False)  # DiskTransport calls the engine on its threads (not counted)
     counts = []
     for layers in (2, 6):
         cfg = hf_config("qwen3-moe", layers=layers)
         states = rl_states(cfg, 1, seed=0)
-        engine = Engine(Host(sglang_model(cfg)))
+        engine = InProcessEngine(Host(sglang_model(cfg)))
         sender = DeltaSender(DiskTransport(str(tmp_path / str(layers)), [engine]), [engine], encoding="deltas")
         assert sender.update([lambda: [list(states[0].items())]])[0][0]
         ops = _count(lambda: sender.update([lambda: [list(states[1].items())]]))
