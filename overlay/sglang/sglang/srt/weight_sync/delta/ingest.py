@@ -103,7 +103,7 @@ def read_files_once(host, model_path: str, files: List[str]) -> List[DeltaPayloa
 
 
 def _broadcast_text(group, text: str) -> dict:
-    """The first TP rank's JSON to every rank of the group (host memory, its CPU group; no pickle)."""
+    """The first TP rank's JSON to every rank of the group, as a byte tensor over its CPU group (never an object)."""
     data = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8) if text else torch.empty(0, dtype=torch.uint8)
     size = torch.tensor([data.numel()], dtype=torch.int64)
     torch.distributed.broadcast(size, src=group.first_rank, group=group.cpu_group)
