@@ -4,6 +4,7 @@ import torch
 
 from cpu_harness import (
     Host,
+    InProcessEngine,
     Server,
     bf16_state,
     engine_mismatch,
@@ -17,17 +18,18 @@ from cpu_harness import (
     write_hf_checkpoint,
 )
 from delta_helpers import assert_params_equal
-from sglang.srt.weight_sync.delta.receiver import delta_status, fingerprint_payload
+from sglang.srt.weight_sync.delta.receiver import delta_status
 from sglang.srt.weight_sync.delta.sender import DeltaSender
 from sglang.srt.weight_sync.delta.transport import DiskTransport, HttpEngine, NcclTransport
 from sglang.srt.weight_sync.delta.wire import DeltaError, zstd_level
 
 
-class LocalEngine:
-    """An in-process engine: the real receiver on a real SGLang model class; ``down`` makes it unreachable."""
+class LocalEngine(InProcessEngine):
+    """An in-process engine on a real SGLang model class, applying through the patched class (proves the patch
+    bound the receiver); ``down`` makes it unreachable."""
 
     def __init__(self, cfg):
-        self.host = Host(nan_filled(sglang_model(cfg)), chunk_bytes=64 << 10)
+        super().__init__(Host(nan_filled(sglang_model(cfg)), chunk_bytes=64 << 10))
         self.down = False
         self.requests = 0
 
@@ -37,13 +39,10 @@ class LocalEngine:
         self.requests += 1
         return self.host.call("_apply_delta", model_path, files, weight_version)
 
-    def fingerprint(self):
-        return [fingerprint_payload(self.host.model)]
-
     def status(self):
         if self.down:
             raise ConnectionError("engine unreachable")
-        return [delta_status(self.host.model)]
+        return super().status()
 
 
 def reference(cfg, state):

@@ -17,6 +17,7 @@ from sglang.srt.weight_sync.delta.wire import (
     HEADER_CAP,
     POSITIONS,
     VALUES,
+    DeltaEncoding,
     DeltaError,
     DeltaPayload,
     DeltaSpec,
@@ -82,7 +83,7 @@ def read_files_once(host, model_path: str, files: List[str]) -> List[DeltaPayloa
             payloads = read_files(host, model_path, files)
         except DeltaError as e:
             error = e
-    header = _broadcast_text(group, json.dumps(
+    header = _broadcast_json(group, json.dumps(
         {"error": [str(error), error.code.value]} if error is not None else
         {"flushes": [[p.spec.to_json(), p.source, dtype_to_str(p.values.dtype), p.positions.numel(), p.values.numel()]
                      for p in payloads]}) if first else "")
@@ -98,11 +99,12 @@ def read_files_once(host, model_path: str, files: List[str]) -> List[DeltaPayloa
         for t in (pos, val):
             torch.distributed.broadcast(broadcastable(t), src=group.first_rank, group=group.device_group)
         spec = DeltaSpec.from_json(spec)
-        out.append(DeltaPayload(spec, pos, val, source=source, xored=spec.encoding == "xor_zstd"))
+        out.append(DeltaPayload(spec, pos, val, source=source,
+                                xored=DeltaEncoding(spec.encoding) is DeltaEncoding.XOR_ZSTD))
     return out
 
 
-def _broadcast_text(group, text: str) -> dict:
+def _broadcast_json(group, text: str) -> dict:
     """The first TP rank's JSON to every rank of the group, as a byte tensor over its CPU group (never an object)."""
     data = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8) if text else torch.empty(0, dtype=torch.uint8)
     size = torch.tensor([data.numel()], dtype=torch.int64)

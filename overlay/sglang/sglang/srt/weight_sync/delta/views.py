@@ -185,7 +185,7 @@ def read_base(direct: Dict[str, List[Direct]], params, idxs, dtype, device, held
     rest per param. Entries no view holds read as zero (a param no rank stores travels raw) or as anything
     (the caller refuses a param that is held only in part)."""
     counts = [p.nnz for p in params]
-    out = torch.zeros(sum(counts), dtype=INT_VIEW[torch.empty((), dtype=dtype).element_size()], device=device)
+    out = torch.zeros(sum(counts), dtype=INT_VIEW[dtype.itemsize], device=device)
     blocks: Dict[Tuple[int, torch.dtype], list] = {}  # storage -> [(view, positions, start in out)]
     at = 0
     for p, idx, n in zip(params, idxs, counts):
