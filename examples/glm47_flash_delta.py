@@ -11,11 +11,11 @@ SGLang both patched, e.g. the image)::
         --disk-dir /shared/fs/glm47-delta                                                       # xor_zstd files
     python ... --print                                        # only write the script and show the flags it changed
 
-The flag changes, if you prefer to edit the script yourself: over ``nccl`` (keeps the script's PP=2)
+The flag changes, if you prefer to edit the script yourself (both keep the script's PP=2): over ``nccl``
 ``--update-weight-mode delta --update-weight-transport nccl --update-weight-delta-encoding deltas`` (drop the
 disk/local-checkpoint/checksum flags); over ``disk`` ``--update-weight-mode delta --update-weight-transport disk
---update-weight-delta-encoding xor_zstd --update-weight-disk-dir DIR`` and ``--pipeline-model-parallel-size 1``
-(sparse delta files over disk do not take PP>1 yet). Not yet run on GPUs. GLM-4.7-Flash's MLA loader takes deltas
+--update-weight-delta-encoding xor_zstd --update-weight-disk-dir DIR`` (each pipeline stage writes its own files,
+stage 0 announces them together). Not yet run on GPUs. GLM-4.7-Flash's MLA loader takes deltas
 on the direct path (engine work proportional to the changed elements; ``w_kc``/``w_vc`` re-derived for the touched
 layers), tested in-process on SGLang's class in bf16 and block FP8.
 """
@@ -28,7 +28,6 @@ import sys
 UPSTREAM = os.path.join("examples", "delta_weight_sync", "run-glm4.7-30B-A3B-delta.sh")
 OURS = os.path.join("examples", "delta_weight_sync", "run-glm4.7-30B-A3B-delta-sparse.sh")
 _BLOCK = re.compile(r"^WEIGHT_SYNC_ARGS=\(\n.*?^\)\n", re.M | re.S)
-_PP = re.compile(r"--pipeline-model-parallel-size \d+")
 
 
 def weight_sync_args(transport: str, disk_dir: str) -> list:
@@ -40,14 +39,12 @@ def weight_sync_args(transport: str, disk_dir: str) -> list:
 
 
 def rewrite(script: str, transport: str, disk_dir: str) -> str:
-    """The upstream script with our weight-sync block (and PP=1 over disk); refuses a script it does not recognize."""
-    if len(_BLOCK.findall(script)) != 1 or len(_PP.findall(script)) != 1:
-        raise SystemExit(f"{UPSTREAM} no longer has one WEIGHT_SYNC_ARGS block and one --pipeline-model-parallel-size: "
-                         "apply the flag changes in this file's docstring by hand")
+    """The upstream script with our weight-sync block; refuses a script it does not recognize."""
+    if len(_BLOCK.findall(script)) != 1:
+        raise SystemExit(f"{UPSTREAM} no longer has one WEIGHT_SYNC_ARGS block: apply the flag changes in this "
+                         "file's docstring by hand")
     block = "WEIGHT_SYNC_ARGS=(\n" + "".join(f"   {a}\n" for a in weight_sync_args(transport, disk_dir)) + ")\n"
     out = _BLOCK.sub(lambda _: block, script)
-    if transport == "disk":
-        out = _PP.sub("--pipeline-model-parallel-size 1", out)
     return out.replace("set -ex\n", "set -ex\n# Written by delta-weight-sync's examples/glm47_flash_delta.py from "
                        f"{os.path.basename(UPSTREAM)}: our sparse delta sync over {transport}.\n", 1)
 
@@ -65,8 +62,7 @@ def main():
     with open(path, "w") as f:
         f.write(script)
     os.chmod(path, 0o755)
-    print(f"{path}: " + " ".join(weight_sync_args(args.transport, args.disk_dir))
-          + (" --pipeline-model-parallel-size 1" if args.transport == "disk" else ""))
+    print(f"{path}: " + " ".join(weight_sync_args(args.transport, args.disk_dir)))
     if not args.print:
         sys.exit(subprocess.call(["bash", path]))
 

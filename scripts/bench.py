@@ -160,22 +160,25 @@ def sender_sync(snapshot, new, encoding: str, version: int, raw=()):
     """One delta sync on the sender: diff vs the snapshot, encode into bounded buckets, advance the snapshot
     (``xor_zstd``: the snapshot's values at the changed positions go along; ``raw``: the engine's ``xor_raw``)."""
     from sglang.srt.weight_sync.delta.sender import DeltaBucket, DeltaState
+    from sglang.srt.weight_sync.delta.wire import as_parts
 
     state = DeltaState(torch.device("cpu"))
     state.snapshot = snapshot
     bucket, payloads = DeltaBucket(encoding, BUFFER_BYTES), []
     for name, t in new.items():
         if bucket.should_flush(name):
-            payloads += bucket.take(version=version, base_version=version - 1, flush=len(payloads), final=False)
+            payloads += bucket.take(version=version, base_version=version - 1, final=False)
         idx = state.positions([(name, t)], [snapshot[name]])[0]
         base = None
         if encoding == "xor_zstd":
             base = torch.zeros(idx.numel(), dtype=t.dtype) if name in raw else snapshot[name].reshape(-1)[idx]
         state.record(name, t, idx)
         bucket.add(name, t, idx, base)
-    payloads += bucket.take(version=version, base_version=version - 1, flush=len(payloads), final=True)
+    payloads += bucket.take(version=version, base_version=version - 1, final=True)
     state.commit(version)
-    return payloads
+    for p in payloads:
+        p.spec.final = True
+    return as_parts(payloads)  # the bench applies them as one request
 
 
 def serialize(payloads, encoding: str):

@@ -46,15 +46,16 @@ def install_cpu_accelerator():
     torch.cuda.current_device = lambda: torch.device("cpu")  # Megatron uses it as a device
 
 
-def init_world(port: int):
+def init_world(port: int, rank: int = 0, pp: int = 1):
+    """One process per pipeline stage (TP=DP=1): each is its stage's source rank."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
     from slime.utils.distributed_utils import init_gloo_group
 
     install_cpu_accelerator()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=1, rank=0)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=pp, rank=rank)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=pp)
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     init_gloo_group()
 
@@ -88,7 +89,7 @@ class DDPLike(torch.nn.Module):
 
 
 def build_model(seed: int = 1):
-    from megatron.core import tensor_parallel
+    from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.identity_op import IdentityOp
@@ -98,7 +99,8 @@ def build_model(seed: int = 1):
                             ffn_hidden_size=FFN, use_cpu_initialization=True, gated_linear_unit=True,
                             activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False,
                             add_qkv_bias=False, bf16=True, params_dtype=torch.bfloat16,
-                            hidden_dropout=0.0, attention_dropout=0.0)
+                            hidden_dropout=0.0, attention_dropout=0.0, pipeline_dtype=torch.bfloat16,
+                            pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size())
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     norm_linear, sm = _norm_linear_cls(), spec.submodules
     sm.input_layernorm = sm.pre_mlp_layernorm = IdentityOp
@@ -111,7 +113,9 @@ def build_model(seed: int = 1):
         mlp.submodules.linear_fc1 = norm_linear
     torch.manual_seed(seed)
     model = DDPLike(GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=128,
-                             position_embedding_type="rope", share_embeddings_and_output_weights=False))
+                             position_embedding_type="rope", share_embeddings_and_output_weights=False,
+                             pre_process=parallel_state.is_pipeline_first_stage(),
+                             post_process=parallel_state.is_pipeline_last_stage()))
     model.bfloat16()  # what Megatron's Float16Module does to a bf16 model
     for p in model.parameters():
         tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
@@ -143,6 +147,39 @@ class Trainer:
         with torch.no_grad():
             for p, m in zip(self.params, self.master):
                 p.copy_(m.to(p.dtype))
+
+
+class StageTrainer(Trainer):
+    """A pipeline stage's AdamW step on its own params, with seeded gradients (no pipeline schedule on CPU): the
+    same optimizer arithmetic, so the same sparse byte changes per step."""
+
+    def step(self):
+        for m in self.master:
+            m.grad = torch.randn(m.shape, generator=self.g) * 1e-2
+        self.opt.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.master):
+                p.copy_(m.to(p.dtype))
+
+
+def corrupt_stage1_file(args, version_dir, rollout_engines):
+    """A post-write hook (``--custom-update-weight-post-write-path``): once ``args.corrupt_marker`` exists, flip one
+    value bit of stage 1's first file of the publish (stage 0 runs the hook, after every stage wrote)."""
+    import glob
+    import os
+
+    from sglang.srt.weight_sync.delta.wire import maybe_zstd_decompress, read_safetensors, write_safetensors
+
+    if not os.path.exists(args.corrupt_marker):
+        return None
+    os.remove(args.corrupt_marker)
+    path = sorted(glob.glob(os.path.join(version_dir, "**", "rank0001_*.safetensors"), recursive=True))[0]
+    with open(path, "rb") as f:
+        pl = read_safetensors(maybe_zstd_decompress(f.read(), 1 << 30, path), path)
+    pl.values.view(torch.uint8)[0] ^= 0x80
+    with open(path, "wb") as f:
+        f.write(write_safetensors(pl.spec, pl.positions, pl.values))
+    return None
 
 
 def make_args(**over):

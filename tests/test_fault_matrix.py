@@ -132,6 +132,24 @@ def test_symlink_escape_in_files(world):
     fault(world, "resolves outside model_path (symlink escape)", rewrite=rewrite)
 
 
+@pytest.mark.parametrize("tamper, expect", [
+    (lambda files: files[:1] + files[2:], "parts [0, 2"),  # one file of a publish left out
+    (lambda files: files[:-1], "do not end at its last part"),  # its last file left out
+    (lambda files: files + files[-1:], "one is missing or repeated"),  # a file announced twice
+])
+def test_an_announcement_that_leaves_out_or_repeats_a_file(world, tamper, expect):
+    """Every file of a publish is numbered in its checksummed spec: a file missing from the announcement is
+    refused, never read as "those params did not change"."""
+    def rewrite(path, files, v):
+        assert len(files) >= 3, files
+        return path, tamper(sorted(files)), v
+    buffer, world.sender.buffer_bytes = world.sender.buffer_bytes, 2 << 10  # several files per publish
+    try:
+        fault(world, expect, rewrite=rewrite)
+    finally:
+        world.sender.buffer_bytes = buffer
+
+
 def test_replayed_version(world):
     """A copy of an already applied version announced again (duplicate): refused by the version chain."""
     world.transport.keep_files = True
@@ -370,7 +388,7 @@ def test_a_request_mixing_planes_and_flat_layouts(xor_world):
         _rewrite(files[0], change)
     buffer, xor_world.sender.buffer_bytes = xor_world.sender.buffer_bytes, 2 << 10  # several files per publish
     try:
-        fault(xor_world, "disagree on (version, base_version, flush, full, encoding)", hook=hook)
+        fault(xor_world, "disagree on (version, base_version, flush, full, encoding, sources)", hook=hook)
     finally:
         xor_world.sender.buffer_bytes = buffer
 

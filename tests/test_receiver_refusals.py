@@ -7,7 +7,7 @@ import zstandard
 
 from cpu_harness import Host, delta_flushes, full_flushes, hf_config, rl_states, sglang_model
 from sglang.srt.weight_sync.delta.receiver import receiver_state
-from sglang.srt.weight_sync.delta.wire import DeltaParam, changed_positions, encode_flush, write_safetensors
+from sglang.srt.weight_sync.delta.wire import DeltaParam, as_parts, changed_positions, encode_flush, write_safetensors
 
 _STATES = {}
 
@@ -242,7 +242,7 @@ def test_file_refusals(engine, tmp_path):
         (["bomb.safetensors"], "zstd output exceeds"),
         (["badzstd.safetensors"], "bad zstd frame"),
         ([], "needs 'files'"),
-        ([name, name], "appears in two files of one request"),
+        ([name, name], "parts [0, 0]: one is missing or repeated"),
     ]
     for files, message in cases:
         ok, msg = engine.call("_apply_delta", vdir, files, None)
@@ -276,3 +276,10 @@ def test_speculative_engine_refused(engine):
     assert not ok and "speculative decoding (EAGLE) is not supported by delta weight sync" in msg, msg
     assert_untouched(engine, before)
     assert receiver_state(engine.model).last[1] == "unsupported"
+
+
+def test_a_param_in_two_files_of_one_request(engine):
+    before = weights(engine)
+    ok, msg = engine.call("_apply_delta_payload", as_parts([good_delta(), good_delta()]))
+    assert not ok and "appears in two files of one request" in msg, msg
+    assert_untouched(engine, before)

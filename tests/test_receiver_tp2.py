@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cpu_harness import delta_flushes, free_port, full_flushes, hf_config, rl_states
-from sglang.srt.weight_sync.delta.wire import flush_file
+from sglang.srt.weight_sync.delta.wire import as_parts, flush_file
 
 TP = 2
 
@@ -64,9 +64,9 @@ def test_tp2_each_rank_narrows_the_global_delta(tmp_path, arch, encoding):
             delta_flushes(states[v - 2], state, encoding, version=v, base_version=v - 1, max_params=9, raw=raw)
         vdir = tmp_path / f"weight_v{v:06d}"
         vdir.mkdir()
-        for k, pl in enumerate(payloads):  # one publish: every flush file of the sync in one request
+        for pl in payloads:  # one publish: every flush file of the sync in one request
             pl.spec.flush, pl.spec.final = 0, True
-            pl.seal(spec_only=True)
+        for k, pl in enumerate(as_parts(payloads)):
             (vdir / f"rank0000_flush{k:06d}.safetensors").write_bytes(flush_file(pl, 1 if v > 1 and encoding == "xor_zstd" else None))
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()

@@ -40,11 +40,6 @@ def validate_sparse_delta_args(args) -> None:
             f"--update-weight-delta-encoding={args.update_weight_delta_encoding} compresses files and is disk-only; "
             "with --update-weight-transport=nccl use --update-weight-delta-encoding=indices (or deltas)."
         )
-    if args.update_weight_transport == "disk" and getattr(args, "pipeline_model_parallel_size", 1) > 1:
-        raise ValueError(
-            "sparse delta sync over disk does not support pipeline parallelism yet "
-            "(use --update-weight-transport=nccl, or PP=1)."
-        )
 
 
 def sparse_delta_updater_cls(args):

@@ -5,11 +5,13 @@ returns at once (a later host read then blocks for as long as a missing peer sta
 gloo it waits for the group's timeout. Here a collective is polled with ``is_completed()`` —
 non-blocking on both backends — until it completes, a deadline passes, or the caller learns that a
 peer will never join (every engine already answered). A group whose collective was given up on is
-aborted; its owner re-creates it before the next use.
+aborted; its owner re-creates it before the next use. Also: the trainer's pipeline stages agreeing on a sync
+(:class:`StageGroup`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Callable, Optional, Sequence
@@ -94,3 +96,35 @@ def tp_agree(ok: bool, *same: int) -> bool:
     torch.distributed.all_reduce(verdict, op=torch.distributed.ReduceOp.MIN, group=group.cpu_group)
     mins = verdict.tolist()
     return bool(mins[0]) and all(mins[k] == -mins[k + 1] for k in range(1, len(mins), 2))
+
+
+class StageGroup:
+    """The source ranks of a trainer's pipeline stages, one sender each (every stage holds its own layers).
+
+    Stage 0 decides for all (which engines get a full sync, the version, the encoding) and the others adopt it;
+    an engine acknowledged a sync only if every stage's part of it was acknowledged. Small JSON objects travel over
+    ``group`` (gloo, one rank per stage, in stage order); callers use it from one thread at a time.
+    """
+
+    def __init__(self, group, rank: int, size: int):
+        self.group, self.rank, self.size = group, rank, size
+
+    @property
+    def first(self) -> bool:
+        return self.rank == 0
+
+    def exchange(self, obj) -> list:
+        """Every stage's ``obj`` (JSON-able), in stage order, on every stage."""
+        data = json.dumps(obj, separators=(",", ":")).encode()
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        torch.distributed.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self.group)
+        width = max(int(s[0]) for s in sizes)
+        mine = torch.zeros(width, dtype=torch.uint8)
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+        bufs = [torch.empty(width, dtype=torch.uint8) for _ in range(self.size)]
+        torch.distributed.all_gather(bufs, mine, group=self.group)
+        return [json.loads(bytes(b[:int(s[0])].numpy()).decode()) for b, s in zip(bufs, sizes)]
+
+    def share(self, obj):
+        """Stage 0's ``obj`` on every stage."""
+        return self.exchange(obj if self.first else None)[0]

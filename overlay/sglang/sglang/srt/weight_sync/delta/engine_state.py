@@ -20,7 +20,9 @@ class ReceiverState:
 
     version: Optional[int] = None  # committed version; None until the first full sync
     pending: Optional[int] = None  # version whose flushes are being applied
-    next_flush: int = 0
+    pending_key: tuple = ()  # (base_version, full, encoding, sources) every request of it shares
+    next_flush: Dict[int, int] = dataclasses.field(default_factory=dict)  # per source of the pending version
+    finals: set = dataclasses.field(default_factory=set)  # sources whose final request arrived
     dirty: bool = False
     outside_load: Optional[str] = None  # a plain weight load since the last sync broke the chain
     manifest: Optional[Dict[str, Tuple[List[int], str]]] = None
@@ -35,6 +37,7 @@ class ReceiverState:
     dense: List[str] = dataclasses.field(default_factory=list)  # byte-sparse names without recorded views
     changed: set = dataclasses.field(default_factory=set)  # names changed so far in the pending version
     post_pending: set = dataclasses.field(default_factory=set)  # written directly, not yet post-processed
+    applied: Dict[str, int] = dataclasses.field(default_factory=dict)  # versions committed, by kind (full, delta)
 
 
 _STATES: "weakref.WeakKeyDictionary[torch.nn.Module, ReceiverState]" = weakref.WeakKeyDictionary()

@@ -54,7 +54,7 @@ from sglang.srt.weight_sync.delta.ingest import (
     update_group_timeout,
 )
 from sglang.srt.weight_sync.delta.quant import check_names, check_quantization
-from sglang.srt.weight_sync.delta.versions import check_version, check_xor_base, full_reason
+from sglang.srt.weight_sync.delta.versions import check_version, check_xor_base, full_reason, pending_key
 from sglang.srt.weight_sync.delta.views import direct_plan, rebuild_xor, write_direct
 from sglang.srt.weight_sync.delta.wire import (
     POSITIONS,
@@ -67,6 +67,7 @@ from sglang.srt.weight_sync.delta.wire import (
     Refusal,
     dtype_from_str,
     nan_sentinel,
+    parse_request,
     sparse_allowed,
     validate_payload,
 )
@@ -103,7 +104,8 @@ def delta_status(model: torch.nn.Module) -> DeltaStatus:
     request, code, received = state.last
     return DeltaStatus(version=state.version, needs_full=reason is not None, reason=reason, pending=state.pending,
                        request=request, code=code, received=received, max_request_bytes=max_request_bytes(model),
-                       xor=state.xor_ready and reason is None, xor_raw=list(state.xor_raw), dense=list(state.dense))
+                       xor=state.xor_ready and reason is None, xor_raw=list(state.xor_raw), dense=list(state.dense),
+                       applied=dict(state.applied))
 
 
 def checker_action(action: str, model: torch.nn.Module, parallelism_info=None) -> dict:
@@ -136,7 +138,7 @@ def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version:
     head = payloads[0].spec if payloads else None
     request = [head.version, head.flush] if head is not None else None
     received = (payloads[0].source == "broadcast" or None) if payloads else None
-    continuing = head is not None and state.pending == head.version and head.flush > 0
+    continuing = head is not None and state.pending == head.version  # part of this version is written
     xor = any(p.xored for p in payloads)
     error = failure
     if error is None:
@@ -144,7 +146,7 @@ def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version:
             if not payloads:
                 raise DeltaError("delta request holds no payload")
             _refuse_unsupported(self)
-            head = check_version(state, [p.spec for p in payloads], weight_version)
+            head, starts = check_version(state, [p.spec for p in payloads], weight_version, files=not received)
             manifest = state.manifest
             if xor:
                 check_xor_base(state, head)
@@ -154,8 +156,10 @@ def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version:
             if len(set(names)) != len(names):
                 raise DeltaError(f"param {next(n for n in names if names.count(n) > 1)!r} appears in two files of one request")
             check_names(names)
+            finals = (set() if starts else state.finals) | {p.spec.source for p in payloads if p.spec.final}
             if not head.full:
-                _check_writable(state, head, [q for p in payloads for q in p.spec.params])
+                _check_writable(state, head, [q for p in payloads for q in p.spec.params], starts,
+                                len(finals) == head.sources)
         except DeltaError as e:
             error = e
     peer = DeltaError("another tensor-parallel rank of this engine refused the request (its delta_status says why)",
@@ -181,10 +185,15 @@ def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version:
     # loader in one call, so pairs a loader fuses (DeepSeek's q_a/kv_a, cached per call) stay together.
     chunk_cap = float("inf") if head.full else int(server_arg(self, "update_weight_delta_chunk_bytes",
                                                                DEFAULT_CHUNK_BYTES))
-    if head.flush == 0:
-        state.pending_manifest = {}
+    if starts:
+        state.pending_manifest, state.next_flush, state.finals = {}, {}, set()
         state.recorder = fingerprint.FingerprintRecorder(model_tensors(model)) if head.full else None
-    state.pending, state.next_flush = head.version, head.flush + 1
+    state.pending, state.pending_key = head.version, pending_key(head)
+    for p in payloads:
+        state.next_flush[p.spec.source] = head.flush + 1
+        if p.spec.final:
+            state.finals.add(p.spec.source)
+    complete = len(state.finals) == head.sources  # every source's final request arrived: commit
 
     def load(chunk):
         if head.full:
@@ -208,7 +217,7 @@ def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version:
                 write_direct([(direct[p.name], idx, values[p.val_start:p.val_end], p.numel)
                                for p, idx, values in via_views])
                 _kill_point()
-            _post_process(model, state, [p.name for p, _, _ in via_views], any(p.spec.final for p in payloads))
+            _post_process(model, state, [p.name for p, _, _ in via_views], complete)
         if via_loader:
             context = contextlib.ExitStack()
             if head.full:
@@ -241,8 +250,10 @@ def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version:
 
     state.last = (request, None, received)
     nnz = sum(p.nnz for pl in payloads for p in pl.spec.params)
-    if any(p.spec.final for p in payloads):
-        state.version, state.pending, state.next_flush = head.version, None, 0
+    if complete:
+        state.version, state.pending, state.next_flush, state.finals = head.version, None, {}, set()
+        kind = "full" if head.full else "delta"
+        state.applied[kind] = state.applied.get(kind, 0) + 1
         if head.full:
             state.manifest, state.dirty, state.outside_load = state.pending_manifest, False, None
             state.direct = direct_plan(model, state.recorder)
@@ -308,7 +319,8 @@ def note_outside_load(host, entry_point: str) -> None:
         state.outside_load = entry_point
 
 
-def _check_writable(state: ReceiverState, head: DeltaSpec, params: Sequence[DeltaParam]) -> None:
+def _check_writable(state: ReceiverState, head: DeltaSpec, params: Sequence[DeltaParam], starts: bool,
+                    completes: bool) -> None:
     """Delta rules beyond the wire's: a sparse param without NaN sentinel (fp8) needs recorded views to be written
     through, and a changed block scale needs its weight's bytes in the same version (a scale applied to the old
     bytes would rescale them: a silently wrong layer). Checked before this request's first write; a version whose
@@ -321,10 +333,10 @@ def _check_writable(state: ReceiverState, head: DeltaSpec, params: Sequence[Delt
             raise DeltaError(f"param {p.name!r}: {p.dtype} values travel sparse only to params written through "
                              "recorded views, and this engine has none for it (its status lists it under 'dense')",
                              Refusal.NEEDS_DENSE)
-    if head.flush == 0:
+    if starts:
         state.changed = set()
     state.changed |= changed
-    if head.final:
+    if completes:
         for name in sorted(state.changed):
             weight = name.removesuffix("_scale_inv")
             if weight != name and weight in (state.manifest or {}) and weight not in state.changed:
@@ -371,9 +383,13 @@ def _apply_received_delta(self, delta: Optional[str], named_tensors, weight_vers
             raise DeltaError(f"names must be {[POSITIONS, VALUES]}, got {list(tensors)}")
         if not delta:
             raise DeltaError("load_format 'delta' needs the 'delta' field (a DeltaSpec as JSON)")
-        spec = DeltaSpec.from_json(delta)
+        spec = parse_request(delta)
     except DeltaError as e:
         return _apply_delta_payload(self, [], weight_version, failure=e)
+    if spec is None:  # a flush for other engines of the group: received, nothing applied, status untouched
+        if not tp_agree(True):  # pairs with a rank whose receive failed
+            return False, "another tensor-parallel rank of this engine did not receive the broadcast"
+        return True, "Received a broadcast for other engines of the group (not applied)."
     payload = DeltaPayload(spec, tensors[POSITIONS].reshape(-1), tensors[VALUES].reshape(-1), source="broadcast")
     return _apply_delta_payload(self, [payload], weight_version)
 

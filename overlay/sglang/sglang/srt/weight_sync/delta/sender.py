@@ -14,9 +14,9 @@ Contract:
   rank's :class:`~wire.DeltaStatus`), read before the first sync and after any failed request, never
   from a message: a full sync (every param dense) when it is fresh, dirty or loaded outside the chain,
   when its ranks disagree, when its committed version is outside what the next delta serves, or when
-  it cannot answer; otherwise the next delta. Over disk that engine gets dense files by itself; a
-  shared NCCL group gets a full sync for all its engines. An engine ahead of this sender (it outlived
-  a trainer restart) moves the chain above its version.
+  it cannot answer; otherwise the next delta. That engine alone gets the full sync: over disk as its own
+  files, over a shared NCCL group as broadcasts the others receive without applying. An engine ahead of
+  this sender (it outlived a trainer restart) moves the chain above its version.
 * Failures are never swallowed: logged, counted in :meth:`DeltaSender.pop_metrics`, acted on.
 
 CUDA: the diff runs on the default stream; snapshot chunks are prefetched host->device on
@@ -34,6 +34,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from sglang.srt.weight_sync.delta import fingerprint
+from sglang.srt.weight_sync.delta.collectives import StageGroup
 from sglang.srt.weight_sync.delta.wire import (
     DeltaEncoding,
     DeltaError,
@@ -253,18 +254,29 @@ class DeltaSender:
     """
 
     def __init__(self, transport, engines: Sequence, encoding: str = "deltas", buffer_bytes: int = 512 << 20,
-                 device: Optional[torch.device] = None, fingerprint_every: int = 0):
-        enc = DeltaEncoding(encoding)
-        if getattr(transport, "shared_group", False) and enc.disk_only:
-            raise DeltaError(f"{enc.value} compresses files: it is disk-only (use 'indices' or 'deltas' over nccl)")
-        self.transport, self.engines, self.encoding = transport, list(engines), enc.value
+                 device: Optional[torch.device] = None, fingerprint_every: int = 0,
+                 stages: Optional[StageGroup] = None):
+        self.encoding = DeltaEncoding(encoding).value
         self.buffer_bytes = buffer_bytes
         self.state = DeltaState(device)
-        self.status: Dict[int, EngineStatus] = {i: EngineStatus() for i in range(len(self.engines))}
         self.version = 0  # last sync attempted
         self._metrics: Dict[str, float] = {}
         self._counters = {"failures": 0, "resyncs": 0, "fingerprint_mismatches": 0}
         self.fingerprint_every = fingerprint_every  # check engines' weight fingerprints every K syncs (0: never)
+        self.attach(transport, engines, stages)
+
+    def attach(self, transport, engines: Sequence, stages: Optional[StageGroup] = None) -> None:
+        """Send through ``transport`` to ``engines`` from now on, keeping the snapshot and the version chain (slime
+        re-connects its engines after one restarted, and around an offload): every engine's status is asked again,
+        so only an engine that needs one gets a full sync."""
+        if getattr(transport, "shared_group", False) and DeltaEncoding(self.encoding).disk_only:
+            raise DeltaError(f"{self.encoding} compresses files: it is disk-only (use 'indices' or 'deltas' over nccl)")
+        # pipeline stages: stage 0 decides, every stage sends its own layers (a DiskTransport's stages by default)
+        stages = stages if stages is not None else getattr(transport, "stages", None)
+        if getattr(transport, "stages", stages) is not stages:
+            raise DeltaError("the sender and its disk transport must share one StageGroup")
+        self.transport, self.engines, self.stages = transport, list(engines), stages
+        self.status: Dict[int, EngineStatus] = {i: EngineStatus() for i in range(len(self.engines))}
 
     # -- one sync -------------------------------------------------------------
 
@@ -295,15 +307,16 @@ class DeltaSender:
 
     def update(self, segments: Sequence[Callable[[], Iterable[Chunk]]]) -> Dict[int, Tuple[bool, str]]:
         """One sync over ``segments`` (callables yielding chunks of HF ``(name, tensor)``); publishes after each."""
-        unknown = [i for i, s in self.status.items() if not s.max_request_bytes]
-        if unknown:
-            self._learn(unknown)
+        if self.stages is None or self.stages.first:
+            unknown = [i for i, s in self.status.items() if not s.max_request_bytes]
+            if unknown:
+                self._learn(unknown)
+        if self.stages is not None:
+            self._adopt(self.stages.share(self._plan() if self.stages.first else None))
         v = self.version + 1
         self.version = v
         full_targets = [i for i, s in self.status.items() if s.needs_full]
         delta_targets = [i for i in self.status if i not in full_targets]
-        if getattr(self.transport, "shared_group", False) and full_targets:
-            full_targets, delta_targets = list(self.status), []
         resyncs = sum(self.status[i].version is not None for i in full_targets)  # engines synced before
         t0 = time.perf_counter()
         run = _SyncRun(self, v, delta_targets, full_targets, self._encodings(delta_targets),
@@ -329,11 +342,15 @@ class DeltaSender:
             t_encode = time.perf_counter() - t0 - run.fingerprint_s
             results = {i: (False, f"transport: sync aborted: {e!r}") for i in self.status}
         finally:
-            for e in paused:
-                try:
-                    e.continue_generation()
-                except Exception:  # the engine's own failure shows in its result; keep the others going
-                    logger.exception("continue_generation failed")
+            try:
+                if self.stages is not None:  # every stage's part is done before any engine serves again
+                    results = self._combine(results)
+            finally:
+                for e in paused:
+                    try:
+                        e.continue_generation()
+                    except Exception:  # the engine's own failure shows in its result; keep the others going
+                        logger.exception("continue_generation failed")
         t_finalize = time.perf_counter() - t0 - t_encode - run.fingerprint_s
         acked = [i for i, (ok, _) in results.items() if ok]
         failed = [i for i in results if i not in acked]
@@ -345,7 +362,8 @@ class DeltaSender:
             self.state.stage()
         # what a full sync let an engine write directly (xor bases, byte-sparse params) only its status says
         relearn = [i for i in acked if i in full_targets]
-        self._learn(failed + relearn)
+        if self.stages is None or self.stages.first:  # the other stages adopt stage 0's view at the next sync
+            self._learn(failed + relearn)
         for i in failed:
             st = self.status[i]
             st.last_error = results[i][1]
@@ -363,6 +381,27 @@ class DeltaSender:
             self._check_fingerprints(run.fingerprints, results, run.fingerprint_s)
         return results
 
+    def _plan(self) -> dict:
+        """What every stage must agree on before a sync: the version chain and each engine's status."""
+        return {"version": self.version, "status": {str(i): {k: sorted(v) if isinstance(v, frozenset) else v
+                                                             for k, v in dataclasses.asdict(st).items()}
+                                                    for i, st in self.status.items()}}
+
+    def _adopt(self, plan: dict) -> None:
+        self.version = plan["version"]
+        for i, fields in plan["status"].items():
+            self.status[int(i)] = EngineStatus(**{k: frozenset(v) if isinstance(v, list) else v
+                                                  for k, v in fields.items()})
+
+    def _combine(self, results: Dict[int, Tuple[bool, str]]) -> Dict[int, Tuple[bool, str]]:
+        """An engine took a sync only if every stage's part of it was taken."""
+        shared = self.stages.exchange({str(i): list(r) for i, r in results.items()})
+        out = {}
+        for i in results:
+            failed = [(k, r[str(i)][1]) for k, r in enumerate(shared) if not r.get(str(i), [False])[0]]
+            out[i] = (True, results[i][1]) if not failed else (False, f"pipeline stage {failed[0][0]}: {failed[0][1]}")
+        return out
+
     def _encodings(self, delta_targets: List[int]) -> Dict[str, str]:
         """Per sync kind. ``xor_zstd`` only when every delta target is committed at the snapshot's version, can
         rebuild from its views and names the same raw params; otherwise that sync's deltas are ``planes_zstd``
@@ -377,7 +416,7 @@ class DeltaSender:
 
     def _check_fingerprints(self, mine: Dict[str, "fingerprint.NameSum"], results, hashing_s: float) -> None:
         """Every engine's fingerprint of this version against the trainer's; a mismatch means a full sync next."""
-        t0, uncovered = time.perf_counter(), set()
+        t0, uncovered, mismatch = time.perf_counter(), set(), {}
         for i, engine in enumerate(self.engines):
             try:
                 theirs = fingerprint.merge_ranks(fingerprint.check_version(engine.fingerprint(), self.version))
@@ -386,11 +425,17 @@ class DeltaSender:
                 differ, missing = [f"(no fingerprint: {e!r})"], []
             uncovered.update(missing)
             if differ:
-                self._count("fingerprint_mismatches", 1)
-                self.status[i].needs_full = True
-                results[i] = (False, f"fingerprint mismatch after version {self.version} on {len(differ)} "
-                                     f"param(s), e.g. {differ[:3]}: the engine needs a full sync")
-                logger.error("delta sync v%d: engine %d %s", self.version, i, results[i][1])
+                mismatch[i] = (f"fingerprint mismatch after version {self.version} on {len(differ)} "
+                               f"param(s), e.g. {differ[:3]}: the engine needs a full sync")
+        if self.stages is not None:  # a stage checks its own layers; a mismatch on any stage is the engine's
+            for k, theirs in enumerate(self.stages.exchange({str(i): m for i, m in mismatch.items()})):
+                for i, m in theirs.items():
+                    mismatch.setdefault(int(i), f"pipeline stage {k}: {m}")
+        for i, msg in sorted(mismatch.items()):
+            self._count("fingerprint_mismatches", 1)
+            self.status[i].needs_full = True
+            results[i] = (False, msg)
+            logger.error("delta sync v%d: engine %d %s", self.version, i, msg)
         p = "perf/update_weights_"
         self._metrics[p + "fingerprint_s"] = hashing_s + time.perf_counter() - t0
         self._metrics[p + "fingerprint_uncovered"] = float(len(uncovered))
@@ -432,7 +477,8 @@ class _SyncRun:
         self.buckets = {k: DeltaBucket(encodings[k], cap) for k, t in self.targets.items() if t}
         self.flush = 0  # request index within the sync (shared by all files of one disk publish)
         self.final_segment = False
-        self.held: List[Tuple[str, DeltaPayload]] = []  # NCCL: the last flush waits to learn whether it is final
+        self.held: Dict[str, DeltaPayload] = {}  # NCCL: each kind's last flush waits to learn whether it is final
+        self.requests = {"delta": 0, "full": 0}  # NCCL: request index per kind (an engine gets one kind's requests)
         self.results: Dict[int, Tuple[bool, str]] = {}
         self.elements = self.nnz = self.wire_bytes = self.raw_bytes = self.flushes = 0
 
@@ -484,7 +530,9 @@ class _SyncRun:
     def _spec_fields(self, kind: str, final: bool) -> dict:
         full = kind == "full"
         base = self.v if full else self.s.state.version
-        return dict(full=full, base_version=base, version=self.v, flush=self.flush, final=final)
+        stages = self.s.stages
+        return dict(full=full, base_version=base, version=self.v, flush=self.flush, final=final,
+                    source=stages.rank if stages else 0, sources=stages.size if stages else 1)
 
     def _flush(self, kind: str) -> None:
         bucket = self.buckets[kind]
@@ -495,23 +543,24 @@ class _SyncRun:
             self.flushes += 1
             self.raw_bytes += payload.positions.numel() + payload.values.numel() * payload.values.element_size()
             if getattr(t, "shared_group", False):
-                self._release_held()
-                self.held.append((kind, payload))
+                if kind in self.held:
+                    self._release(kind, final=False)
+                self.held[kind] = payload
             else:
                 t.write(payload, kind)  # bytes are counted by the transport once written
 
-    def _release_held(self, final: bool = False) -> None:
-        for kind, payload in self.held:
-            payload.spec.flush, payload.spec.final = self.flush, final
-            payload.seal(spec_only=True)
-            nbytes = payload.positions.numel() + payload.values.numel() * payload.values.element_size()
-            if self.max_request and nbytes > self.max_request:  # declaring it would be refused unreceived
-                raise DeltaError(f"a flush of {nbytes} bytes exceeds the engines' max_request_bytes "
-                                 f"{self.max_request} (one param larger than an engine rank's bound)")
-            self.wire_bytes += nbytes
-            self._collect(self.s.transport.send(payload, self.targets[kind]))
-            self.flush += 1
-        self.held = []
+    def _release(self, kind: str, final: bool) -> None:
+        payload = self.held.pop(kind)
+        payload.spec.flush, payload.spec.final = self.requests[kind], final
+        payload.spec.part, payload.spec.last_part = 0, True  # one file per broadcast request
+        payload.seal(spec_only=True)
+        nbytes = payload.positions.numel() + payload.values.numel() * payload.values.element_size()
+        if self.max_request and nbytes > self.max_request:  # declaring it would be refused unreceived
+            raise DeltaError(f"a flush of {nbytes} bytes exceeds the engines' max_request_bytes "
+                             f"{self.max_request} (one param larger than an engine rank's bound)")
+        self.wire_bytes += nbytes
+        self._collect(self.s.transport.send(payload, self.targets[kind]))
+        self.requests[kind] += 1
 
     def flush_and_publish(self) -> None:
         """End of a segment: flush the buckets and tell the engines (disk) — every target kind gets a request,
@@ -521,11 +570,10 @@ class _SyncRun:
             self._flush(kind)
         t = self.s.transport
         if getattr(t, "shared_group", False):
-            if final and not self.held:
-                kind = "full" if self.targets["full"] else "delta"
-                self.held.append((kind, encode_flush([], self.encodings[kind], bases=[], **self._spec_fields(kind, True))))
-            if final:
-                self._release_held(final=True)
+            for kind in self.buckets if final else ():  # every kind's final request, empty if nothing is held
+                if kind not in self.held:
+                    self.held[kind] = encode_flush([], self.encodings[kind], bases=[], **self._spec_fields(kind, True))
+                self._release(kind, final=True)
             return
         for kind in self.buckets:
             if not t.pending(kind):

@@ -1,13 +1,14 @@
 """Transports of delta weight sync: flushes to engines over a shared filesystem or a torch.distributed group.
 
-* :class:`DiskTransport`: every flush becomes ``weight_v{N:06d}/rank{R:04d}_flush{F:06d}.safetensors``
-  (dense full-sync files for engines that need one go to ``weight_v{N:06d}/full/``), written by an
+* :class:`DiskTransport`: every flush becomes ``weight_v{N:06d}/rank{S:04d}_flush{F:06d}.safetensors`` (S: the
+  pipeline stage; dense full-sync files for engines that need one go to ``weight_v{N:06d}/full/``), written by an
   :class:`AsyncSafetensorsWriter` so encoding never waits on the disk. A publish (end of a segment)
   announces the segment's files from a one-thread executor, after the files are durable and after an
   optional post-write hook's future (e.g. "the remote side of the shared FS sees them").
 * :class:`NcclTransport`: one request per flush — the engine's HTTP/RPC call goes out first, then the
   two blobs are broadcast on the existing weight-update group (gloo on CPU, NCCL on GPU). One
-  broadcast reaches every engine of the group, so the group shares one sync kind. Every broadcast
+  broadcast reaches every engine of the group; an engine a flush is not for receives it and applies nothing, so
+  one engine's full sync does not make the others load one. Every broadcast
   has a deadline: one that does not complete in time, or is still pending after every engine
   answered (an engine refused it unreceived, or died), aborts the group; the next sync re-creates it.
 
@@ -29,15 +30,17 @@ from typing import Callable, ContextManager, Dict, List, Optional, Sequence, Tup
 
 import torch
 
-from sglang.srt.weight_sync.delta.collectives import abort_group, await_collectives, group_named
+from sglang.srt.weight_sync.delta.collectives import StageGroup, abort_group, await_collectives, group_named
 from sglang.srt.weight_sync.delta.wire import (
     POSITIONS,
     VALUES,
+    DeltaError,
     DeltaPayload,
     DeltaStatus,
     broadcastable,
     dtype_to_str,
     flush_file,
+    receive_only,
 )
 
 logger = logging.getLogger(__name__)
@@ -87,20 +90,29 @@ class AsyncSafetensorsWriter:
 
 
 class DiskTransport:
+    """Flush files in a shared directory, announced per publish.
+
+    With pipeline stages (``stages``) every stage writes its own files (``rank{stage}_…``) and stage 0 announces
+    each publish once, listing every stage's files: an engine applies a segment of all stages as one request, or
+    none of it. Each publish numbers a stage's files (``part``, ``last_part`` on the last), so a file that is not
+    announced is a refusal, not a param that "did not change". All stages publish the same number of times.
+    """
+
     shared_group = False
 
-    def __init__(self, root: str, engines: Sequence, *, rank: int = 0, zstd: Optional[int] = None, keep_files: bool = False,
+    def __init__(self, root: str, engines: Sequence, *, zstd: Optional[int] = None, keep_files: bool = False,
                  post_write_hook: Optional[Callable[[str], Optional[concurrent.futures.Future]]] = None,
-                 gather_files: Optional[Callable[[List[str]], List[str]]] = None):
-        self.root, self.engines, self.rank = root, list(engines), rank
+                 stages: Optional[StageGroup] = None):
+        self.root, self.engines, self.stages = root, list(engines), stages
+        self.rank = stages.rank if stages is not None else 0
         self.keep_files, self.hook = keep_files, post_write_hook
-        self.gather_files = gather_files or (lambda names: names)  # multi-rank: all-gather names to the publisher
         self.writer = AsyncSafetensorsWriter(zstd)  # a zstd level (``wire.zstd_level``); None: uncompressed
         self.announcer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="delta-publish")
         self.calls = concurrent.futures.ThreadPoolExecutor(max(1, len(self.engines)), thread_name_prefix="delta-rpc")
         self.vdir = ""
         self._file_no = 0
         self._pending: Dict[str, List[Tuple[str, concurrent.futures.Future]]] = {}
+        self._held: Dict[str, DeltaPayload] = {}  # each kind's latest flush: its part is the last until another comes
         self._publishes: List[concurrent.futures.Future] = []
         self._results: Results = {}
         self.wire_bytes = 0
@@ -112,37 +124,66 @@ class DiskTransport:
     def begin(self, version: int) -> None:
         self.version = version
         self.vdir = os.path.join(self.root, f"weight_v{version:06d}")
-        self._file_no, self._pending, self._publishes, self._results = 0, {}, [], {}
+        self._file_no, self._pending, self._held, self._publishes, self._results = 0, {}, {}, [], {}
         self.wire_bytes, self.writer.busy_s, self._apply_s = 0, 0.0, {}
 
     def pending(self, kind: str) -> int:
-        return len(self._pending.get(kind, []))
+        return len(self._pending.get(kind, [])) + (kind in self._held)
 
     def write(self, payload: DeltaPayload, kind: str) -> None:
+        held = self._held.pop(kind, None)
+        payload.spec.part, payload.spec.last_part = (held.spec.part + 1 if held is not None else 0), False
+        if held is not None:
+            self._submit(held, kind)
+        self._held[kind] = payload
+
+    def _submit(self, payload: DeltaPayload, kind: str) -> None:
+        payload.seal(spec_only=True)  # part numbers are set here, after encoding
         os.makedirs(self._dir(kind), exist_ok=True)
         name = f"rank{self.rank:04d}_flush{self._file_no:06d}.safetensors"
         self._file_no += 1
         self._pending.setdefault(kind, []).append((name, self.writer.submit(os.path.join(self._dir(kind), name), payload)))
 
     def publish(self, targets: Dict[str, List[int]]) -> None:
+        for kind, payload in self._held.items():
+            payload.spec.last_part = True
+            self._submit(payload, kind)
+        self._held = {}
         batch, self._pending = self._pending, {}
         self._publishes.append(self.announcer.submit(self._announce, batch, targets))
 
     def _announce(self, batch, targets: Dict[str, List[int]]) -> None:
-        for kind, files in batch.items():
-            for _, fut in files:
-                self.wire_bytes += fut.result()  # a failed write raises here and fails the publish
+        error = None
+        try:
+            for kind, files in batch.items():
+                for _, fut in files:
+                    self.wire_bytes += fut.result()  # a failed write raises here and fails the publish
+        except Exception as e:
+            error = e
+        names = {kind: [n for n, _ in files] for kind, files in batch.items()}
+        if self.stages is not None:  # every stage's files of this publish, whether or not its own writes failed
+            shared = self.stages.exchange({"ok": error is None, "files": names})
+            if error is None and not all(s["ok"] for s in shared):
+                error = DeltaError(f"pipeline stage(s) {[k for k, s in enumerate(shared) if not s['ok']]} failed "
+                                   "to write their files of this publish")
+            kinds = {kind for s in shared for kind in s["files"]}
+            names = {kind: [n for s in shared for n in s["files"].get(kind, [])] for kind in kinds}
+            if error is None and not self.stages.first:  # stage 0 announces; this stage's part is done
+                for i in (i for engines in targets.values() for i in engines):
+                    self._results.setdefault(i, (True, ""))
+                return
+        if error is not None:
+            raise error
         if self.hook is not None:
             fut = self.hook(self.vdir)
             if fut is not None:
                 fut.result()
         calls = {}  # every engine at once: finalize does not grow with the engine count
         for kind, engines in targets.items():
-            names = self.gather_files([n for n, _ in batch.get(kind, [])])
             for i in engines:
                 if i in self._results and not self._results[i][0]:
                     continue  # this engine already failed this sync; its later flushes would be refused
-                calls[i] = self.calls.submit(self._call, i, self._dir(kind), names)
+                calls[i] = self.calls.submit(self._call, i, self._dir(kind), names.get(kind, []))
         for i, fut in calls.items():
             ok, msg, seconds = fut.result()
             self._apply_s[i] = self._apply_s.get(i, 0.0) + seconds
@@ -169,7 +210,7 @@ class DiskTransport:
             for i in range(len(self.engines)):
                 if self._results.get(i, (True, ""))[0]:
                     self._results[i] = (False, failed)
-        if not self.keep_files and self.vdir:
+        if not self.keep_files and self.vdir and (self.stages is None or self.stages.first):  # after the announcer
             shutil.rmtree(self.vdir, ignore_errors=True)
         return self._results
 
@@ -206,7 +247,9 @@ class NcclTransport:
             self.reconnects += 1
 
     def send(self, payload: DeltaPayload, targets: List[int]) -> Results:
-        """One request: engines are called first (they block in their receive), then both blobs are broadcast."""
+        """One request: engines are called first (they block in their receive), then both blobs are broadcast.
+        Every engine of the group joins the broadcast; those not in ``targets`` are asked to receive only
+        (``wire.receive_only``): one engine's full sync is applied by that engine alone."""
         with self.guard():
             return self._send(payload, targets)
 
@@ -216,8 +259,11 @@ class NcclTransport:
         pos = payload.positions.to(self.device)
         vals = payload.values.to(self.device)
         args = ([POSITIONS, VALUES], ["uint8", dtype_to_str(vals.dtype)], [[pos.numel()], [vals.numel()]],
-                self.group_name, payload.spec.to_json(), str(self.version))
-        futs = {i: self.calls.submit(self.engines[i].update_weights_from_distributed, *args) for i in targets}
+                self.group_name)
+        spec, passing = payload.spec.to_json(), receive_only(self.version)
+        futs = {i: self.calls.submit(self.engines[i].update_weights_from_distributed, *args,
+                                     spec if i in targets else passing, str(self.version))
+                for i in range(len(self.engines))}
         broadcast_error = None
         t0 = time.perf_counter()
         try:
@@ -236,7 +282,8 @@ class NcclTransport:
                 ok, msg = fut.result()
             except Exception as e:
                 ok, msg = False, f"transport: {e!r}"
-            results[i] = (bool(ok) and broadcast_error is None, broadcast_error or msg)
+            if i in targets:
+                results[i] = (bool(ok) and broadcast_error is None, broadcast_error or msg)
         self._apply_s += time.perf_counter() - t1
         return results
 

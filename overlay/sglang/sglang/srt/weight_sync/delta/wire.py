@@ -147,6 +147,7 @@ class DeltaStatus:
     xor: bool = False  # can rebuild xor_zstd values: every param this rank loaded is readable through recorded views
     xor_raw: List[str] = dataclasses.field(default_factory=list)  # names its loader never stored: xor_zstd sends them raw
     dense: List[str] = dataclasses.field(default_factory=list)  # names that must travel dense (see nan_sentinel)
+    applied: Dict[str, int] = dataclasses.field(default_factory=dict)  # versions committed by kind: {"full", "delta"}
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -172,6 +173,23 @@ class DeltaStatus:
 
 
 STATUS_KEY = "__delta_status__"
+
+
+def receive_only(version: int) -> str:
+    """The ``delta`` field of a broadcast request to an engine the flush is not for: every member of a group must
+    join each broadcast, so it receives the blobs and applies nothing (another engine's full sync passes it by)."""
+    return json.dumps({"receive_only": True, "version": version})
+
+
+def parse_request(delta: str) -> Optional[DeltaSpec]:
+    """A broadcast request's ``delta`` field: its spec, or None for :func:`receive_only` (one JSON parse)."""
+    try:
+        d = json.loads(delta)
+    except (TypeError, ValueError) as e:
+        raise DeltaError(f"delta spec is not valid JSON: {e}") from None
+    if isinstance(d, dict) and d.get("receive_only") is True:
+        return None
+    return DeltaSpec.from_dict(d)
 
 
 class DeltaEncoding(str, enum.Enum):
@@ -276,6 +294,11 @@ class DeltaSpec:
     lies in that range (overwrite semantics); ``flush`` is the request's index within the sync,
     ``final`` marks its last request (the engine commits ``version`` then); ``full`` marks a
     full sync (every param dense), the only thing a dirty or fresh engine accepts.
+
+    A sync comes from ``sources`` senders (a trainer's pipeline stages), this flush from ``source``; the engine
+    commits once every source's final request arrived. A source's files in one disk request are numbered by
+    ``part``, ``last_part`` on its last: a file left out of a request, or a stage left out of a disk request, is
+    refused, never mistaken for "nothing changed there".
     """
 
     encoding: str
@@ -287,9 +310,13 @@ class DeltaSpec:
     version: int = 0
     flush: int = 0
     final: bool = True
+    source: int = 0
+    sources: int = 1
+    part: int = 0
+    last_part: bool = True
 
-    _INT_FIELDS = ("base_version", "version", "flush")
-    _BOOL_FIELDS = ("full", "final")
+    _INT_FIELDS = ("base_version", "version", "flush", "source", "sources", "part")
+    _BOOL_FIELDS = ("full", "final", "last_part")
 
     def to_dict(self) -> dict:
         d = {f: getattr(self, f) for f in _SPEC_FIELDS}
@@ -361,6 +388,8 @@ class DeltaSpec:
                              Refusal.UNSUPPORTED)
         if out.base_version > out.version:
             raise DeltaError(f"base_version {out.base_version} is above version {out.version}")
+        if not out.source < out.sources:
+            raise DeltaError(f"source {out.source} is not below sources {out.sources}")
         return out
 
 
@@ -857,6 +886,14 @@ def _from_planes(blob, segments):
         else:
             dst.reshape(n, w)[:] = src.reshape(w, n).T
     return out
+
+
+def as_parts(payloads: Sequence[DeltaPayload]) -> List[DeltaPayload]:
+    """Number the files of one request from one source (``part``, ``last_part`` on the last) and re-seal their specs."""
+    for k, p in enumerate(payloads):
+        p.spec.part, p.spec.last_part = k, k == len(payloads) - 1
+        p.seal(spec_only=True)
+    return list(payloads)
 
 
 def flush_file(payload: DeltaPayload, zstd_level: Optional[int] = None) -> bytes:

@@ -6,7 +6,9 @@ hands those chunks — cloned, since many are views of live params — to
 ``sglang.srt.weight_sync.delta.sender.DeltaSender`` over the NCCL group or a shared directory. The
 sender commits its snapshot only after every engine acknowledged a sync (slime#2104) and gives a
 dirty, timed-out or unreachable engine a full sync. Experts are published in ``_EXPERT_SUBPASSES``
-segments so engines apply segment k while segment k+1 is encoded.
+segments so engines apply segment k while segment k+1 is encoded. With pipeline parallelism every stage's source
+rank sends its own layers; stage 0 decides for all and, over disk, announces every stage's files in one request
+per segment (``collectives.StageGroup``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from megatron.core import mpu
 
 from slime.observability.timer import Timer
 from slime.utils.distributed_utils import get_gloo_group
+from sglang.srt.weight_sync.delta.collectives import StageGroup
 from sglang.srt.weight_sync.delta.sender import _EXPERT_SUBPASSES, DeltaSender
 from sglang.srt.weight_sync.delta.transport import DiskTransport, NcclTransport
 from sglang.srt.weight_sync.delta.wire import DeltaStatus, zstd_level
@@ -72,11 +75,14 @@ class UpdateWeightFromDistributedDelta(UpdateWeightFromDistributed):
     """``--update-weight-mode delta`` with our sparse encodings over ``--update-weight-transport nccl|disk``."""
 
     def __init__(self, args, model, weights_getter, *, model_name, quantization_config) -> None:
-        if quantization_config:
-            raise ValueError(f"delta weight sync does not support quantized engines ({quantization_config!r})")
+        method = (quantization_config or {}).get("quant_method")
+        if method not in (None, "fp8"):  # FP8: slime's convert_to_hf quantizes, the engine checks its scheme
+            raise ValueError(f"sparse delta sync serves bf16 and block-FP8 rollout engines, not {method!r} "
+                             f"({quantization_config!r})")
         super().__init__(args, model, weights_getter, model_name=model_name, quantization_config=quantization_config)
         self._sender: DeltaSender | None = None
         self._disk = args.update_weight_transport == "disk"
+        self._stages: StageGroup | None | bool = None  # False: created, and this rank is no stage's source
 
     def connect_rollout_engines(self, rollout_engines, rollout_engine_lock, engine_gpu_counts=None,
                                 engine_gpu_offsets=None, engine_parallel_configs=None) -> None:
@@ -89,12 +95,12 @@ class UpdateWeightFromDistributedDelta(UpdateWeightFromDistributed):
         else:
             super().connect_rollout_engines(rollout_engines, rollout_engine_lock, engine_gpu_counts,
                                             engine_gpu_offsets, engine_parallel_configs)
+        stages = self._stage_group()
         if not self._is_pp_src_rank:
             return
         engines = [_RayEngine(e) for e in rollout_engines]
         if self._disk:
-            transport = DiskTransport(self.args.update_weight_disk_dir, engines,
-                                      rank=mpu.get_pipeline_model_parallel_rank(),
+            transport = DiskTransport(self.args.update_weight_disk_dir, engines, stages=stages,
                                       zstd=zstd_level(self.args.update_weight_delta_encoding,
                                                       getattr(self.args, "update_weight_delta_zstd_level", None)),
                                       keep_files=self.args.update_weight_disk_keep_files,
@@ -104,10 +110,33 @@ class UpdateWeightFromDistributedDelta(UpdateWeightFromDistributed):
                                       device=torch.device(torch.cuda.current_device()) if torch.cuda.is_available()
                                       else torch.device("cpu"),
                                       reconnect=self._reconnect, guard=self._engine_lock)
+        if self._sender is not None:  # re-connected (an engine restarted, or after an offload): same snapshot
+            self._sender.attach(transport, engines, stages)
+            return
         self._sender = DeltaSender(transport, engines, encoding=self.args.update_weight_delta_encoding,
                                    buffer_bytes=self.args.update_weight_buffer_size,
-                                   fingerprint_every=getattr(self.args, "update_weight_delta_fingerprint_interval", 0))
+                                   fingerprint_every=getattr(self.args, "update_weight_delta_fingerprint_interval", 0),
+                                   stages=stages)
         self._sender.version = self.weight_version  # continue the engines' version chain
+
+    def _stage_group(self) -> StageGroup | None:
+        """PP>1: a gloo group of the stages' source ranks, in stage order (``new_group`` is collective: every rank
+        joins, once)."""
+        pp = mpu.get_pipeline_model_parallel_world_size()
+        if pp == 1:
+            return None
+        if self._stages is None:
+            me = torch.tensor([int(self._is_pp_src_rank), mpu.get_pipeline_model_parallel_rank()], dtype=torch.int64)
+            everyone = [torch.zeros(2, dtype=torch.int64) for _ in range(dist.get_world_size())]
+            dist.all_gather(everyone, me, group=get_gloo_group())
+            sources = sorted((int(t[1]), rank) for rank, t in enumerate(everyone) if int(t[0]))
+            ranks = [rank for _, rank in sources]
+            if [stage for stage, _ in sources] != list(range(pp)) or ranks != sorted(ranks):
+                raise RuntimeError(f"pipeline stage source ranks {sources} are not one per stage in rank order")
+            group = dist.new_group(ranks, backend="gloo")
+            self._stages = StageGroup(group, mpu.get_pipeline_model_parallel_rank(), pp) if self._is_pp_src_rank \
+                else False
+        return self._stages or None
 
     def _post_write_hook(self):
         path = getattr(self.args, "custom_update_weight_post_write_path", None)
@@ -139,9 +168,8 @@ class UpdateWeightFromDistributedDelta(UpdateWeightFromDistributed):
             ray.get(self.rollout_engine_lock.release.remote())
 
     def disconnect_rollout_engines(self) -> None:
-        if self._sender is not None:
+        if self._sender is not None:  # the sender (its snapshot) stays for the next connect
             self._sender.transport.close()
-            self._sender = None
         if not self._disk:
             super().disconnect_rollout_engines()
 
@@ -162,7 +190,9 @@ class UpdateWeightFromDistributedDelta(UpdateWeightFromDistributed):
                     pass
                 dist.barrier(group=get_gloo_group())
 
-            return [non_expert, no_experts]
+            # pipeline stages publish in lockstep: a stage without experts publishes as often as one with them
+            padding = _EXPERT_SUBPASSES - 1 if mpu.get_pipeline_model_parallel_world_size() > 1 else 0
+            return [non_expert, no_experts] + [lambda: iter(())] * padding
         ep = mpu.get_expert_model_parallel_world_size()
         per_segment = max(1, math.ceil(expert_bytes * ep / self.args.update_weight_buffer_size / _EXPERT_SUBPASSES))
 
