@@ -95,20 +95,24 @@ def test_a_reconnect_keeps_the_snapshot(world, tmp_path, transport):
                                           quantization_config=None)
     up.weight_version = world.get("version", 0)
     up.connect_rollout_engines(world["engines"], world["lock"])
-    densities = []
-    for reconnect in (False, True, False):
-        if reconnect:
-            up.disconnect_rollout_engines()
-            up.connect_rollout_engines(world["engines"], world["lock"])
-        up.update_weights()
-        m = up.pop_metrics()
-        assert m["perf/update_weights_failures"] == 0 and m["perf/update_weights_full_sync_engines"] == 0, m
-        densities.append(m["perf/update_weights_density"])
-        engine_has(world["server"], H.hf_state(args, world["model"]))
-        world["trainer"].step()
-    assert densities[0] == 1.0 and all(0 < d < 0.2 for d in densities[1:]), densities  # first: a new sender
-    up.disconnect_rollout_engines()
-    world["version"] = up.weight_version
+    densities, full = [], []
+    try:
+        for reconnect in (False, False, True, False):
+            if reconnect:
+                up.disconnect_rollout_engines()
+                up.connect_rollout_engines(world["engines"], world["lock"])
+            up.update_weights()
+            m = up.pop_metrics()
+            assert m["perf/update_weights_failures"] == 0, m
+            densities.append(m["perf/update_weights_density"])
+            full.append(m["perf/update_weights_full_sync_engines"])
+            engine_has(world["server"], H.hf_state(args, world["model"]))
+            world["trainer"].step()
+    finally:
+        up.disconnect_rollout_engines()
+        world["version"] = up.weight_version
+    assert densities[0] == 1.0 and full == [1, 0, 0, 0], (densities, full)  # a new sender starts with a full sync
+    assert all(0 < d < 0.2 for d in densities[1:]), densities  # ... and a re-connected one goes on with deltas
 
 
 def test_a_stranded_broadcast_is_recovered_by_slimes_reconnect(world):

@@ -276,7 +276,9 @@ class DeltaSender:
         if getattr(transport, "stages", stages) is not stages:
             raise DeltaError("the sender and its disk transport must share one StageGroup")
         self.transport, self.engines, self.stages = transport, list(engines), stages
-        self.status: Dict[int, EngineStatus] = {i: EngineStatus() for i in range(len(self.engines))}
+        # without a snapshot every engine starts with a full sync; with one, each engine's own status decides
+        self.status: Dict[int, EngineStatus] = {i: EngineStatus(needs_full=not self.state.snapshot)
+                                                for i in range(len(self.engines))}
 
     # -- one sync -------------------------------------------------------------
 
