@@ -9,6 +9,7 @@ from sglang.srt.weight_sync.delta.wire import (
     DeltaError,
     DeltaPayload,
     DeltaSpec,
+    any_nan,
     changed_positions,
     decode_positions,
     encode_flush,
@@ -239,3 +240,14 @@ def test_changed_positions_of_many_params_unite_the_staged_positions(monkeypatch
     new[2][999] = -0.0
     got = wire.changed_positions_many(list(zip(old, new)), [torch.tensor([3, 17]), None, torch.tensor([0])])
     assert [g.tolist() for g in got] == [[3, 5, 17], [], [0, 999]]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
+@pytest.mark.parametrize("at", [None, 0, (1 << 20) - 1, 1 << 20, 3 * (1 << 20) + 5])
+def test_any_nan_finds_one_nan_in_any_block(dtype, at):
+    """The CPU scan goes block by block: a NaN in the first, at a block's edge or in the short last block is found."""
+    t = torch.full((3 * (1 << 20) + 7,), 0.5).to(dtype)
+    if at is not None:
+        t.view(torch.uint8 if dtype.itemsize == 1 else torch.int16 if dtype.itemsize == 2 else torch.int32)[at] = \
+            {1: 0x7F, 2: 0x7FC0, 4: 0x7FC00000}[dtype.itemsize]
+    assert bool(any_nan(t)) == (at is not None)
