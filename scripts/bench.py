@@ -167,18 +167,16 @@ def sender_sync(snapshot, new, encoding: str, version: int, raw=()):
     bucket, payloads = DeltaBucket(encoding, BUFFER_BYTES), []
     for name, t in new.items():
         if bucket.should_flush(name):
-            payloads += bucket.take(version=version, base_version=version - 1, final=False)
+            payloads += bucket.take(version=version, base_version=version - 1)
         idx = state.positions([(name, t)], [snapshot[name]])[0]
         base = None
         if encoding == "xor_zstd":
             base = torch.zeros(idx.numel(), dtype=t.dtype) if name in raw else snapshot[name].reshape(-1)[idx]
         state.record(name, t, idx)
         bucket.add(name, t, idx, base)
-    payloads += bucket.take(version=version, base_version=version - 1, final=True)
+    payloads += bucket.take(version=version, base_version=version - 1)
     state.commit(version)
-    for p in payloads:
-        p.spec.final = True
-    return as_parts(payloads)  # the bench applies them as one request
+    return as_parts(payloads)  # the bench applies them as one request (flush 0, final)
 
 
 def serialize(payloads, encoding: str):

@@ -459,6 +459,22 @@ class Server:
         self.log.close()
 
 
+def flip_a_value_bit(version_dir: str, prefix: str) -> str:
+    """Corrupt one published flush in place, as a faulty disk or link would: the sign bit of the first value of the
+    first file named ``prefix*`` (any kind's directory), written back uncompressed. Returns its path."""
+    import glob
+
+    from sglang.srt.weight_sync.delta.wire import maybe_zstd_decompress, read_safetensors, write_safetensors
+
+    path = sorted(glob.glob(os.path.join(version_dir, "**", prefix + "*.safetensors"), recursive=True))[0]
+    with open(path, "rb") as f:
+        pl = read_safetensors(maybe_zstd_decompress(f.read(), 1 << 30, path), path)
+    pl.values.view(torch.uint8)[pl.values.element_size() - 1] ^= 0x80
+    with open(path, "wb") as f:
+        f.write(write_safetensors(pl.spec, pl.positions, pl.values))
+    return path
+
+
 def join_update_group(server: Server, group_name: str):
     """This process becomes rank 0 of a gloo weight-update group the server joins (the trainer's role)."""
     import threading

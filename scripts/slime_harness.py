@@ -165,20 +165,13 @@ class StageTrainer(Trainer):
 def corrupt_stage1_file(args, version_dir, rollout_engines):
     """A post-write hook (``--custom-update-weight-post-write-path``): once ``args.corrupt_marker`` exists, flip one
     value bit of stage 1's first file of the publish (stage 0 runs the hook, after every stage wrote)."""
-    import glob
     import os
 
-    from sglang.srt.weight_sync.delta.wire import maybe_zstd_decompress, read_safetensors, write_safetensors
+    from cpu_harness import flip_a_value_bit
 
-    if not os.path.exists(args.corrupt_marker):
-        return None
-    os.remove(args.corrupt_marker)
-    path = sorted(glob.glob(os.path.join(version_dir, "**", "rank0001_*.safetensors"), recursive=True))[0]
-    with open(path, "rb") as f:
-        pl = read_safetensors(maybe_zstd_decompress(f.read(), 1 << 30, path), path)
-    pl.values.view(torch.uint8)[0] ^= 0x80
-    with open(path, "wb") as f:
-        f.write(write_safetensors(pl.spec, pl.positions, pl.values))
+    if os.path.exists(args.corrupt_marker):
+        os.remove(args.corrupt_marker)
+        flip_a_value_bit(version_dir, "rank0001_")
     return None
 
 

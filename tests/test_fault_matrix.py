@@ -388,7 +388,7 @@ def test_a_request_mixing_planes_and_flat_layouts(xor_world):
         _rewrite(files[0], change)
     buffer, xor_world.sender.buffer_bytes = xor_world.sender.buffer_bytes, 2 << 10  # several files per publish
     try:
-        fault(xor_world, "disagree on (version, base_version, flush, full, encoding, sources)", hook=hook)
+        fault(xor_world, "disagree on (version, base_version, flush, full, encoding, sources, final)", hook=hook)
     finally:
         xor_world.sender.buffer_bytes = buffer
 

@@ -8,8 +8,8 @@ import traceback
 import pytest
 import torch
 
-from cpu_harness import (Host, Server, bf16_state, delta_flushes, engine_mismatch, free_port, full_flushes, hf_config,
-                         hf_model, rl_states, segments, sglang_model, write_hf_checkpoint)
+from cpu_harness import (Host, Server, bf16_state, delta_flushes, engine_mismatch, flip_a_value_bit, free_port,
+                         full_flushes, hf_config, hf_model, rl_states, segments, sglang_model, write_hf_checkpoint)
 from delta_helpers import assert_params_equal
 from sglang.srt.weight_sync.delta.receiver import receiver_state
 from sglang.srt.weight_sync.delta.wire import as_parts
@@ -125,7 +125,6 @@ def _stage_main(stage, init_method, url, root, states_path, out):
         from sglang.srt.weight_sync.delta.collectives import StageGroup
         from sglang.srt.weight_sync.delta.sender import DeltaSender
         from sglang.srt.weight_sync.delta.transport import DiskTransport, HttpEngine
-        from sglang.srt.weight_sync.delta.wire import read_safetensors, write_safetensors
 
         torch.distributed.init_process_group("gloo", init_method=init_method, world_size=STAGES, rank=stage)
         states = torch.load(states_path)
@@ -133,13 +132,7 @@ def _stage_main(stage, init_method, url, root, states_path, out):
 
         def hook(vdir):  # stage 0 announces: break one of stage 1's files of the armed version
             if corrupt.pop("armed", False):
-                path = os.path.join(vdir, sorted(f for f in os.listdir(vdir) if f.startswith("rank0001"))[0])
-                with open(path, "rb") as f:
-                    pl = read_safetensors(f.read(), path)
-                vals = pl.values.view(torch.uint8)
-                vals[0] ^= 0x80
-                with open(path, "wb") as f:
-                    f.write(write_safetensors(pl.spec, pl.positions, pl.values))
+                flip_a_value_bit(vdir, "rank0001_")
 
         engine = HttpEngine(url)
         stages = StageGroup(torch.distributed.group.WORLD, stage, STAGES)

@@ -98,6 +98,27 @@ def tp_agree(ok: bool, *same: int) -> bool:
     return bool(mins[0]) and all(mins[k] == -mins[k + 1] for k in range(1, len(mins), 2))
 
 
+def _json_bytes(obj) -> torch.Tensor:
+    return torch.frombuffer(bytearray(json.dumps(obj, separators=(",", ":")).encode()), dtype=torch.uint8)
+
+
+def _json_load(data: torch.Tensor):
+    return json.loads(bytes(data.numpy()).decode())
+
+
+def broadcast_json(group, obj=None):
+    """The first rank's JSON-able ``obj`` on every rank of an SGLang group coordinator, as bytes over its CPU group
+    (plain bytes, never an object); the other ranks pass nothing."""
+    first = group.rank_in_group == 0
+    data = _json_bytes(obj) if first else None
+    size = torch.tensor([data.numel() if first else 0], dtype=torch.int64)
+    torch.distributed.broadcast(size, src=group.first_rank, group=group.cpu_group)
+    if not first:
+        data = torch.empty(int(size[0]), dtype=torch.uint8)
+    torch.distributed.broadcast(data, src=group.first_rank, group=group.cpu_group)
+    return _json_load(data)
+
+
 class StageGroup:
     """The source ranks of a trainer's pipeline stages, one sender each (every stage holds its own layers).
 
@@ -115,15 +136,14 @@ class StageGroup:
 
     def exchange(self, obj) -> list:
         """Every stage's ``obj`` (JSON-able), in stage order, on every stage."""
-        data = json.dumps(obj, separators=(",", ":")).encode()
+        data = _json_bytes(obj)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
-        torch.distributed.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self.group)
-        width = max(int(s[0]) for s in sizes)
-        mine = torch.zeros(width, dtype=torch.uint8)
-        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
-        bufs = [torch.empty(width, dtype=torch.uint8) for _ in range(self.size)]
+        torch.distributed.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), group=self.group)
+        mine = torch.zeros(max(int(s[0]) for s in sizes), dtype=torch.uint8)
+        mine[:data.numel()] = data
+        bufs = [torch.empty_like(mine) for _ in range(self.size)]
         torch.distributed.all_gather(bufs, mine, group=self.group)
-        return [json.loads(bytes(b[:int(s[0])].numpy()).decode()) for b, s in zip(bufs, sizes)]
+        return [_json_load(b[:int(s[0])]) for b, s in zip(bufs, sizes)]
 
     def share(self, obj):
         """Stage 0's ``obj`` on every stage."""

@@ -4,14 +4,20 @@ received on the weight-update group — every size bounded before anything is re
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import math
 import os
 from typing import List, Tuple
 
 import torch
 
-from sglang.srt.weight_sync.delta.collectives import CollectiveStuck, abort_group, await_collectives, tp_agree, tp_group
+from sglang.srt.weight_sync.delta.collectives import (
+    CollectiveStuck,
+    abort_group,
+    await_collectives,
+    broadcast_json,
+    tp_agree,
+    tp_group,
+)
 from sglang.srt.weight_sync.delta.engine_state import host_device, host_model, receiver_state, server_arg
 from sglang.srt.weight_sync.delta.wire import (
     HEADER_CAP,
@@ -83,10 +89,10 @@ def read_files_once(host, model_path: str, files: List[str]) -> List[DeltaPayloa
             payloads = read_files(host, model_path, files)
         except DeltaError as e:
             error = e
-    header = _broadcast_json(group, json.dumps(
+    header = broadcast_json(group, (
         {"error": [str(error), error.code.value]} if error is not None else
         {"flushes": [[p.spec.to_json(), p.source, dtype_to_str(p.values.dtype), p.positions.numel(), p.values.numel()]
-                     for p in payloads]}) if first else "")
+                     for p in payloads]}) if first else None)
     if "error" in header:
         raise DeltaError(header["error"][0], Refusal(header["error"][1]))
     device, out = host_device(host), []
@@ -102,17 +108,6 @@ def read_files_once(host, model_path: str, files: List[str]) -> List[DeltaPayloa
         out.append(DeltaPayload(spec, pos, val, source=source,
                                 xored=DeltaEncoding(spec.encoding) is DeltaEncoding.XOR_ZSTD))
     return out
-
-
-def _broadcast_json(group, text: str) -> dict:
-    """The first TP rank's JSON to every rank of the group, as a byte tensor over its CPU group (never an object)."""
-    data = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8) if text else torch.empty(0, dtype=torch.uint8)
-    size = torch.tensor([data.numel()], dtype=torch.int64)
-    torch.distributed.broadcast(size, src=group.first_rank, group=group.cpu_group)
-    if group.rank_in_group != 0:
-        data = torch.empty(int(size[0]), dtype=torch.uint8)
-    torch.distributed.broadcast(data, src=group.first_rank, group=group.cpu_group)
-    return json.loads(bytes(data.numpy()).decode())
 
 
 def receive_broadcast(self, names, dtypes, shapes, group_name: str) -> List[Tuple[str, torch.Tensor]]:

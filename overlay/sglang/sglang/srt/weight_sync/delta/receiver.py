@@ -186,14 +186,12 @@ def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version:
     chunk_cap = float("inf") if head.full else int(server_arg(self, "update_weight_delta_chunk_bytes",
                                                                DEFAULT_CHUNK_BYTES))
     if starts:
-        state.pending_manifest, state.next_flush, state.finals = {}, {}, set()
+        state.pending_manifest, state.next_flush = {}, {}
         state.recorder = fingerprint.FingerprintRecorder(model_tensors(model)) if head.full else None
-    state.pending, state.pending_key = head.version, pending_key(head)
+    state.pending, state.pending_key, state.finals = head.version, pending_key(head), finals
     for p in payloads:
         state.next_flush[p.spec.source] = head.flush + 1
-        if p.spec.final:
-            state.finals.add(p.spec.source)
-    complete = len(state.finals) == head.sources  # every source's final request arrived: commit
+    complete = len(finals) == head.sources  # every source's final request arrived: commit
 
     def load(chunk):
         if head.full:

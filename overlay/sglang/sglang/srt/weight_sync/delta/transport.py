@@ -39,8 +39,8 @@ from sglang.srt.weight_sync.delta.wire import (
     DeltaStatus,
     broadcastable,
     dtype_to_str,
+    RECEIVE_ONLY,
     flush_file,
-    receive_only,
 )
 
 logger = logging.getLogger(__name__)
@@ -249,7 +249,7 @@ class NcclTransport:
     def send(self, payload: DeltaPayload, targets: List[int]) -> Results:
         """One request: engines are called first (they block in their receive), then both blobs are broadcast.
         Every engine of the group joins the broadcast; those not in ``targets`` are asked to receive only
-        (``wire.receive_only``): one engine's full sync is applied by that engine alone."""
+        (``wire.RECEIVE_ONLY``): one engine's full sync is applied by that engine alone."""
         with self.guard():
             return self._send(payload, targets)
 
@@ -260,9 +260,9 @@ class NcclTransport:
         vals = payload.values.to(self.device)
         args = ([POSITIONS, VALUES], ["uint8", dtype_to_str(vals.dtype)], [[pos.numel()], [vals.numel()]],
                 self.group_name)
-        spec, passing = payload.spec.to_json(), receive_only(self.version)
+        spec = payload.spec.to_json()
         futs = {i: self.calls.submit(self.engines[i].update_weights_from_distributed, *args,
-                                     spec if i in targets else passing, str(self.version))
+                                     spec if i in targets else RECEIVE_ONLY, str(self.version))
                 for i in range(len(self.engines))}
         broadcast_error = None
         t0 = time.perf_counter()

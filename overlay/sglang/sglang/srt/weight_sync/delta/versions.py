@@ -14,11 +14,11 @@ def check_version(state: ReceiverState, specs: Sequence[DeltaSpec], weight_versi
     allow. Returns the head spec and whether the request opens its version (the engine starts a new pending one).
     ``files``: a disk request, which must hold every source's files (one transaction across pipeline stages)."""
     head = specs[0]
-    key = (head.version, head.base_version, head.flush, head.full, head.encoding, head.sources)
+    key = (head.version, head.base_version, head.flush, head.full, head.encoding, head.sources, head.final)
     for s in specs[1:]:
-        if (s.version, s.base_version, s.flush, s.full, s.encoding, s.sources) != key:
-            raise DeltaError(f"files of one request disagree on (version, base_version, flush, full, encoding, sources): "
-                             f"{key} vs {(s.version, s.base_version, s.flush, s.full, s.encoding, s.sources)}")
+        if (s.version, s.base_version, s.flush, s.full, s.encoding, s.sources, s.final) != key:
+            raise DeltaError("files of one request disagree on (version, base_version, flush, full, encoding, sources, "
+                             f"final): {key} vs {(s.version, s.base_version, s.flush, s.full, s.encoding, s.sources, s.final)}")
     sources = _check_parts(specs, files)
     if weight_version is not None and str(weight_version) != str(head.version):
         raise DeltaError(f"weight_version {weight_version!r} differs from the delta's version {head.version}")
@@ -58,8 +58,8 @@ def pending_key(head: DeltaSpec) -> tuple:
 
 
 def _check_parts(specs: Sequence[DeltaSpec], files: bool) -> List[int]:
-    """Each source's files in one request are its parts 0..n-1, ``last_part`` on the last only, one ``final``
-    flag; a disk request holds every source. Returns the sources present."""
+    """Each source's files in one request are its parts 0..n-1, ``last_part`` on the last only; a disk request
+    holds every source. Returns the sources present."""
     by_source: Dict[int, List[DeltaSpec]] = {}
     for s in specs:
         by_source.setdefault(s.source, []).append(s)
@@ -71,8 +71,6 @@ def _check_parts(specs: Sequence[DeltaSpec], files: bool) -> List[int]:
         if [s.last_part for s in group] != [False] * (len(group) - 1) + [True]:
             raise DeltaError(f"source {source}'s files of this request do not end at its last part "
                              f"(parts 0..{len(group) - 1}; a file after the last one, or the last one missing)")
-        if len({s.final for s in group}) != 1:
-            raise DeltaError(f"source {source}'s files of this request disagree on 'final'")
     missing = sorted(set(range(specs[0].sources)) - set(by_source))
     if files and missing:
         raise DeltaError(f"a disk request holds every source's files, and sources {missing} of "

@@ -175,19 +175,18 @@ class DeltaStatus:
 STATUS_KEY = "__delta_status__"
 
 
-def receive_only(version: int) -> str:
-    """The ``delta`` field of a broadcast request to an engine the flush is not for: every member of a group must
-    join each broadcast, so it receives the blobs and applies nothing (another engine's full sync passes it by)."""
-    return json.dumps({"receive_only": True, "version": version})
+RECEIVE_ONLY = json.dumps({"receive_only": True})
+"""The ``delta`` field of a broadcast request to an engine the flush is not for: every member of a group must join
+each broadcast, so it receives the blobs and applies nothing (another engine's full sync passes it by)."""
 
 
 def parse_request(delta: str) -> Optional[DeltaSpec]:
-    """A broadcast request's ``delta`` field: its spec, or None for :func:`receive_only` (one JSON parse)."""
+    """A broadcast request's ``delta`` field: its spec, or None for :data:`RECEIVE_ONLY` (one JSON parse)."""
     try:
         d = json.loads(delta)
     except (TypeError, ValueError) as e:
         raise DeltaError(f"delta spec is not valid JSON: {e}") from None
-    if isinstance(d, dict) and d.get("receive_only") is True:
+    if d == {"receive_only": True}:
         return None
     return DeltaSpec.from_dict(d)
 
