@@ -7,9 +7,11 @@ Real parts only: transformers models, AdamW steps, safetensors files, ``python -
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
 import socket
+import threading
 from typing import Dict, Iterator, List, Optional, Sequence
 
 import torch
@@ -457,6 +459,34 @@ class Server:
             if k.is_running():
                 k.kill()
         self.log.close()
+
+
+class StreamedRequest(threading.Thread):
+    """One streamed greedy ``/generate`` of ``tokens`` tokens with log-probs; ``started`` once it produced a few (it
+    then holds KV in the running batch); ``meta``: the last ``meta_info`` (None: it failed)."""
+
+    def __init__(self, server: Server, input_ids: List[int], tokens: int):
+        super().__init__(daemon=True)
+        self.server, self.input_ids, self.tokens = server, input_ids, tokens
+        self.started, self.meta = threading.Event(), None
+
+    def run(self):
+        try:
+            self._stream()
+        finally:  # an error shows as no result
+            self.started.set()
+
+    def _stream(self):
+        import requests
+
+        with requests.post(self.server.url + "/generate", stream=True, timeout=600, headers=self.server.headers, json={
+                "input_ids": self.input_ids, "return_logprob": True, "stream": True,
+                "sampling_params": {"max_new_tokens": self.tokens, "temperature": 0, "ignore_eos": True}}) as r:
+            for line in r.iter_lines():
+                if line.startswith(b"data: {"):
+                    self.meta = json.loads(line[len(b"data: "):]).get("meta_info")
+                    if self.meta is None or self.meta["completion_tokens"] >= 5:
+                        self.started.set()
 
 
 def flip_a_value_bit(version_dir: str, prefix: str) -> str:

@@ -182,7 +182,7 @@ def make_args(**over):
         rollout_num_gpus_per_engine=1, update_weight_mode="delta", update_weight_transport="nccl",
         update_weight_delta_encoding="indices", update_weight_disk_dir=None, update_weight_disk_keep_files=False,
         custom_update_weight_post_write_path=None, colocate=False, pipeline_model_parallel_size=1,
-        update_weight_delta_fingerprint_interval=1)
+        update_weight_delta_fingerprint_interval=1, update_weight_pause_mode="abort")
     for k, v in over.items():
         setattr(a, k, v)
     return a

@@ -332,10 +332,43 @@ def test_an_unset_encoding_says_which_delta_runs(caplog):
     assert args.update_weight_delta_encoding == "deltas_zstd"
 
 
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_requests_in_flight_keep_going_through_slimes_pause_mode(world, mode):
+    """``--update-weight-pause-mode``: slime's updater pauses the engines in that mode (its own flush, which would
+    refuse under queued or running requests, is skipped); the requests in flight finish in full, none aborted."""
+    import slime_harness as H
+    from cpu_harness import StreamedRequest
+    from slime.backends.megatron_utils.update_weight.update_weight_from_distributed_delta import (
+        UpdateWeightFromDistributedDelta,
+    )
+
+    args = H.make_args(update_weight_transport="nccl", update_weight_delta_encoding="deltas",
+                       update_weight_pause_mode=mode)
+    up = UpdateWeightFromDistributedDelta(args, [world["model"]], weights_getter=lambda: {}, model_name="llama",
+                                          quantization_config=None)
+    up.weight_version = world.get("version", 0)
+    up.connect_rollout_engines(world["engines"], world["lock"])
+    for _ in range(2):
+        flights = [StreamedRequest(world["server"], [5 + i, 9, 11, 13], 100) for i in range(3)]
+        for f in flights:
+            f.start()
+        for f in flights:
+            assert f.started.wait(300) and f.meta is not None
+        up.update_weights()
+        assert up.pop_metrics()["perf/update_weights_failures"] == 0
+        for f in flights:
+            f.join(600)
+            assert f.meta["finish_reason"]["type"] == "length" and f.meta["completion_tokens"] == 100, f.meta
+        engine_has(world["server"], H.hf_state(args, world["model"]))
+        world["trainer"].step()
+    up.disconnect_rollout_engines()
+    world["version"] = up.weight_version
+
+
 def test_argument_rules():
     import argparse
 
-    from slime.utils.delta_sync_args import validate_sparse_delta_args
+    from slime.utils.delta_sync_args import validate_pause_mode, validate_sparse_delta_args
 
     base = dict(colocate=False, update_weight_transport="nccl", pipeline_model_parallel_size=1)
     validate_sparse_delta_args(argparse.Namespace(**base, update_weight_delta_encoding="indices"))
@@ -343,6 +376,13 @@ def test_argument_rules():
         validate_sparse_delta_args(argparse.Namespace(**base, update_weight_delta_encoding="deltas_zstd"))
     with pytest.raises(ValueError, match="not supported with --colocate"):
         validate_sparse_delta_args(argparse.Namespace(**{**base, "colocate": True}, update_weight_delta_encoding="deltas"))
+    for mode, encoding in (("retract", "deltas"), ("in_place", "indices"), ("abort", "xor")):
+        validate_pause_mode(argparse.Namespace(update_weight_mode="delta", update_weight_delta_encoding=encoding,
+                                               update_weight_pause_mode=mode))
+    for mode_, encoding in (("delta", "xor"), ("full", "xor")):
+        with pytest.raises(ValueError, match="--update-weight-pause-mode=in_place runs with --update-weight-mode=delta"):
+            validate_pause_mode(argparse.Namespace(update_weight_mode=mode_, update_weight_delta_encoding=encoding,
+                                                   update_weight_pause_mode="in_place"))
 
 
 def _pp_stage_main(stage, port, ray_address, url, args, out):

@@ -42,6 +42,18 @@ def validate_sparse_delta_args(args) -> None:
         )
 
 
+def validate_pause_mode(args) -> None:
+    """``retract``/``in_place`` need our updater (slime's own ones flush the cache, which fails under them) and a
+    delta-patched engine (whose cache rule after an update is ``sglang.srt.weight_sync.delta.prefix_cache``)."""
+    mode = args.update_weight_pause_mode
+    if mode != "abort" and (args.update_weight_mode != "delta"
+                            or args.update_weight_delta_encoding not in SPARSE_DELTA_ENCODINGS):
+        raise ValueError(
+            f"--update-weight-pause-mode={mode} runs with --update-weight-mode=delta and a sparse encoding "
+            f"({', '.join(SPARSE_DELTA_ENCODINGS)}); slime's own updaters pause with 'abort'."
+        )
+
+
 def sparse_delta_updater_cls(args):
     """The updater class for the sparse encodings, or None so slime's own selection (full, xor|overwrite) stands."""
     if args.update_weight_mode != "delta" or args.update_weight_delta_encoding not in SPARSE_DELTA_ENCODINGS:

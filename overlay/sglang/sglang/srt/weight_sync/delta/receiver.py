@@ -186,6 +186,7 @@ def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version:
     chunk_cap = float("inf") if head.full else int(server_arg(self, "update_weight_delta_chunk_bytes",
                                                                DEFAULT_CHUNK_BYTES))
     if starts:
+        _await_forward(device)
         state.pending_manifest, state.next_flush = {}, {}
         state.recorder = fingerprint.FingerprintRecorder(model_tensors(model)) if head.full else None
     state.pending, state.pending_key, state.finals = head.version, pending_key(head), finals
@@ -266,6 +267,13 @@ def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version:
     kind = "full sync" if head.full else "delta"
     return True, (f"Succeeded to apply {kind} version {head.version} flush {head.flush} "
                   f"({len(names)} params, {nnz} values){' (final)' if state.pending is None else ''}.")
+
+
+def _await_forward(device: torch.device) -> None:
+    """An ``in_place`` pause leaves the last launched forward running on its own stream (overlap scheduler): no
+    weight may change under it. One wait per version, before its first write."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _post_process(model: torch.nn.Module, state: ReceiverState, written: List[str], final: bool) -> None:

@@ -331,13 +331,22 @@ def http_update_group(engines: Sequence["HttpEngine"], group_name: str, *, backe
     return group
 
 
-class HttpEngine:
-    """A patched SGLang server over HTTP (v0.5.23's distributed updates are wrapped in its session)."""
+PAUSE_MODES = ("abort", "retract", "in_place")
 
-    def __init__(self, url: str, api_key: Optional[str] = None, timeout: float = 600.0):
+
+class HttpEngine:
+    """A patched SGLang server over HTTP (v0.5.23's distributed updates are wrapped in its session).
+
+    ``pause_mode``: what a sync does to requests in flight — ``abort`` returns them (slime's default), ``retract``
+    re-queues them to be recomputed on the new weights, ``in_place`` keeps them and their KV (see ``prefix_cache``).
+    """
+
+    def __init__(self, url: str, api_key: Optional[str] = None, timeout: float = 600.0, pause_mode: str = "abort"):
         import requests
 
-        self.url, self.timeout = url.rstrip("/"), timeout
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode {pause_mode!r}: expected one of {PAUSE_MODES}")
+        self.url, self.timeout, self.pause_mode = url.rstrip("/"), timeout, pause_mode
         self.session = requests.Session()
         if api_key:
             self.session.headers["Authorization"] = f"Bearer {api_key}"
@@ -359,12 +368,12 @@ class HttpEngine:
                                                          "files": files, "weight_version": weight_version})
 
     def pause_generation(self) -> None:
-        """As slime does: running requests return (finish reason ``abort``), then KV of the old weights is dropped.
-
-        SGLang flushes its cache after every weight update and its scheduler exits if that fails,
-        which it does while requests wait in the queue: a paused engine must not be sent new requests.
-        """
-        for path, body in (("/pause_generation", {}), ("/flush_cache", {})):
+        """Pause in ``pause_mode``; with ``abort`` (as slime does) the KV of the old weights is dropped right away,
+        otherwise the engine makes its cache safe when the version commits (``prefix_cache``)."""
+        calls = [("/pause_generation", {"mode": self.pause_mode})]
+        if self.pause_mode == "abort":
+            calls.append(("/flush_cache", {}))
+        for path, body in calls:
             r = self.session.post(self.url + path, json=body, timeout=self.timeout)
             if r.status_code != 200:
                 raise RuntimeError(f"{path}: HTTP {r.status_code}: {r.text[:500]}")

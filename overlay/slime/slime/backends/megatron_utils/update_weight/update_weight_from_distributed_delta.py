@@ -21,6 +21,7 @@ import ray
 import torch
 import torch.distributed as dist
 from megatron.core import mpu
+from tqdm import tqdm
 
 from slime.observability.timer import Timer
 from slime.utils.distributed_utils import get_gloo_group
@@ -166,6 +167,24 @@ class UpdateWeightFromDistributedDelta(UpdateWeightFromDistributed):
             yield
         finally:
             ray.get(self.rollout_engine_lock.release.remote())
+
+    @torch.no_grad()
+    def update_weights(self) -> None:
+        """The parent's pause → send → continue, pausing in ``--update-weight-pause-mode``. Only ``abort`` flushes
+        before the sync; under ``retract``/``in_place`` requests wait in the engine (slime's flush would refuse),
+        and the engine makes its prefix cache safe when the version commits (``delta.prefix_cache``)."""
+        mode = self.args.update_weight_pause_mode
+        if mode == "abort":
+            return super().update_weights()
+        self.weight_version += 1
+        if dist.get_rank() == 0:
+            ray.get([engine.pause_generation.remote(mode) for engine in self.rollout_engines])
+        dist.barrier(group=get_gloo_group())
+        pbar = tqdm(desc=f"[{self._group_name}] Update weights", total=0) if self._is_pp_src_rank else None
+        self._send_weights(pbar)
+        if dist.get_rank() == 0:
+            ray.get([engine.continue_generation.remote() for engine in self.rollout_engines])
+        dist.barrier(group=get_gloo_group())
 
     def disconnect_rollout_engines(self) -> None:
         if self._sender is not None:  # the sender (its snapshot) stays for the next connect

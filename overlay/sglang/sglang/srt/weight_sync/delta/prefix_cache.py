@@ -1,0 +1,89 @@
+"""The engine's prefix cache across a weight update: no later request reuses KV the old weights computed, and no
+pause mode stops the engine.
+
+SGLang flushes its radix cache after an update only when the scheduler is fully idle; v0.5.15 then exits on a refused
+flush (``assert``), which is what a ``retract`` pause (requests back in the waiting queue) or an ``in_place`` pause
+(running requests keep their KV) meets. Here:
+
+- nothing holds KV (idle, or a ``retract`` pause: queued requests hold none) → the cache is flushed;
+- requests hold KV (an ``in_place`` pause) → it cannot be flushed under them, so it is partitioned: every request
+  admitted later, and every queued one without KV, gets a new ``extra_key`` namespace, which ``RadixKey`` never
+  matches across. Only the requests in flight at the update continue on their own old KV (what ``in_place`` is for);
+  what they leave in the tree is never matched again and ages out by LRU.
+
+A delta version makes the cache safe once, when it commits, whatever ``flush_cache`` its requests carried (a flush of
+a half-written version would only be undone by the next one); other updates keep SGLang's ``flush_cache`` rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import weakref
+from typing import Optional
+
+from sglang.srt.weight_sync.delta.engine_state import receiver_state
+
+logger = logging.getLogger(__name__)
+
+_BASE = "_delta_cache_base_key"  # a request's own extra_key, kept when it is namespaced
+
+
+@dataclasses.dataclass
+class _CacheEpoch:
+    epoch: int = 0  # updates that found requests holding KV: the namespace requests are admitted under now
+    version: Optional[int] = None  # the delta version the cache was last made safe for
+
+
+_EPOCHS: "weakref.WeakKeyDictionary[object, _CacheEpoch]" = weakref.WeakKeyDictionary()
+
+
+def admit(scheduler, req) -> None:
+    """Namespace a new request by the current epoch (requests keep their key until an update meets held KV)."""
+    st = _EPOCHS.get(scheduler)
+    if st is not None and st.epoch:
+        _tag(req, st.epoch)
+
+
+def after_weight_update(scheduler, recv_req) -> None:
+    """Make the cache safe for the weights the update just wrote (SGLang's ``flush_cache_after_weight_update``)."""
+    st = _EPOCHS.setdefault(scheduler, _CacheEpoch())
+    if getattr(recv_req, "load_format", None) == "delta":
+        version = receiver_state(scheduler.tp_worker.model_runner.model).version
+        if version == st.version:  # no version committed by this request (a flush before the final, receive-only)
+            return
+        st.version = version
+    elif not recv_req.flush_cache:
+        return
+    if not _holds_kv(scheduler):
+        waiting, scheduler.waiting_queue = scheduler.waiting_queue, []  # queued requests hold no KV: not in the way
+        try:
+            if scheduler.flush_cache(empty_cache=recv_req.torch_empty_cache):
+                return
+        finally:
+            scheduler.waiting_queue = waiting + scheduler.waiting_queue
+    st.epoch += 1
+    queued = [r for r in scheduler.waiting_queue if not _req_holds_kv(r)]
+    for r in queued:
+        _tag(r, st.epoch)
+    logger.info("prefix cache partitioned after a weight update (epoch %d): requests in flight keep their KV, "
+                "%d queued and every later request start from the new weights", st.epoch, len(queued))
+
+
+def _tag(req, epoch: int) -> None:
+    if not hasattr(req, _BASE):
+        setattr(req, _BASE, req.extra_key)
+    base = getattr(req, _BASE)
+    req.extra_key = f"{base}|weights-{epoch}" if base else f"weights-{epoch}"
+
+
+def _req_holds_kv(req) -> bool:
+    return getattr(req, "req_pool_idx", None) is not None
+
+
+def _holds_kv(scheduler) -> bool:
+    """Whether a request holds KV: running, mid-prefill, in the last batch, or queued with its KV (PD decode)."""
+    last = getattr(scheduler, "last_batch", None)
+    return (not scheduler.running_batch.is_empty() or scheduler.chunked_req is not None
+            or (last is not None and not last.is_empty())
+            or any(_req_holds_kv(r) for r in scheduler.waiting_queue))
