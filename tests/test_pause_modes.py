@@ -16,7 +16,7 @@ from sglang.srt.weight_sync.delta.sender import DeltaSender
 from sglang.srt.weight_sync.delta.transport import DiskTransport, HttpEngine
 
 PROMPTS = [[7 + 13 * i + 5 * j for j in range(10)] for i in range(4)]
-TOKENS = 120  # long enough to be in flight when the sync starts (the test model's context: 256)
+TOKENS = 120  # in flight when the sync starts (the test model has 256 positions)
 TOL = 0.25  # nats; the same weights in another batch shape agree to <0.1 (bf16), other weights differ by whole nats
 
 
@@ -32,8 +32,8 @@ def world(tmp_path_factory):
     cfg = hf_config("llama", vocab=300)
     boot = write_hf_checkpoint(str(root / "v0"), cfg, sharp_state(cfg, 100))
     room = ["--max-total-tokens", "16384"]  # after a retract SGLang reserves more per request before admitting one
-    engine_srv = Server(boot, str(root / "engine.log"), extra=room).wait_healthy()
-    plain = Server(boot, str(root / "plain.log"), extra=room).wait_healthy()
+    engine_srv, plain = Server(boot, str(root / "engine.log"), extra=room), Server(boot, str(root / "plain.log"), extra=room)
+    engine_srv.wait_healthy(), plain.wait_healthy()
     engine = HttpEngine(engine_srv.url)
     transport = DiskTransport(str(root / "shared"), [engine])
     sender = DeltaSender(transport, [engine], encoding="deltas", buffer_bytes=64 << 10)
@@ -69,10 +69,14 @@ def scored(server, prompt, output_ids):
 def test_requests_in_flight_through_three_syncs(world, mode):
     engine_srv, plain, sender = world["engine_srv"], world["plain"], world["sender"]
     world["engine"].pause_mode = mode
-    for k in range(3):
-        old_dir = str(world["root"] / f"{mode}-{k}-old")
+    synced = attempts = 0
+    while synced < 3:  # syncs with every request in flight; one that finished first (a slow machine) is a retry
+        attempts += 1
+        assert attempts <= 8, "the requests kept finishing before the sync reached the engine"
+        k = synced
+        old_dir = str(world["root"] / f"{mode}-{attempts}-old")
         write_hf_checkpoint(old_dir, world["cfg"], world["state"])
-        new = sharp_state(world["cfg"], 1000 * k + len(mode))
+        new = sharp_state(world["cfg"], 1000 * attempts + len(mode))
         flights = [StreamedRequest(engine_srv, p, TOKENS) for p in PROMPTS]
         for f in flights:
             f.start()
@@ -83,8 +87,12 @@ def test_requests_in_flight_through_three_syncs(world, mode):
         for f in flights:
             f.join(600)
             assert f.meta is not None and f.meta["finish_reason"] is not None, f.meta
-        new_dir = write_hf_checkpoint(str(world["root"] / f"{mode}-{k}-new"), world["cfg"], new)
         assert engine_mismatch(engine_srv, new) is None
+        world["state"] = new
+        if not all(f.meta["finish_reason"]["type"] == "abort" if mode == "abort"
+                   else f.meta["weight_version"] == str(sender.version) for f in flights):
+            continue  # a request finished before the pause
+        new_dir = write_hf_checkpoint(str(world["root"] / f"{mode}-{attempts}-new"), world["cfg"], new)
 
         plain_load(plain, old_dir)
         runs = [(f.input_ids, f.meta) for f in flights]
@@ -96,7 +104,7 @@ def test_requests_in_flight_through_three_syncs(world, mode):
             before = next((j for j, (lp, _, _) in enumerate(out) if abs(lp - lp_old[j]) > TOL), len(out))
             after = [abs(lp - lp_new[j]) for j, (lp, _, _) in enumerate(out) if j >= before]
             if mode == "abort":  # returned at the pause, every token from the old weights
-                assert meta["finish_reason"]["type"] == "abort" and before == len(out) < TOKENS, (meta, before)
+                assert before == len(out) < TOKENS, (meta, before)
                 continue
             assert meta["finish_reason"]["type"] == "length" and len(out) == TOKENS, meta  # none lost
             assert 5 <= before < TOKENS, (mode, k, before)  # in flight across the sync
@@ -106,8 +114,8 @@ def test_requests_in_flight_through_three_syncs(world, mode):
                 assert max(after[:8]) > 1.0, (k, before, after[:8])
 
         for prompt in PROMPTS:  # later requests, same prefixes: the new weights only, never cached old KV
-            got, want = generate(engine_srv, prompt, 4), generate(plain, prompt, 4)
-            assert [t for _, t, _ in got["output_token_logprobs"]] == [t for _, t, _ in want["output_token_logprobs"]]
-            assert max(abs(a[0] - b[0]) for a, b in zip(got["output_token_logprobs"], want["output_token_logprobs"])) < TOL
-        world["state"] = new
+            got = generate(engine_srv, prompt, 4)["output_token_logprobs"]
+            want = scored(plain, prompt, [t for _, t, _ in got])  # teacher-forced: a near tie cannot fork the two
+            assert max(abs(lp - w) for (lp, _, _), w in zip(got, want)) < TOL, (got, want)
+        synced += 1
     assert sender.status[0].version == sender.version
