@@ -210,10 +210,11 @@ class Report:
 def check_hashes(report, device) -> None:
     """The checksum and the fingerprint give the host's numbers on the device (nothing to compare on a CPU run)."""
     from sglang.srt.weight_sync.delta import fingerprint
-    from sglang.srt.weight_sync.delta.wire import blob_sums
+    from sglang.srt.weight_sync.delta.wire import blob_sums, checked_sums
 
     what = ("mix64 blob sums equal on CPU and device (empty, partial-word, odd and multi-block blobs)",
-            "weight fingerprint equal on CPU and device")
+            "weight fingerprint equal on CPU and device",
+            "the checksum pass's NaN flag on the device (a NaN in the first, a middle and the last value)")
     if device.type == "cpu":
         for w in what:
             report.skip(w, "no device")
@@ -225,6 +226,14 @@ def check_hashes(report, device) -> None:
         val = torch.randn(n // 2 + 1, generator=g).to(torch.bfloat16)
         same &= blob_sums(pos, val) == blob_sums(pos.to(device), val.to(device))
     report.check(same, what[0])
+    val = torch.randn((1 << 22) * 4 + 3, generator=g).to(torch.bfloat16)
+    pos = torch.zeros(8, dtype=torch.uint8)
+    flags = [bool(checked_sums(pos, val.to(device))[1])]
+    for i in (0, val.numel() // 2, val.numel() - 1):
+        bad = val.clone()
+        bad[i] = float("nan")
+        flags.append(bool(checked_sums(pos, bad.to(device))[1]))
+    report.check(flags == [False, True, True, True], what[2])
     t = torch.randn(3000, 257, generator=g).to(torch.bfloat16)
     a = fingerprint.tensor_fingerprint("w", t)
     b = fingerprint.tensor_fingerprint("w", t.to(device))

@@ -101,7 +101,7 @@ class _Sums:
 
     @staticmethod
     def _sum(data) -> int:
-        return int(wire._blob_sum(torch.frombuffer(bytearray(data), dtype=torch.uint8), DOMAIN[VALUES]))
+        return int(wire._blob_sum(torch.frombuffer(bytearray(data), dtype=torch.uint8), DOMAIN[VALUES])[0])
 
     def differs(self, corrupt) -> bool:
         b = bytearray(self.data)

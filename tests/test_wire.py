@@ -242,12 +242,32 @@ def test_changed_positions_of_many_params_unite_the_staged_positions(monkeypatch
     assert [g.tolist() for g in got] == [[3, 5, 17], [], [0, 999]]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
-@pytest.mark.parametrize("at", [None, 0, (1 << 20) - 1, 1 << 20, 3 * (1 << 20) + 5])
-def test_any_nan_finds_one_nan_in_any_block(dtype, at):
-    """The CPU scan goes block by block: a NaN in the first, at a block's edge or in the short last block is found."""
-    t = torch.full((3 * (1 << 20) + 7,), 0.5).to(dtype)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn,
+                                   torch.float8_e5m2])
+@pytest.mark.parametrize("at", [None, 0, "word_end", "block_edge", "last"])
+@pytest.mark.parametrize("negative", [False, True])
+def test_the_checksum_pass_finds_one_nan_anywhere(dtype, at, negative):
+    """The engine's NaN check rides on the checksum's pass over 64-bit words, lane by lane: a NaN in the first lane,
+    a word's last lane, at a checksum block's edge or in the zero-padded tail word is found, with either sign;
+    infinities and the largest finite values are not NaN, and the sums are the checksum's own."""
+    from sglang.srt.weight_sync.delta import wire
+
+    size = dtype.itemsize
+    lanes, block = 8 // size, 1 << 15  # CPU words per checksum block
+    n = 2 * block * lanes + 3  # two blocks and a partial tail word
+    t = torch.full((n,), 0.5).to(dtype)
+    bits = t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[size])
+    specials = {torch.bfloat16: (0x7F80, 0x7F7F), torch.float16: (0x7C00, 0x7BFF), torch.float32: (0x7F800000, 0x7F7FFFFF),
+                torch.float8_e4m3fn: (0x7E, 0x7E), torch.float8_e5m2: (0x7C, 0x7B)}[dtype]  # inf (or max) and max
+    sign = {1: 0x80, 2: -0x8000, 4: -0x80000000}[size]
+    for k, v in enumerate(specials):  # ±inf and ±max finite around the places a NaN goes
+        bits[5 + k], bits[block * lanes - 2 - k] = v, v | sign
+    nan_bits = specials[0] + 1 if dtype != torch.float8_e4m3fn else 0x7F  # the NaN closest to inf (or max)
     if at is not None:
-        t.view(torch.uint8 if dtype.itemsize == 1 else torch.int16 if dtype.itemsize == 2 else torch.int32)[at] = \
-            {1: 0x7F, 2: 0x7FC0, 4: 0x7FC00000}[dtype.itemsize]
+        i = {0: 0, "word_end": lanes - 1, "block_edge": block * lanes, "last": n - 1}[at]
+        bits[i] = (nan_bits | sign) if negative else nan_bits
+    assert bool(torch.isnan(t.float()).any()) == (at is not None)  # the test's own premise
+    pos = torch.arange(11, dtype=torch.uint8)
+    sums, nan = wire.checked_sums(pos, t)
+    assert bool(nan) == (at is not None) and sums == wire.blob_sums(pos, t)
     assert bool(any_nan(t)) == (at is not None)
