@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import weakref
-from typing import Optional
 
 from sglang.srt.weight_sync.delta.engine_state import receiver_state
 
@@ -32,7 +31,7 @@ _BASE = "_delta_cache_base_key"  # a request's own extra_key, kept when it is na
 @dataclasses.dataclass
 class _CacheEpoch:
     epoch: int = 0  # updates that found requests holding KV: the namespace requests are admitted under now
-    version: Optional[int] = None  # the delta version the cache was last made safe for
+    commits: int = 0  # delta versions the engine had committed when the cache was last made safe
 
 
 _EPOCHS: "weakref.WeakKeyDictionary[object, _CacheEpoch]" = weakref.WeakKeyDictionary()
@@ -49,10 +48,10 @@ def after_weight_update(scheduler, recv_req) -> None:
     """Make the cache safe for the weights the update just wrote (SGLang's ``flush_cache_after_weight_update``)."""
     st = _EPOCHS.setdefault(scheduler, _CacheEpoch())
     if getattr(recv_req, "load_format", None) == "delta":
-        version = receiver_state(scheduler.tp_worker.model_runner.model).version
-        if version == st.version:  # no version committed by this request (a flush before the final, receive-only)
+        commits = sum(receiver_state(scheduler.tp_worker.model_runner.model).applied.values())
+        if commits == st.commits:  # no version committed by this request (a flush before the final, receive-only)
             return
-        st.version = version
+        st.commits = commits
     elif not recv_req.flush_cache:
         return
     if not _holds_kv(scheduler):

@@ -14,11 +14,10 @@ def check_version(state: ReceiverState, specs: Sequence[DeltaSpec], weight_versi
     allow. Returns the head spec and whether the request opens its version (the engine starts a new pending one).
     ``files``: a disk request, which must hold every source's files (one transaction across pipeline stages)."""
     head = specs[0]
-    key = (head.version, head.base_version, head.flush, head.full, head.encoding, head.sources, head.final)
     for s in specs[1:]:
-        if (s.version, s.base_version, s.flush, s.full, s.encoding, s.sources, s.final) != key:
+        if _request_key(s) != _request_key(head):
             raise DeltaError("files of one request disagree on (version, base_version, flush, full, encoding, sources, "
-                             f"final): {key} vs {(s.version, s.base_version, s.flush, s.full, s.encoding, s.sources, s.final)}")
+                             f"final): {_request_key(head)} vs {_request_key(s)}")
     sources = _check_parts(specs, files)
     if weight_version is not None and str(weight_version) != str(head.version):
         raise DeltaError(f"weight_version {weight_version!r} differs from the delta's version {head.version}")
@@ -55,6 +54,11 @@ def check_version(state: ReceiverState, specs: Sequence[DeltaSpec], weight_versi
 def pending_key(head: DeltaSpec) -> tuple:
     """What every request of one pending version shares, whichever source sent it."""
     return head.base_version, head.full, head.encoding, head.sources
+
+
+def _request_key(s: DeltaSpec) -> tuple:
+    """What every file of one request shares."""
+    return s.version, s.base_version, s.flush, s.full, s.encoding, s.sources, s.final
 
 
 def _check_parts(specs: Sequence[DeltaSpec], files: bool) -> List[int]:
