@@ -207,25 +207,16 @@ class Report:
         print(line, flush=True)
 
 
-def check_hashes(report, device) -> None:
-    """The checksum and the fingerprint give the host's numbers on the device (nothing to compare on a CPU run)."""
-    from sglang.srt.weight_sync.delta import fingerprint
+def _sums_and_flags(device) -> tuple:
+    """(blob sums equal on CPU and device, the NaN flags on the device) for fixed blobs."""
     from sglang.srt.weight_sync.delta.wire import blob_sums, checked_sums
 
-    what = ("mix64 blob sums equal on CPU and device (empty, partial-word, odd and multi-block blobs)",
-            "weight fingerprint equal on CPU and device",
-            "the checksum pass's NaN flag on the device (a NaN in the first, a middle and the last value)")
-    if device.type == "cpu":
-        for w in what:
-            report.skip(w, "no device")
-        return
     g = torch.Generator().manual_seed(0)
     same = True
     for n in (0, 1, 7, 8, 1001, (1 << 22) * 8 + 5):  # empty, sub-word, one word, odd, past one CUDA block
         pos = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
         val = torch.randn(n // 2 + 1, generator=g).to(torch.bfloat16)
         same &= blob_sums(pos, val) == blob_sums(pos.to(device), val.to(device))
-    report.check(same, what[0])
     val = torch.randn((1 << 22) * 4 + 3, generator=g).to(torch.bfloat16)
     pos = torch.zeros(8, dtype=torch.uint8)
     flags = [bool(checked_sums(pos, val.to(device))[1])]
@@ -233,11 +224,53 @@ def check_hashes(report, device) -> None:
         bad = val.clone()
         bad[i] = float("nan")
         flags.append(bool(checked_sums(pos, bad.to(device))[1]))
-    report.check(flags == [False, True, True, True], what[2])
+    return same, flags == [False, True, True, True]
+
+
+def check_hashes(report, device) -> None:
+    """The checksum and the fingerprint give the host's numbers on the device (nothing to compare on a CPU run),
+    eagerly and with the compiled mix64 kernel (built here: AOTInductor, Triton on CUDA)."""
+    from sglang.srt.weight_sync.delta import fingerprint, mix64
+
+    what = ("mix64 blob sums equal on CPU and device (empty, partial-word, odd and multi-block blobs)",
+            "weight fingerprint equal on CPU and device",
+            "the checksum pass's NaN flag on the device (a NaN in the first, a middle and the last value)",
+            "compiled mix64 kernel built on the device and equal to the eager sums (its self-test)")
+    if device.type == "cpu":
+        for w in what:
+            report.skip(w, "no device")
+        return
+    same, flags = _sums_and_flags(device)
+    report.check(same, what[0] + ", eager")
+    report.check(flags, what[2] + ", eager")
+    g = torch.Generator().manual_seed(1)
     t = torch.randn(3000, 257, generator=g).to(torch.bfloat16)
     a = fingerprint.tensor_fingerprint("w", t)
     b = fingerprint.tensor_fingerprint("w", t.to(device))
     report.check((a.total, a.coverage) == (b.total, b.coverage), what[1])
+    try:
+        built = mix64.warm(device)
+    except Exception as e:  # noqa: BLE001 - reported: the engine would hash eagerly
+        report.check(False, f"{what[3]}: {e!r}"[:800])
+        return
+    report.check(mix64.kernel_state(device) == "compiled", f"{what[3]} ({built:.1f} s)")
+    same, flags = _sums_and_flags(device)
+    report.check(same, what[0] + ", compiled kernel")
+    report.check(flags, what[2] + ", compiled kernel")
+    blob = torch.randint(0, 256, (1 << 30,), dtype=torch.uint8, device=device)
+    words, _ = mix64.words_of(blob)
+    lanes = mix64.nan_lanes(torch.bfloat16)
+    runs = []
+    for fn in (lambda: mix64._eager_sum(words, 5, lanes), lambda: mix64.blob_sum(blob, 5, torch.bfloat16)):
+        fn()  # warm-up
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize(device)
+        runs.append((time.perf_counter() - t0, [int(x) for x in out]))
+    (t_eager, eager), (t_compiled, compiled) = runs
+    report.check(eager == compiled, f"mix64 + NaN pass over 1 GiB on the device: eager {1e3 * t_eager:.2f} ms, "
+                 f"compiled {1e3 * t_compiled:.2f} ms ({t_eager / t_compiled:.1f}x), equal sums")
 
 
 def check_stranded_broadcast(report, cfg, device, backend, engine_device, states, ref) -> None:

@@ -2,7 +2,7 @@
 
 The checksum is ``blake2b(tag, canonical spec, blob lengths, S_pos, S_val)``: a corruption is caught
 exactly when it changes the canonical spec, a length, or a blob sum. The bulk cases below (> 10**5)
-therefore check the real blob sum (``wire._blob_sum``) of every corrupted blob; the end-to-end cases
+therefore check the real blob sum (``mix64.blob_sum``) of every corrupted blob; the end-to-end cases
 in ``test_receiver_refusals`` run the same corruptions through a real engine and check that the
 weights stay untouched.
 """
@@ -10,12 +10,13 @@ import hashlib
 import json
 import random
 import struct
+import time
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from sglang.srt.weight_sync.delta import wire
+from sglang.srt.weight_sync.delta import mix64
 from sglang.srt.weight_sync.delta.wire import (
     POSITIONS,
     VALUES,
@@ -101,7 +102,7 @@ class _Sums:
 
     @staticmethod
     def _sum(data) -> int:
-        return int(wire._blob_sum(torch.frombuffer(bytearray(data), dtype=torch.uint8), DOMAIN[VALUES])[0])
+        return int(mix64.blob_sum(torch.frombuffer(bytearray(data), dtype=torch.uint8), DOMAIN[VALUES])[0])
 
     def differs(self, corrupt) -> bool:
         b = bytearray(self.data)
@@ -226,3 +227,90 @@ def test_a_valid_flush_with_swapped_names_is_refused():
     pl.spec.params[0].name, pl.spec.params[1].name = "model.b.weight", "model.a.weight"
     with pytest.raises(DeltaError, match="checksum mismatch"):
         validate_payload(pl, None)
+
+
+# ---------------------------------------------------------------- the compiled kernel
+
+
+@pytest.fixture(scope="module")
+def compiled_cpu():
+    """The compiled mix64 kernel on CPU, built (or loaded from the cache dir) and self-tested as a process would."""
+    mix64.warm("cpu")
+    assert mix64.kernel_state("cpu") == "compiled"
+    return mix64.KERNELS.runner["cpu"]
+
+
+def _words(n: int, seed: int) -> bytes:
+    """Random bytes with the edge words (sign bit, all ones, wrap-around constants) at both ends."""
+    data = bytearray(random.Random(seed).randbytes(n))
+    edge = b"".join(w.to_bytes(8, "little") for w in (2**63, M, 2**63 - 1, C1, C2, C3, 0, 1))
+    data[:len(edge)] = edge[:n]
+    data[-min(n, len(edge)):] = edge[:min(n, len(edge))]
+    return bytes(data)
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 33 * 8, 40 * 8 + 5, 4099 * 8 + 1, 3000])
+def test_the_compiled_kernel_matches_the_reference(compiled_cpu, n):
+    """At the lengths where inductor's vector loops split (a miscompiled key showed first at 33 words)."""
+    data = _words(n, n)
+    blob = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    for domain in DOMAIN.values():
+        assert int(mix64.blob_sum(blob, domain)[0]) & M == ref_blob_sum(data, domain)
+    assert mix64.kernel_state("cpu") == "compiled"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn,
+                                   torch.float8_e5m2])
+def test_the_compiled_kernel_sums_and_flags_nans_as_the_eager_pass(compiled_cpu, dtype):
+    n = (1 << 20) + 5
+    t = torch.randn(n, generator=torch.Generator().manual_seed(7)).to(dtype)
+    bits = t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[dtype.itemsize])
+    lanes = mix64.nan_lanes(dtype)
+    for at in (None, 0, 3, (1 << 15) * 4 - 1, n - 1):
+        old = None if at is None else bits[at].clone()
+        if at is not None:
+            bits[at] = -1  # all ones: a negative NaN
+        padded = torch.cat([t.view(torch.uint8), torch.zeros(-t.nbytes % 8, dtype=torch.uint8)]).view(torch.int64)
+        eager = [int(x) for x in mix64._eager_sum(padded, DOMAIN[VALUES], lanes)]
+        compiled = [int(x) for x in mix64.blob_sum(t, DOMAIN[VALUES], dtype)]
+        assert compiled == eager and bool(compiled[1]) == bool(torch.isnan(t.float()).any()) == (at is not None)
+        if at is not None:
+            bits[at] = old
+
+
+def test_a_kernel_that_differs_anywhere_is_never_used(compiled_cpu):
+    """The self-test every process runs before using the kernel: one wrong key past 32 words (what inductor's
+    unchecked int64 overflow produced) is found; the eager path stays."""
+    def wrong(words, k):
+        total, found = compiled_cpu(words, k)
+        return (total + (words.numel() > 32)), found
+
+    with pytest.raises(RuntimeError, match="compiled mix64 differs from eager on cpu at 33 words"):
+        mix64._self_test(wrong, torch.device("cpu"))
+
+
+def test_a_kernel_that_fails_at_run_time_leaves_the_eager_path(compiled_cpu, monkeypatch):
+    kernels = mix64._Kernels()
+    kernels.runner["cpu"] = lambda words, k: (_ for _ in ()).throw(RuntimeError("device lost"))
+    monkeypatch.setattr(mix64, "KERNELS", kernels)
+    data = _words(1000, 3)
+    assert int(mix64.blob_sum(torch.frombuffer(bytearray(data), dtype=torch.uint8), 5)[0]) & M == ref_blob_sum(data, 5)
+    assert kernels.state["cpu"] == "failed: RuntimeError: device lost" and "cpu" not in kernels.runner
+
+
+def test_auto_builds_the_kernel_in_the_background_only_after_enough_words(compiled_cpu, monkeypatch):
+    monkeypatch.setenv(mix64.MODE_ENV, "auto")
+    monkeypatch.setattr(mix64, "AUTO_WORDS", 5000)
+    kernels = mix64._Kernels()
+    cpu = torch.device("cpu")
+    assert kernels.ready(cpu, 4999) is None and "cpu" not in kernels.state  # below the line: never built
+    assert kernels.ready(cpu, 1) is None and kernels.state["cpu"] == "building"  # eager while it builds
+    deadline = time.monotonic() + 300
+    while kernels.state["cpu"] == "building" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert kernels.state["cpu"] == "compiled" and kernels.ready(cpu, 1) is kernels.runner["cpu"]
+    monkeypatch.setenv(mix64.MODE_ENV, "eager")
+    assert mix64._Kernels().ready(cpu, 1 << 40) is None
+    monkeypatch.setenv(mix64.MODE_ENV, "fast")
+    with pytest.raises(ValueError, match="SGLANG_DELTA_MIX64_KERNEL='fast': expected one of auto, compiled, eager"):
+        mix64._Kernels().ready(cpu, 1)

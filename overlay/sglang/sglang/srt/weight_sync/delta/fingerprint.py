@@ -27,7 +27,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from sglang.srt.weight_sync.delta.wire import _C1, _C2, _C3, INT_VIEW, DeltaError, _i64, dtype_from_str, dtype_to_str, mix64_
+from sglang.srt.weight_sync.delta.mix64 import C1, C2, C3, i64, mix64_
+from sglang.srt.weight_sync.delta.wire import INT_VIEW, DeltaError, dtype_from_str, dtype_to_str
 from sglang.srt.weight_sync.delta.write_guard import RangeIndex
 
 _M = 0xFFFFFFFFFFFFFFFF
@@ -47,25 +48,25 @@ class Scratch:
 
 
 def name_seed(name: str) -> int:
-    return _i64(int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little"))
+    return i64(int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little"))
 
 
 def _sum_block(seed: int, idx: torch.Tensor, values: torch.Tensor, scratch: Scratch,
                coverage: bool = False) -> Tuple[int, int]:
     """(sum of element hashes, coverage signature or 0) of one block, both mod 2**64."""
     z, t = scratch.take(idx.numel(), idx.device)
-    torch.mul(idx, _i64(_C1), out=z)
+    torch.mul(idx, i64(C1), out=z)
     z += seed
     size = values.element_size()
     t.copy_(values.reshape(-1).view(INT_VIEW[size]))  # sign-extends: mask back to the raw bits
     if size < 8:
         t &= (1 << (8 * size)) - 1
-    t *= _i64(_C2)
+    t *= i64(C2)
     z ^= t
     total = int(mix64_(z, t).sum()) & _M
     if not coverage:
         return total, 0
-    torch.add(idx, _i64(_C3), out=t)
+    torch.add(idx, i64(C3), out=t)
     t *= idx
     return total, int(t.sum()) & _M
 

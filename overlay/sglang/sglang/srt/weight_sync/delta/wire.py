@@ -44,6 +44,8 @@ import safetensors
 import safetensors.torch
 import torch
 
+from sglang.srt.weight_sync.delta.mix64 import M64, NAN_BITS, blob_sum
+
 __all__ = [
     "DeltaEncoding",
     "DeltaParam",
@@ -446,105 +448,15 @@ class DeltaPayload:
 
 # ---------------------------------------------------------------- checksum
 
-_M64 = 0xFFFFFFFFFFFFFFFF
-_C1, _C2, _C3 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 _DOMAIN = {POSITIONS: 0x5A17E5C0FFEE0001, VALUES: 0x5A17E5C0FFEE0002}  # the two blobs hash apart
 _TAG = b"delta-mix64\0"
 
 
-def _i64(c: int) -> int:
-    """A 64-bit constant as the signed value torch's int64 holds (int64 arithmetic wraps mod 2**64)."""
-    c &= _M64
-    return c - (1 << 64) if c >= 1 << 63 else c
-
-
-def _words_per_block(device: torch.device) -> int:
-    """CPU: 256 KiB operands stay in cache across the ~14 in-place passes (2x faster than big blocks);
-    CUDA: big blocks keep the kernel launches per flush few."""
-    return 1 << 22 if device.type == "cuda" else 1 << 15
-
-
-_KEYS: Dict[Tuple[str, int], torch.Tensor] = {}
-
-
-def _keys(device: torch.device, n: int) -> torch.Tensor:
-    """``i * C1`` for i < n (wrapped), built once per device: a block's key is this plus one constant."""
-    k = (str(device), n)
-    if k not in _KEYS:
-        _KEYS[k] = torch.arange(n, dtype=torch.int64, device=device).mul_(_i64(_C1))
-    return _KEYS[k]
-
-
-def _xorshift_(z: torch.Tensor, s: int, tmp: torch.Tensor) -> None:
-    """z ^= z >>> s (logical shift on int64: torch's ``>>`` is arithmetic, so mask the sign copies off)."""
-    torch.bitwise_right_shift(z, s, out=tmp)
-    tmp &= (1 << (64 - s)) - 1
-    z ^= tmp
-
-
-def mix64_(z: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finalizer in place: a bijection of 64-bit words with full avalanche."""
-    _xorshift_(z, 30, tmp)
-    z *= _i64(_C2)
-    _xorshift_(z, 27, tmp)
-    z *= _i64(_C3)
-    _xorshift_(z, 31, tmp)
-    return z
-
-
-def _nan_lanes(dtype: torch.dtype) -> Tuple[int, int, int]:
-    """(abs mask, add, top bit) per 64-bit word of ``dtype`` values: ``((w & mask) + add) & top`` is non-zero iff
-    a lane's |bits| exceed the largest finite/inf pattern (a NaN). Lanes cannot carry into each other: a lane's
-    |bits| + add stays below twice its top bit."""
-    _, abs_mask, inf_bits = _NAN_BITS[dtype]
-    lane = 8 * dtype.itemsize
-    top = 1 << (lane - 1)
-    rep = lambda x: sum(x << (lane * k) for k in range(64 // lane))  # noqa: E731
-    return _i64(rep(abs_mask)), _i64(rep(top - 1 - inf_bits)), _i64(rep(top))
-
-
-def _blob_sum(blob: torch.Tensor, domain: int, nan_dtype: Optional[torch.dtype] = None):
-    """``sum_i mix64(w_i ^ (i * C1 + domain)) mod 2**64`` over the blob's little-endian u64 words (the last
-    one zero-padded), as a 0-d int64 tensor on the blob's device: no host synchronization. With ``nan_dtype``,
-    also whether the blob (values of that dtype) holds a NaN, as a 0-d bool tensor, from the same words while
-    each block is in cache (a separate scan cost more than the checksum itself on CPU)."""
-    b = blob.reshape(-1).view(torch.uint8) if blob.dtype != torch.uint8 else blob.reshape(-1)
-    device, n = b.device, b.numel() // 8
-    body = b[:8 * n]
-    if body.storage_offset() % 8:  # an int64 view needs an aligned offset
-        body = body.clone()
-    words = body.view(torch.int64)
-    if b.numel() % 8:  # the tail word, padded on the device
-        tail = torch.zeros(8, dtype=torch.uint8, device=device)
-        tail[:b.numel() % 8] = b[8 * n:]
-        words = torch.cat([words, tail.view(torch.int64)])
-    total = torch.zeros((), dtype=torch.int64, device=device)
-    found = None if nan_dtype is None else torch.zeros((), dtype=torch.bool, device=device)
-    lanes = None if nan_dtype is None else _nan_lanes(nan_dtype)
-    step = _words_per_block(device)
-    keys = _keys(device, min(step, max(1, words.numel())))
-    z = torch.empty(keys.numel(), dtype=torch.int64, device=device)
-    tmp = torch.empty_like(z)
-    for start in range(0, words.numel(), step):
-        w = words[start:start + step]
-        m = w.numel()
-        zz, tt = z[:m], tmp[:m]
-        if lanes is not None:
-            torch.bitwise_and(w, lanes[0], out=tt)
-            tt += lanes[1]
-            tt &= lanes[2]
-            found |= tt.any()
-        torch.add(keys[:m], _i64(start * _C1 + domain), out=zz)
-        zz ^= w
-        total += mix64_(zz, tt).sum()
-    return total, found
-
-
 def _read_sums(positions: torch.Tensor, values: torch.Tensor, nan_dtype: Optional[torch.dtype] = None):
-    p, _ = _blob_sum(positions.contiguous(), _DOMAIN[POSITIONS])
-    v, nan = _blob_sum(values.contiguous(), _DOMAIN[VALUES], nan_dtype)
+    p, _ = blob_sum(positions.contiguous(), _DOMAIN[POSITIONS])
+    v, nan = blob_sum(values.contiguous(), _DOMAIN[VALUES], nan_dtype)
     sums = host_values(torch.stack([p, v]))  # the only synchronization of a checksum
-    return (sums[0] & _M64, sums[1] & _M64), nan
+    return (sums[0] & M64, sums[1] & M64), nan
 
 
 def blob_sums(positions: torch.Tensor, values: torch.Tensor) -> Tuple[int, int]:
@@ -558,7 +470,7 @@ def checked_sums(positions: torch.Tensor, values: torch.Tensor) -> Tuple[Tuple[i
     NaN bits are known."""
     if not values.is_floating_point() or not values.numel():
         return _read_sums(positions, values)[0], None
-    if values.dtype in _NAN_BITS:
+    if values.dtype in NAN_BITS:
         return _read_sums(positions, values, values.dtype)
     return _read_sums(positions, values)[0], any_nan(values)
 
@@ -1047,17 +959,14 @@ def read_safetensors(data: bytes, name: str = "") -> DeltaPayload:
 # ---------------------------------------------------------------- encoding a flush
 
 INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_NAN_BITS = {torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80), torch.float16: (torch.int16, 0x7FFF, 0x7C00),
-             torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F800000), torch.float8_e4m3fn: (torch.uint8, 0x7F, 0x7E),
-             torch.float8_e5m2: (torch.uint8, 0x7F, 0x7C)}
 
 
 def nan_mask(t: torch.Tensor) -> torch.Tensor:
     """``isnan`` from the raw bits (|bits| above the largest finite/inf pattern): integer ops, ~1.5x faster on
     CPU, and defined for fp8 on every device."""
-    if t.dtype not in _NAN_BITS:
+    if t.dtype not in NAN_BITS:
         return torch.isnan(t)
-    int_dtype, abs_mask, inf_bits = _NAN_BITS[t.dtype]
+    int_dtype, abs_mask, inf_bits = NAN_BITS[t.dtype]
     return (t.view(int_dtype) & abs_mask) > inf_bits
 
 
