@@ -220,10 +220,12 @@ def measure(paths: list, shape: str, out_json: str, check: bool) -> None:
 
     receiver_class()  # imported before the clock starts: the one-time import of SGLang's runner is not a sync's cost
     os.environ[mix64.MODE_ENV] = "eager"  # what a process does until its compiled checksum kernel is ready
-    _, res["full_wire_eager_s"], _ = measured(host.call, "_apply_delta_payload", full_flushes(states[0], version=1))
+    eager, res["full_wire_eager_s"], _ = measured(host.call, "_apply_delta_payload", full_flushes(states[0], version=1))
     os.environ[mix64.MODE_ENV] = "compiled"  # the rest: a long run's steady state
     res["mix64_ready_s"] = mix64.warm("cpu")
-    _, res["full_wire_s"], res["full_wire_mem"] = measured(host.call, "_apply_delta_payload", full_flushes(states[0], version=1))
+    compiled, res["full_wire_s"], res["full_wire_mem"] = measured(
+        host.call, "_apply_delta_payload", full_flushes(states[0], version=2))
+    assert eager[0] and compiled[0], (eager, compiled)
     full = [measured(model.load_weights, list(states[0].items())) for _ in range(3)]
     res["full_load_s"] = statistics.median(t for _, t, _ in full)
     res["full_load_mem"] = max(m for _, _, m in full)
@@ -232,7 +234,7 @@ def measure(paths: list, shape: str, out_json: str, check: bool) -> None:
         fingerprint.engine_shares, receiver_state(model).copies)
     _, res["fingerprint_trainer_s"], res["fingerprint_trainer_mem"] = measured(
         lambda: [fingerprint.tensor_fingerprint(k, v) for k, v in items])
-    version, wire_dir = 1, os.path.join(os.path.dirname(out_json), "wire")
+    version, wire_dir = 2, os.path.join(os.path.dirname(out_json), "wire")
     os.makedirs(wire_dir, exist_ok=True)
 
     def publish(payloads, files):

@@ -250,10 +250,14 @@ def check_hashes(report, device) -> None:
     report.check((a.total, a.coverage) == (b.total, b.coverage), what[1])
     try:
         built = mix64.warm(device)
+        built_fp = mix64.warm(device, mix64.FINGERPRINT[torch.int16])
     except Exception as e:  # noqa: BLE001 - reported: the engine would hash eagerly
         report.check(False, f"{what[3]}: {e!r}"[:800])
         return
-    report.check(mix64.kernel_state(device) == "compiled", f"{what[3]} ({built:.1f} s)")
+    report.check(mix64.kernel_state(device) == "compiled", f"{what[3]} ({built:.1f} s; the bf16 fingerprint "
+                 f"kernel {built_fp:.1f} s)")
+    b = fingerprint.tensor_fingerprint("w", t.to(device))
+    report.check((a.total, a.coverage) == (b.total, b.coverage), what[1] + ", compiled kernel")
     same, flags = _sums_and_flags(device)
     report.check(same, what[0] + ", compiled kernel")
     report.check(flags, what[2] + ", compiled kernel")

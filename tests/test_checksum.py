@@ -237,7 +237,7 @@ def compiled_cpu():
     """The compiled mix64 kernel on CPU, built (or loaded from the cache dir) and self-tested as a process would."""
     mix64.warm("cpu")
     assert mix64.kernel_state("cpu") == "compiled"
-    return mix64.KERNELS.runner["cpu"]
+    return mix64.KERNELS.runner[("mix64", "cpu")]
 
 
 def _words(n: int, seed: int) -> bytes:
@@ -286,16 +286,16 @@ def test_a_kernel_that_differs_anywhere_is_never_used(compiled_cpu):
         return (total + (words.numel() > 32)), found
 
     with pytest.raises(RuntimeError, match="compiled mix64 differs from eager on cpu at 33 words"):
-        mix64._self_test(wrong, torch.device("cpu"))
+        mix64.SUM.self_test(wrong, torch.device("cpu"))
 
 
 def test_a_kernel_that_fails_at_run_time_leaves_the_eager_path(compiled_cpu, monkeypatch):
     kernels = mix64._Kernels()
-    kernels.runner["cpu"] = lambda words, k: (_ for _ in ()).throw(RuntimeError("device lost"))
+    kernels.runner[("mix64", "cpu")] = lambda words, k: (_ for _ in ()).throw(RuntimeError("device lost"))
     monkeypatch.setattr(mix64, "KERNELS", kernels)
     data = _words(1000, 3)
     assert int(mix64.blob_sum(torch.frombuffer(bytearray(data), dtype=torch.uint8), 5)[0]) & M == ref_blob_sum(data, 5)
-    assert kernels.state["cpu"] == "failed: RuntimeError: device lost" and "cpu" not in kernels.runner
+    assert kernels.state[("mix64", "cpu")] == "failed: RuntimeError: device lost" and not kernels.runner
 
 
 def test_auto_builds_the_kernel_in_the_background_only_after_enough_words(compiled_cpu, monkeypatch):
@@ -303,14 +303,15 @@ def test_auto_builds_the_kernel_in_the_background_only_after_enough_words(compil
     monkeypatch.setattr(mix64, "AUTO_WORDS", 5000)
     kernels = mix64._Kernels()
     cpu = torch.device("cpu")
-    assert kernels.ready(cpu, 4999) is None and "cpu" not in kernels.state  # below the line: never built
-    assert kernels.ready(cpu, 1) is None and kernels.state["cpu"] == "building"  # eager while it builds
+    key = ("mix64", "cpu")
+    assert kernels.ready(mix64.SUM, cpu, 4999) is None and key not in kernels.state  # below the line: never built
+    assert kernels.ready(mix64.SUM, cpu, 1) is None and kernels.state[key] == "building"  # eager while it builds
     deadline = time.monotonic() + 300
-    while kernels.state["cpu"] == "building" and time.monotonic() < deadline:
+    while kernels.state[key] == "building" and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert kernels.state["cpu"] == "compiled" and kernels.ready(cpu, 1) is kernels.runner["cpu"]
+    assert kernels.state[key] == "compiled" and kernels.ready(mix64.SUM, cpu, 1) is kernels.runner[key]
     monkeypatch.setenv(mix64.MODE_ENV, "eager")
-    assert mix64._Kernels().ready(cpu, 1 << 40) is None
+    assert mix64._Kernels().ready(mix64.SUM, cpu, 1 << 40) is None
     monkeypatch.setenv(mix64.MODE_ENV, "fast")
     with pytest.raises(ValueError, match="SGLANG_DELTA_MIX64_KERNEL='fast': expected one of auto, compiled, eager"):
-        mix64._Kernels().ready(cpu, 1)
+        mix64._Kernels().ready(mix64.SUM, cpu, 1)

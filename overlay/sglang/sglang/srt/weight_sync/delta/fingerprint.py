@@ -16,59 +16,110 @@ uncovered and the sender leaves them out of the comparison, naming them.
 Replicated params (norms, or KV heads shared by several TP ranks) appear on several ranks; each
 rank also reports an additive signature of the indices it covers, and :func:`merge_ranks`
 counts every distinct coverage once (the signature is ``sum_i i * (i + C3)``, additive as well).
+
+The hashes run as :mod:`mix64`'s compiled fingerprint kernel once it is ready (the HF indices are made in the kernel
+from each view's 2-D geometry), else as eager ops; either way they stay on the device until one host read per
+fingerprint (:func:`read_shares`).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import hashlib
+import math
 import threading
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from sglang.srt.weight_sync.delta.mix64 import C1, C2, C3, i64, mix64_
+from sglang.srt.weight_sync.delta import mix64
+from sglang.srt.weight_sync.delta.mix64 import i64
 from sglang.srt.weight_sync.delta.wire import INT_VIEW, DeltaError, dtype_from_str, dtype_to_str
 from sglang.srt.weight_sync.delta.write_guard import RangeIndex
 
 _M = 0xFFFFFFFFFFFFFFFF
-_BLOCK = 1 << 22  # elements hashed at once: bounds the int64 scratch to a few 32 MiB tensors
-
-
-class Scratch:
-    """Reused int64 buffers: in-place ops on them run ~2x faster on CPU than fresh tensors per op."""
-
-    def __init__(self):
-        self.bufs: List[torch.Tensor] = []
-
-    def take(self, n: int, device, k: int = 2) -> List[torch.Tensor]:
-        if len(self.bufs) < k or self.bufs[0].numel() < n or self.bufs[0].device != torch.device(device):
-            self.bufs = [torch.empty(max(n, 1), dtype=torch.int64, device=device) for _ in range(k)]
-        return [b[:n] for b in self.bufs[:k]]
+_BLOCK = 1 << 22  # elements hashed at once: bounds the int64 temporaries to a few 32 MiB tensors
+_COLS = 1 << 10
 
 
 def name_seed(name: str) -> int:
     return i64(int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little"))
 
 
-def _sum_block(seed: int, idx: torch.Tensor, values: torch.Tensor, scratch: Scratch,
-               coverage: bool = False) -> Tuple[int, int]:
-    """(sum of element hashes, coverage signature or 0) of one block, both mod 2**64."""
-    z, t = scratch.take(idx.numel(), idx.device)
-    torch.mul(idx, i64(C1), out=z)
-    z += seed
-    size = values.element_size()
-    t.copy_(values.reshape(-1).view(INT_VIEW[size]))  # sign-extends: mask back to the raw bits
-    if size < 8:
-        t &= (1 << (8 * size)) - 1
-    t *= i64(C2)
-    z ^= t
-    total = int(mix64_(z, t).sum()) & _M
-    if not coverage:
-        return total, 0
-    torch.add(idx, i64(C3), out=t)
-    t *= idx
-    return total, int(t.sum()) & _M
+def _block(values: torch.Tensor, shape) -> torch.Tensor:
+    """A view's raw bits as a 2-D block in the view's element order (a view where the strides allow, else one copy
+    at the values' own width)."""
+    return values.view(INT_VIEW[values.element_size()]).reshape(shape)
+
+
+def _mask(values: torch.Tensor) -> int:
+    """The bits of one value (widening an int view sign-extends)."""
+    return i64((1 << (8 * values.element_size())) - 1)
+
+
+def _rows_on(device: torch.device, rows: List[List[int]]) -> torch.Tensor:
+    """Kernel geometry rows on ``device`` in one copy that does not wait for the device (pinned source on CUDA)."""
+    t = torch.tensor(rows, dtype=torch.int64)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+class Pending:
+    """One name's share not read yet: element hashes as device tensors (the host reads every name of a fingerprint
+    at once, :func:`read_shares`, not once per param), the coverage signature already on the host."""
+
+    def __init__(self, dtype: str):
+        self.parts: List[torch.Tensor] = []
+        self.coverage = 0
+        self.count = 0
+        self.dtype = dtype
+
+    def add(self, total: torch.Tensor, shape, strides, offset: int) -> None:
+        self.parts.append(total)
+        self.coverage = (self.coverage + mix64.coverage(shape, strides, offset)) & _M
+        self.count += math.prod(shape)
+
+
+def read_shares(pending: Dict[str, Pending]) -> Dict[str, "NameSum"]:
+    """The pending shares read to the host together (one synchronization per device)."""
+    out = {n: NameSum(coverage=p.coverage, count=p.count, dtype=p.dtype) for n, p in pending.items()}
+    by_device: Dict[torch.device, List[Tuple[str, torch.Tensor]]] = {}
+    for name, p in pending.items():
+        if p.parts:
+            total = torch.stack(p.parts).sum()  # int64 wraps: the sum mod 2**64
+            by_device.setdefault(total.device, []).append((name, total))
+    for items in by_device.values():
+        for (name, _), total in zip(items, torch.stack([t for _, t in items]).cpu().tolist()):
+            out[name].total = total & _M
+    return out
+
+
+def _hash(pieces: List[Tuple[Pending, torch.Tensor, int, Tuple[int, int], int]]) -> None:
+    """Each 2-D block's element hashes into its name's share: the compiled kernel of its bit width where it is ready
+    (one table of keys per width), else the eager ops. A piece: (share, block of value bits, name seed, (row stride,
+    column stride), offset) in HF flat indices."""
+    by_width: Dict[torch.dtype, list] = {}
+    for piece in pieces:
+        by_width.setdefault(piece[1].dtype, []).append(piece)
+    for width, items in by_width.items():
+        kernel, device = mix64.FINGERPRINT[width], items[0][1].device
+        mask = _mask(items[0][1])
+        keys = [mix64.fingerprint_keys(strides, offset, seed) for _, _, seed, strides, offset in items]
+        runner = mix64.KERNELS.ready(kernel, device, sum(b.numel() for _, b, *_ in items))
+        totals = None
+        if runner is not None:
+            try:
+                table = _rows_on(device, [[*ks, k0, mask] for ks, k0 in keys])
+                totals = [mix64.run_fingerprint(runner, block, table[k]) for k, (_, block, *_) in enumerate(items)]
+            except Exception as e:  # noqa: BLE001 - the eager path stays, never a wrong sum
+                mix64.KERNELS.failed(kernel, device, e)
+                totals = None
+        if totals is None:
+            totals = [mix64.eager_fingerprint(block.to(torch.int64).reshape(-1), block.shape, ks, k0, mask)
+                      for (_, block, *_), (ks, k0) in zip(items, keys)]
+        for (acc, block, _, strides, offset), total in zip(items, totals):
+            acc.add(total, block.shape, strides, offset)
 
 
 @dataclasses.dataclass
@@ -94,20 +145,27 @@ class NameSum:
         return cls(int(total, 16), int(coverage, 16), int(count), dtype)
 
 
-def tensor_fingerprint(name: str, tensor: torch.Tensor, dtype: Optional[torch.dtype] = None,
-                       scratch: Optional[Scratch] = None) -> NameSum:
-    """A whole HF tensor's share (the sender's side), hashed in ``dtype`` (the engine's) if given."""
+def tensor_share(name: str, tensor: torch.Tensor, dtype: Optional[torch.dtype] = None) -> Pending:
+    """A whole HF tensor's share (the sender's side), hashed in ``dtype`` (the engine's) if given; not read yet."""
     t = tensor.detach().reshape(-1)
     if dtype is not None and dtype != t.dtype:
         t = t.to(dtype)
-    scratch = scratch or Scratch()
-    seed, out = name_seed(name), NameSum(dtype=dtype_to_str(t.dtype))
-    idx_buf = torch.empty(min(t.numel(), _BLOCK), dtype=torch.int64, device=t.device)
-    for start in range(0, t.numel(), _BLOCK):
-        block = t[start:start + _BLOCK]
-        idx = torch.arange(start, start + block.numel(), dtype=torch.int64, device=t.device, out=idx_buf[:block.numel()])
-        out.add(*_sum_block(seed, idx, block, scratch), block.numel())
+    seed, out = name_seed(name), Pending(dtype_to_str(t.dtype))
+    pieces = []
+    for start in range(0, t.numel(), _BLOCK):  # rows of _COLS (many rows keep every core busy), then the rest
+        n = min(_BLOCK, t.numel() - start)
+        rows, rest = divmod(n, _COLS)
+        if rows:
+            pieces.append((out, _block(t[start:start + rows * _COLS], (rows, _COLS)), seed, (_COLS, 1), start))
+        if rest:
+            pieces.append((out, _block(t[start + rows * _COLS:start + n], (1, rest)), seed, (0, 1), start + rows * _COLS))
+    _hash(pieces)
     return out
+
+
+def tensor_fingerprint(name: str, tensor: torch.Tensor, dtype: Optional[torch.dtype] = None) -> "NameSum":
+    """:func:`tensor_share` read to the host."""
+    return read_shares({name: tensor_share(name, tensor, dtype)})[name]
 
 
 # ---------------------------------------------------------------- engine side
@@ -211,29 +269,28 @@ def _pieces(sizes, dst_strides, src_strides):
         yield (min(step, sizes[0] - s),) + tuple(sizes[1:]), s * dst_strides[0], s * src_strides[0]
 
 
-def _flat_index(sizes, strides, offset, device) -> torch.Tensor:
-    idx = torch.full((), offset, dtype=torch.int64, device=device)
-    for d, (n, st) in enumerate(zip(sizes, strides)):
-        shape = [1] * len(sizes)
-        shape[d] = n
-        idx = idx + (torch.arange(n, dtype=torch.int64, device=device) * st).view(shape)
-    return idx.reshape(-1)
-
-
 def engine_shares(copies: Dict[str, List[_Copy]]) -> Dict[str, NameSum]:
-    """This rank's share of every recorded name, read through the recorded views."""
-    out: Dict[str, NameSum] = {}
-    scratch = Scratch()
+    """This rank's share of every recorded name, read through the recorded views (one host read in all)."""
+    pending: Dict[str, Pending] = {}
+    pieces: Dict[torch.device, list] = {}
     for name, entries in copies.items():
-        seed, acc = name_seed(name), NameSum(dtype=dtype_to_str(entries[0].param.dtype))
+        seed = name_seed(name)
+        acc = pending[name] = Pending(dtype_to_str(entries[0].param.dtype))
         for c in entries:
             (dsz, dst, doff), (_, sst, soff) = c.dst, c.src  # equal sizes (observe checks)
             for sizes, dshift, sshift in _pieces(dsz, dst, sst):
                 d = c.param.as_strided(sizes, dst, doff + dshift)
-                idx = _flat_index(sizes, sst, soff + sshift, d.device)
-                acc.add(*_sum_block(seed, idx, d, scratch, coverage=True), d.numel())
-        out[name] = acc
-    return out
+                geometry = mix64.as_2d(sizes, sst, soff + sshift)
+                if geometry is None:  # more than two dims that do not merge: hashed alone, eagerly
+                    ks, k0 = mix64.fingerprint_keys(sst, soff + sshift, seed)
+                    bits = _block(d, (1, -1)).to(torch.int64).reshape(-1)
+                    acc.add(mix64.eager_fingerprint(bits, sizes, ks, k0, _mask(d)), sizes, sst, soff + sshift)
+                elif d.numel():
+                    shape, s0, s1, off = geometry
+                    pieces.setdefault(d.device, []).append((acc, _block(d, shape), seed, (s0, s1), off))
+    for items in pieces.values():
+        _hash(items)
+    return read_shares(pending)
 
 
 VERSION_KEY = "__delta_version__"  # rides in SGLang's per-rank checksum map beside the names

@@ -416,9 +416,10 @@ class DeltaSender:
         planes = DeltaEncoding.PLANES_ZSTD.value
         return {"delta": self.encoding if xor else planes, "full": planes}
 
-    def _check_fingerprints(self, mine: Dict[str, "fingerprint.NameSum"], results, hashing_s: float) -> None:
+    def _check_fingerprints(self, pending: Dict[str, "fingerprint.Pending"], results, hashing_s: float) -> None:
         """Every engine's fingerprint of this version against the trainer's; a mismatch means a full sync next."""
         t0, uncovered, mismatch = time.perf_counter(), set(), {}
+        mine = fingerprint.read_shares(pending)  # the trainer's hashes, read once for all params
         for i, engine in enumerate(self.engines):
             try:
                 theirs = fingerprint.merge_ranks(fingerprint.check_version(engine.fingerprint(), self.version))
@@ -469,9 +470,8 @@ class _SyncRun:
         self.s, self.v, self.encodings = sender, version, encodings
         self.xor_raw = sender.status[delta_targets[0]].xor_raw if delta_targets else frozenset()
         self.dense = frozenset().union(*(sender.status[i].dense for i in delta_targets))
-        self.fingerprints: Optional[Dict[str, "fingerprint.NameSum"]] = {} if fingerprint_on else None
+        self.fingerprints: Optional[Dict[str, "fingerprint.Pending"]] = {} if fingerprint_on else None
         self.fingerprint_s = 0.0  # trainer-side hashing, reported apart from encode
-        self.fp_scratch = fingerprint.Scratch() if fingerprint_on else None
         self.targets = {"delta": delta_targets, "full": full_targets}
         bounds = [sender.status[i].max_request_bytes for i in delta_targets + full_targets]
         self.max_request = min([b for b in bounds if b], default=0)  # the engines' bound on one request
@@ -516,7 +516,7 @@ class _SyncRun:
             state.record(name, tensor, idx)
             if self.fingerprints is not None:  # hashed where the tensor lives (on the GPU during training)
                 t0 = time.perf_counter()
-                self.fingerprints[name] = fingerprint.tensor_fingerprint(name, tensor, scratch=self.fp_scratch)
+                self.fingerprints[name] = fingerprint.tensor_share(name, tensor)
                 self.fingerprint_s += time.perf_counter() - t0
 
     def _xor_base(self, name: str, tensor: torch.Tensor, base: Optional[torch.Tensor],

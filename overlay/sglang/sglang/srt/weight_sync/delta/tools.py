@@ -80,8 +80,8 @@ class Checkpoint:
 
 def _fingerprints(named) -> Dict[str, str]:
     """Per-name fingerprint totals of ``(name, tensor)`` pairs: what ``delta.json`` records of a checkpoint."""
-    scratch = fingerprint.Scratch()
-    return {n: f"{fingerprint.tensor_fingerprint(n, t, scratch=scratch).total:016x}" for n, t in named}
+    shares = fingerprint.read_shares({n: fingerprint.tensor_share(n, t) for n, t in named})
+    return {n: f"{s.total:016x}" for n, s in shares.items()}
 
 
 def _progress(items, desc):

@@ -1,0 +1,113 @@
+"""The weight fingerprint's hashes: against the documented definition, through the views an engine records, eagerly
+and with the compiled kernels; the coverage signature's closed form against its sum."""
+import hashlib
+import random
+
+import pytest
+import torch
+
+from sglang.srt.weight_sync.delta import fingerprint, mix64
+
+M = 2**64 - 1
+C1, C2, C3 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.int64]
+
+
+def ref_mix(x: int) -> int:
+    x ^= x >> 30
+    x = (x * C2) & M
+    x ^= x >> 27
+    x = (x * C3) & M
+    return x ^ (x >> 31)
+
+
+def ref_fingerprint(name: str, t: torch.Tensor):
+    """(total, coverage) from the module docstring: ``sum_i mix((i * C1 + seed) ^ (bits_i * C2))``, ``sum_i i (i + C3)``."""
+    seed = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+    size = t.element_size()
+    raw = t.contiguous().view(torch.uint8).reshape(-1, size).tolist()
+    total = sum(ref_mix(((i * C1 + seed) & M) ^ ((int.from_bytes(bytes(b), "little") * C2) & M))
+                for i, b in enumerate(raw)) & M
+    return total, sum(i * (i + C3) for i in range(len(raw))) & M
+
+
+def sample(dtype, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.int64:
+        return torch.randint(-(1 << 63), (1 << 63) - 1, (n,), generator=g, dtype=torch.int64)
+    t = torch.randn(n, generator=g).to(dtype)
+    t.view(-1)[:3] = torch.tensor([-0.0, float("inf"), -float("inf")]).to(dtype)  # sign bits, all-ones exponents
+    return t
+
+
+@pytest.fixture(params=["eager", "compiled"])
+def kernel(request, monkeypatch):
+    """Every fingerprint kernel on CPU (built or loaded from the cache dir, self-tested), or none."""
+    monkeypatch.setattr(mix64, "KERNELS", mix64._Kernels())
+    monkeypatch.setenv(mix64.MODE_ENV, request.param)
+    if request.param == "compiled":
+        for k in mix64.FINGERPRINT.values():
+            mix64.warm("cpu", k)
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_the_documented_definition(kernel, dtype):
+    t = sample(dtype, 3 * 1024 + 21)  # whole rows of the trainer's 2-D blocks and a rest
+    share = fingerprint.tensor_fingerprint("model.layers.0.mlp.down_proj.weight", t.reshape(3, -1))
+    assert (share.total, share.coverage, share.count) == (*ref_fingerprint("model.layers.0.mlp.down_proj.weight", t),
+                                                          t.numel())
+    want = "compiled" if kernel == "compiled" else "eager"
+    assert mix64.kernel_state("cpu", mix64.FINGERPRINT[fingerprint.INT_VIEW[t.element_size()]]) == want
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_an_engine_reading_through_recorded_views_gets_the_trainers_numbers(kernel, dtype):
+    """A param filled through views the way loaders do (a transposed copy, a TP-style column shard, rows of a fused
+    param, a permuted source that no 2-D geometry covers): the recorded views give back every HF tensor's share; a
+    flipped bit inside one view changes that name alone, one outside every view changes none."""
+    hf = {"t": sample(dtype, 48 * 40, 1).reshape(48, 40), "shard": sample(dtype, 30 * 64, 2).reshape(30, 64),
+          "rows": sample(dtype, 7 * 40, 3).reshape(7, 40), "cube": sample(dtype, 4 * 6 * 10, 4).reshape(4, 6, 10)}
+    param = torch.zeros(200, 40, dtype=dtype)
+    other = torch.zeros(30, 128, dtype=dtype)
+    cube = torch.zeros(6, 4, 10, dtype=dtype)
+    rec = fingerprint.FingerprintRecorder([param, other, cube])
+    rec.sources(list(hf.items()))
+    copies = [(param[:48].view(40, 48).t(), hf["t"]), (other[:, 64:], hf["shard"]), (param[100:107], hf["rows"]),
+              (cube, hf["cube"].permute(1, 0, 2))]
+    for dst, src in copies:
+        assert rec.observe(dst, src)
+        dst.copy_(src)
+    assert mix64.as_2d(*rec.copies["cube"][0].src) is None and mix64.as_2d(*rec.copies["t"][0].src) is not None
+    engine = fingerprint.engine_shares(rec.copies)
+    trainer = {n: fingerprint.tensor_fingerprint(n, t) for n, t in hf.items()}
+    assert {n: (s.total, s.coverage, s.count) for n, s in engine.items()} == \
+        {n: (s.total, s.coverage, s.count) for n, s in trainer.items()}
+    bits = {n: t.view(fingerprint.INT_VIEW[t.element_size()]) for n, t in (("param", param), ("other", other))}
+    bits["param"][107, 3] ^= 1
+    assert fingerprint.compare_shares(trainer, fingerprint.engine_shares(rec.copies), hf) == ([], [])
+    bits["other"][0, 64] ^= 1
+    assert fingerprint.compare_shares(trainer, fingerprint.engine_shares(rec.copies), hf) == (["shard"], [])
+
+
+def test_the_coverage_closed_form_equals_the_sum():
+    rng = random.Random(11)
+    for _ in range(300):
+        dims = rng.randint(0, 4)
+        shape = [rng.choice([0, 1, 2, 3, 7, 64]) for _ in range(dims)]
+        strides = [rng.choice([0, 1, 5, 4096, 1 << 31, (1 << 40) + 3]) for _ in range(dims)]
+        offset = rng.choice([0, 9, 1 << 33, (1 << 62) + 1])
+        idx = mix64.flat_index(shape, strides, offset, "cpu").tolist() if all(shape) else []
+        want = sum(i * (i + C3) for i in idx) & M
+        assert mix64.coverage(shape, strides, offset) == want, (shape, strides, offset)
+
+
+def test_a_fingerprint_kernel_that_differs_is_never_used():
+    mix64.warm("cpu", mix64.FINGERPRINT[torch.int16])
+    runner = mix64.KERNELS.runner[("fingerprint-int16", "cpu")]
+
+    def wrong(bits, k, g):  # the last column's key off by one: what an overflowing index product does
+        return runner(bits, k, g) + (bits.shape[1] > 2)
+
+    with pytest.raises(RuntimeError, match="compiled fingerprint differs from eager on cpu"):
+        mix64.FINGERPRINT[torch.int16].self_test(wrong, torch.device("cpu"))
