@@ -156,24 +156,32 @@ def measured(fn, *args):
     return out, dt, m.extra
 
 
+CHUNK_PARAMS = 128
+
+
 def sender_sync(snapshot, new, encoding: str, version: int, raw=()):
     """One delta sync on the sender: diff vs the snapshot, encode into bounded buckets, advance the snapshot
     (``xor_zstd``: the snapshot's values at the changed positions go along; ``raw``: the engine's ``xor_raw``)."""
     from sglang.srt.weight_sync.delta.sender import DeltaBucket, DeltaState
-    from sglang.srt.weight_sync.delta.wire import as_parts
+    from sglang.srt.weight_sync.delta.wire import as_parts, gather
 
     state = DeltaState(torch.device("cpu"))
     state.snapshot = snapshot
     bucket, payloads = DeltaBucket(encoding, BUFFER_BYTES), []
-    for name, t in new.items():
+    items = list(new.items())
+    found = []
+    for at in range(0, len(items), CHUNK_PARAMS):  # the chunks a trainer hands over: one diff per chunk
+        chunk = items[at:at + CHUNK_PARAMS]
+        found += state.positions(chunk, [snapshot[name] for name, _ in chunk])
+    for (name, t), idx in zip(items, found):
         if bucket.should_flush(name):
             payloads += bucket.take(version=version, base_version=version - 1)
-        idx = state.positions([(name, t)], [snapshot[name]])[0]
         base = None
         if encoding == "xor_zstd":
             base = torch.zeros(idx.numel(), dtype=t.dtype) if name in raw else snapshot[name].reshape(-1)[idx]
-        state.record(name, t, idx)
-        bucket.add(name, t, idx, base)
+        values = gather(t.reshape(-1), idx)  # once, for the record and the bucket (as DeltaSender does)
+        state.record(name, t, idx, values)
+        bucket.add(name, t, idx, base, values)
     payloads += bucket.take(version=version, base_version=version - 1)
     state.commit(version)
     return as_parts(payloads)  # the bench applies them as one request (flush 0, final)

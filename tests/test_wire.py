@@ -14,6 +14,7 @@ from sglang.srt.weight_sync.delta.wire import (
     decode_positions,
     encode_flush,
     encode_positions,
+    encode_positions_many,
     flush_file,
     maybe_zstd_decompress,
     read_safetensors,
@@ -125,6 +126,22 @@ def test_per_param_u32_fallback():
     assert [p.pos_width for p in payload.spec.params] == [2, 4]
     got = _rebuild(payload, validate_payload(payload, None), [old, old])
     assert torch.equal(got[0], a) and torch.equal(got[1], b)
+
+
+@pytest.mark.parametrize("encoding", ["indices", "deltas"])
+def test_a_flush_encodes_each_params_positions_as_if_alone(encoding):
+    """The joined encoder (one pass for a flush's params): every param's bytes and width equal its own encoding —
+    widths that alternate, an empty param, a first gap above 65535, a param starting below the last one's end."""
+    idxs = [torch.tensor([0, 1, 2]), torch.tensor([], dtype=torch.int64), torch.tensor([0, 100000]),
+            torch.tensor([70000, 70001]), torch.tensor([3]), torch.tensor([5, 6, 65541])]
+    blob, ranges = encode_positions_many(idxs, encoding)
+    assert [r[1] for r in ranges[:-1]] == [r[0] for r in ranges[1:]] and ranges[-1][1] == blob.numel()
+    for idx, (start, end, width) in zip(idxs, ranges):
+        alone, alone_width = encode_positions(idx, encoding)
+        assert width == alone_width and torch.equal(blob[start:end], alone)
+        assert torch.equal(decode_positions(blob[start:end], width, encoding), idx)
+    if encoding == "deltas":
+        assert [r[2] for r in ranges] == [2, 2, 4, 4, 2, 2]
 
 
 def test_dense_int_params():

@@ -34,7 +34,7 @@ import torch
 
 from sglang.srt.weight_sync.delta import mix64
 from sglang.srt.weight_sync.delta.mix64 import i64
-from sglang.srt.weight_sync.delta.wire import INT_VIEW, DeltaError, dtype_from_str, dtype_to_str
+from sglang.srt.weight_sync.delta.wire import INT_VIEW, DeltaError, dtype_from_str, dtype_to_str, to_device
 from sglang.srt.weight_sync.delta.write_guard import RangeIndex
 
 _M = 0xFFFFFFFFFFFFFFFF
@@ -55,14 +55,6 @@ def _block(values: torch.Tensor, shape) -> torch.Tensor:
 def _mask(values: torch.Tensor) -> int:
     """The bits of one value (widening an int view sign-extends)."""
     return i64((1 << (8 * values.element_size())) - 1)
-
-
-def _rows_on(device: torch.device, rows: List[List[int]]) -> torch.Tensor:
-    """Kernel geometry rows on ``device`` in one copy that does not wait for the device (pinned source on CUDA)."""
-    t = torch.tensor(rows, dtype=torch.int64)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 class Pending:
@@ -110,7 +102,7 @@ def _hash(pieces: List[Tuple[Pending, torch.Tensor, int, Tuple[int, int], int]])
         totals = None
         if runner is not None:
             try:
-                table = _rows_on(device, [[*ks, k0, mask] for ks, k0 in keys])
+                table = to_device([[*ks, k0, mask] for ks, k0 in keys], device)
                 totals = [mix64.run_fingerprint(runner, block, table[k]) for k, (_, block, *_) in enumerate(items)]
             except Exception as e:  # noqa: BLE001 - the eager path stays, never a wrong sum
                 mix64.KERNELS.failed(kernel, device, e)

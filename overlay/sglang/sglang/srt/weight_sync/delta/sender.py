@@ -95,9 +95,12 @@ class _HostLink:
         dev.record_stream(torch.cuda.current_stream())
         return dev
 
-    def to_host(self, values: torch.Tensor) -> torch.Tensor:
-        """Changed values back to host memory, off the default stream."""
+    def to_host(self, values: torch.Tensor, fresh: bool = False) -> torch.Tensor:
+        """Changed values back to host memory, off the default stream (``fresh``: the caller made ``values`` and
+        hands them over, so on a CPU there is nothing to copy)."""
         if not self.cuda:
+            if fresh and values.device.type == "cpu":
+                return values.detach()
             return values.detach().clone() if values.device.type == "cpu" else values.detach().cpu()
         self.d2h_bytes += values.numel() * values.element_size()
         event = torch.cuda.Event()
@@ -141,13 +144,16 @@ class DeltaState:
             out[k] = idx
         return out
 
-    def record(self, name: str, tensor: torch.Tensor, idx: Optional[torch.Tensor]) -> None:
-        """Keep what this sync sent — the changed values only, or a full copy for a new param (positions and values
-        go to the host off the default stream: no synchronization per param)."""
+    def record(self, name: str, tensor: torch.Tensor, idx: Optional[torch.Tensor],
+               values: Optional[torch.Tensor] = None) -> None:
+        """Keep what this sync sent — the changed values only (``values``: ``tensor`` at ``idx``, if already
+        gathered), or a full copy for a new param (positions and values go to the host off the default stream: no
+        synchronization per param). ``idx`` and ``values`` are the caller's own, never changed afterwards."""
         if idx is None:
             self._sent[name] = (None, self.link.host_copy(tensor))
         else:
-            self._sent[name] = (self.link.to_host(idx), self.link.to_host(gather(tensor.reshape(-1), idx)))
+            values = gather(tensor.reshape(-1), idx) if values is None else values
+            self._sent[name] = (self.link.to_host(idx, fresh=True), self.link.to_host(values, fresh=True))
 
     def commit(self, version: int) -> None:
         """Every engine acknowledged ``version``: fold what it sent into the snapshot."""
@@ -191,11 +197,12 @@ class DeltaBucket:
         self.nbytes = 0
 
     def add(self, name: str, tensor: torch.Tensor, idx: Optional[torch.Tensor],
-            base: Optional[torch.Tensor] = None) -> None:
+            base: Optional[torch.Tensor] = None, values: Optional[torch.Tensor] = None) -> None:
+        """``values``: ``tensor`` at ``idx`` when the caller already gathered them."""
         nnz = tensor.numel() if idx is None else idx.numel()
         width = 0 if idx is None else 4  # upper bound; the wire picks 2 where gaps fit
         self.nbytes += nnz * (width + tensor.element_size())
-        self.entries.setdefault(tensor.dtype, []).append(Gathered.of(name, tensor, idx))
+        self.entries.setdefault(tensor.dtype, []).append(Gathered.of(name, tensor, idx, values))
         if base is not None:
             self.bases.setdefault(tensor.dtype, []).append(base)
         self.module = _module(name)
@@ -505,15 +512,17 @@ class _SyncRun:
             for kind, bucket in self.buckets.items():
                 if bucket.should_flush(name):
                     self._flush(kind)
+            values = None if idx is None else gather(tensor.reshape(-1), idx)  # once, for the bucket and the record
             if "delta" in self.buckets:
                 sparse = idx is not None and sparse_allowed(tensor.dtype) and \
                     (nan_sentinel(tensor.dtype) or name not in self.dense)
                 if idx is None or idx.numel():  # an unchanged param is left out of the spec
                     self.buckets["delta"].add(name, tensor, idx if sparse else None,
-                                              self._xor_base(name, tensor, base, idx if sparse else None))
+                                              self._xor_base(name, tensor, base, idx if sparse else None),
+                                              values if sparse else None)
             if "full" in self.buckets:
                 self.buckets["full"].add(name, tensor, None)
-            state.record(name, tensor, idx)
+            state.record(name, tensor, idx, values)
             if self.fingerprints is not None:  # hashed where the tensor lives (on the GPU during training)
                 t0 = time.perf_counter()
                 self.fingerprints[name] = fingerprint.tensor_share(name, tensor)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
+import itertools
 import json
 import math
 import struct
@@ -505,34 +506,67 @@ def flush_checksum(spec: "DeltaSpec", positions: torch.Tensor, values: torch.Ten
 
 def encode_positions(idx: torch.Tensor, encoding: str) -> Tuple[torch.Tensor, int]:
     """Sorted int64 flat positions -> (uint8 little-endian bytes, pos_width)."""
-    return encode_positions_many([idx], encoding)[0]
+    blob, ranges = encode_positions_many([idx], encoding)
+    return blob, ranges[0][2]
 
 
-def encode_positions_many(idxs: Sequence[torch.Tensor], encoding: str) -> List[Tuple[torch.Tensor, int]]:
-    """:func:`encode_positions` of a flush's sparse params; the widths come from one host read for all of them."""
+def to_device(values: Sequence, device: torch.device) -> torch.Tensor:
+    """Host ints (or rows of them) as an int64 tensor on ``device``, in a copy that does not wait for the device
+    (pinned on CUDA)."""
+    t = torch.tensor(list(values), dtype=torch.int64)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def encode_positions_many(idxs: Sequence[torch.Tensor], encoding: str,
+                          device: Optional[torch.device] = None) -> Tuple[torch.Tensor, List[Tuple[int, int, int]]]:
+    """Several params' sorted positions -> (one uint8 blob, their bytes in order; per param (byte start, byte end,
+    pos_width)). A constant number of tensor ops and one host read (the widths) for all of them, whatever their
+    count: gaps over the joined positions, each param's first one from -1, each param's largest in one reduction."""
     enc = DeltaEncoding(encoding)
-    ints = []
-    for idx in idxs:
-        idx = idx.reshape(-1).to(torch.int64)
-        ints.append(idx if enc is DeltaEncoding.INDICES or not idx.numel()
-                    else torch.diff(idx, prepend=idx.new_full((1,), -1)) - 1)
-    tops = [i[-1] if enc is DeltaEncoding.INDICES else i.max() for i in ints if i.numel()]
-    top = iter(host_values(torch.stack(tops)) if tops else [])
-    out = []
-    for i in ints:
-        biggest = next(top) if i.numel() else 0
+    lengths = [i.numel() for i in idxs]
+    device = idxs[0].device if idxs else (device or torch.device("cpu"))
+    live = [k for k, n in enumerate(lengths) if n]
+    tops = [0] * len(idxs)
+    if live:
+        flat = torch.cat([idxs[k].reshape(-1) for k in live]).to(torch.int64)
+        firsts = list(itertools.accumulate([lengths[k] for k in live], initial=0))
         if enc is DeltaEncoding.INDICES:
-            width = 4
+            ints = flat
+        else:
+            ints = torch.diff(flat, prepend=flat.new_full((1,), -1)) - 1
+            at = to_device(firsts[:-1], device)
+            ints[at] = flat[at]  # a param's first gap counts from -1, not from the previous param's last position
+        seg = torch.repeat_interleave(torch.arange(len(live), device=device), to_device([lengths[k] for k in live], device),
+                                      output_size=flat.numel())
+        top = torch.full((len(live),), -1, dtype=torch.int64, device=device).scatter_reduce_(0, seg, ints, "amax")
+        for k, t in zip(live, host_values(top)):
+            tops[k] = t
+    widths = []
+    for k, biggest in enumerate(tops):
+        if enc is DeltaEncoding.INDICES:
             if biggest > _U32_MAX:
                 raise DeltaError(f"position {biggest} does not fit the 4-byte 'indices' encoding")
+            widths.append(4)
         else:
-            width = 2 if biggest <= _U16_MAX else 4
             if biggest > _U32_MAX:
                 raise DeltaError(f"gap {biggest} does not fit 4 bytes")
-        # Narrowing keeps the low bytes (values fit unsigned width), and tensors are little-endian on every
-        # platform torch runs on: the int16/int32 bytes are the wire's u16/u32.
-        out.append((i.to(torch.int16 if width == 2 else torch.int32).view(torch.uint8), width))
-    return out
+            widths.append(2 if biggest <= _U16_MAX else 4)
+    # Narrowing keeps the low bytes (values fit unsigned width), and tensors are little-endian on every platform torch
+    # runs on: the int16/int32 bytes are the wire's u16/u32. One conversion per run of params of one width.
+    parts, ranges, at, elem = [], [], 0, 0
+    for width, run in itertools.groupby(range(len(idxs)), key=lambda k: widths[k]):
+        run = list(run)
+        n = sum(lengths[k] for k in run)
+        if n:
+            parts.append(ints[elem:elem + n].to(torch.int16 if width == 2 else torch.int32).view(torch.uint8))
+        for k in run:
+            ranges.append((at, at + lengths[k] * width, width))
+            at += lengths[k] * width
+        elem += n
+    blob = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
+    return blob, ranges
 
 
 def decode_positions(blob: torch.Tensor, width: int, encoding: str) -> torch.Tensor:
@@ -1012,6 +1046,29 @@ def changed_positions(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
 
 
 _NUMPY_DIFF = True  # CPU: numpy's multi-threaded flatnonzero per param (a CPU has no synchronization to batch away)
+_SMALL_DIFF = 1 << 16  # CPU: params up to this many elements are diffed joined (per-param calls cost more than a copy)
+
+
+def _small_cpu_diffs(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> List[Optional[torch.Tensor]]:
+    """The changed positions of the small CPU params among ``pairs`` (None for the others): per element width, their
+    old and new bytes joined, one compare, one flatnonzero, split at the params' starts."""
+    out: List[Optional[torch.Tensor]] = [None] * len(pairs)
+    groups: Dict[int, List[int]] = {}
+    for k, (old, new) in enumerate(pairs):
+        if new.numel() <= _SMALL_DIFF and old.shape == new.shape and old.dtype == new.dtype:
+            groups.setdefault(new.element_size(), []).append(k)
+    for size, ks in groups.items():
+        if len(ks) < 2:
+            continue
+        iv = INT_VIEW[size]
+        a = np.concatenate([pairs[k][0].detach().reshape(-1).view(iv).numpy() for k in ks])
+        b = np.concatenate([pairs[k][1].detach().reshape(-1).view(iv).numpy() for k in ks])
+        hits = np.flatnonzero(a != b)
+        starts = np.cumsum([0] + [pairs[k][1].numel() for k in ks])
+        cuts = np.searchsorted(hits, starts)
+        for j, k in enumerate(ks):
+            out[k] = torch.from_numpy(hits[cuts[j]:cuts[j + 1]] - starts[j])
+    return out
 
 
 def changed_positions_many(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]],
@@ -1023,11 +1080,11 @@ def changed_positions_many(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]],
     if not pairs:
         return []
     if _NUMPY_DIFF and all(new.device.type == "cpu" for _, new in pairs):
-        out = []
-        for (old, new), more in zip(pairs, extra):
-            idx = changed_positions(old, new)
-            out.append(idx if more is None or not more.numel() else
-                       torch.from_numpy(np.union1d(idx.numpy(), more.cpu().numpy())))
+        out = _small_cpu_diffs(pairs)
+        for k, ((old, new), more) in enumerate(zip(pairs, extra)):
+            idx = out[k] if out[k] is not None else changed_positions(old, new)
+            out[k] = (idx if more is None or not more.numel() else
+                      torch.from_numpy(np.union1d(idx.numpy(), more.cpu().numpy())))
         return out
     masks, starts = [], [0]
     for (old, new), more in zip(pairs, extra):
@@ -1055,9 +1112,13 @@ class Gathered:
     idx: Optional[torch.Tensor]
 
     @classmethod
-    def of(cls, name: str, tensor: torch.Tensor, idx: Optional[torch.Tensor]) -> "Gathered":
+    def of(cls, name: str, tensor: torch.Tensor, idx: Optional[torch.Tensor],
+           values: Optional[torch.Tensor] = None) -> "Gathered":
+        """``values``: ``tensor`` at ``idx``, when the caller already gathered them."""
         flat = tensor.detach().reshape(-1)
-        return cls(name, list(tensor.shape), flat if idx is None else gather(flat, idx), idx)
+        if idx is not None and values is None:
+            values = gather(flat, idx)
+        return cls(name, list(tensor.shape), flat if idx is None else values, idx)
 
 
 def encode_flush(entries: Sequence[Tuple[str, torch.Tensor, Optional[torch.Tensor]]], encoding: str,
@@ -1085,17 +1146,15 @@ def encode_gathered(items: Sequence[Gathered], encoding: str, bases: Optional[Se
     for g in items:
         if g.idx is not None and not sparse_allowed(g.values.dtype):
             raise DeltaError(f"param {g.name!r}: {dtype_to_str(g.values.dtype)} params travel dense")
-    encoded = iter(encode_positions_many([g.idx for g in items if g.idx is not None], encoding))
-    params, pos_parts = [], []
-    pos_at = val_at = 0
+    positions, ranges = encode_positions_many([g.idx for g in items if g.idx is not None], encoding, device)
+    encoded = iter(ranges)  # the sparse params' bytes in item order: dense params have none
+    params, pos_at, val_at = [], 0, 0
     for g in items:
-        pb, width = (torch.empty(0, dtype=torch.uint8, device=device), 0) if g.idx is None else next(encoded)
-        params.append(DeltaParam(g.name, dtype_to_str(g.values.dtype), g.shape, pos_at, pos_at + pb.numel(), width,
+        start, end, width = (pos_at, pos_at, 0) if g.idx is None else next(encoded)
+        params.append(DeltaParam(g.name, dtype_to_str(g.values.dtype), g.shape, start, end, width,
                                  val_at, val_at + g.values.numel()))
-        pos_at += pb.numel()
+        pos_at = end
         val_at += g.values.numel()
-        pos_parts.append(pb)
-    positions = torch.cat(pos_parts) if pos_parts else torch.empty(0, dtype=torch.uint8, device=device)
     values = torch.cat([g.values for g in items]) if items else torch.empty(0, dtype=dtype, device=device)
     base = None
     if xor:
