@@ -214,7 +214,7 @@ def measure(paths: list, shape: str, out_json: str, check: bool) -> None:
     from safetensors.torch import load_file
 
     from cpu_harness import Host, SyncCounter, full_flushes, receiver_class, sglang_model
-    from sglang.srt.weight_sync.delta import fingerprint, mix64
+    from sglang.srt.weight_sync.delta import fingerprint, kernels, mix64
     from sglang.srt.weight_sync.delta.receiver import delta_status, receiver_state
     from sglang.srt.weight_sync.delta.wire import changed_positions
 
@@ -227,10 +227,10 @@ def measure(paths: list, shape: str, out_json: str, check: bool) -> None:
     res = {"params": n, "tensors": len(states[0]), "full_bytes": full_bytes, "steps": []}
 
     receiver_class()  # imported before the clock starts: the one-time import of SGLang's runner is not a sync's cost
-    os.environ[mix64.MODE_ENV] = "eager"  # what a process does until its compiled checksum kernel is ready
+    os.environ[kernels.MODE_ENV] = "eager"  # what a process does until its compiled checksum kernel is ready
     eager, res["full_wire_eager_s"], _ = measured(host.call, "_apply_delta_payload", full_flushes(states[0], version=1))
-    os.environ[mix64.MODE_ENV] = "compiled"  # the rest: a long run's steady state
-    res["mix64_ready_s"] = sum(mix64.warm("cpu", k) for k in (mix64.SUM, *mix64.FINGERPRINT.values()))
+    os.environ[kernels.MODE_ENV] = "compiled"  # the rest: a long run's steady state
+    res["mix64_ready_s"] = sum(kernels.warm("cpu", k) for k in (mix64.SUM, *mix64.FINGERPRINT.values()))
     compiled, res["full_wire_s"], res["full_wire_mem"] = measured(
         host.call, "_apply_delta_payload", full_flushes(states[0], version=2))
     assert eager[0] and compiled[0], (eager, compiled)

@@ -230,7 +230,7 @@ def _sums_and_flags(device) -> tuple:
 def check_hashes(report, device) -> None:
     """The checksum and the fingerprint give the host's numbers on the device (nothing to compare on a CPU run),
     eagerly and with the compiled mix64 kernel (built here: AOTInductor, Triton on CUDA)."""
-    from sglang.srt.weight_sync.delta import fingerprint, mix64
+    from sglang.srt.weight_sync.delta import fingerprint, kernels, mix64
 
     what = ("mix64 blob sums equal on CPU and device (empty, partial-word, odd and multi-block blobs)",
             "weight fingerprint equal on CPU and device",
@@ -249,12 +249,12 @@ def check_hashes(report, device) -> None:
     b = fingerprint.tensor_fingerprint("w", t.to(device))
     report.check((a.total, a.coverage) == (b.total, b.coverage), what[1])
     try:
-        built = mix64.warm(device)
-        built_fp = mix64.warm(device, mix64.FINGERPRINT[torch.int16])
+        built = kernels.warm(device, mix64.SUM)
+        built_fp = kernels.warm(device, mix64.FINGERPRINT[torch.int16])
     except Exception as e:  # noqa: BLE001 - reported: the engine would hash eagerly
         report.check(False, f"{what[3]}: {e!r}"[:800])
         return
-    report.check(mix64.kernel_state(device) == "compiled", f"{what[3]} ({built:.1f} s; the bf16 fingerprint "
+    report.check(kernels.kernel_state(device, mix64.SUM) == "compiled", f"{what[3]} ({built:.1f} s; the bf16 fingerprint "
                  f"kernel {built_fp:.1f} s)")
     b = fingerprint.tensor_fingerprint("w", t.to(device))
     report.check((a.total, a.coverage) == (b.total, b.coverage), what[1] + ", compiled kernel")

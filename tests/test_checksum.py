@@ -16,7 +16,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from sglang.srt.weight_sync.delta import mix64
+from sglang.srt.weight_sync.delta import kernels, mix64
 from sglang.srt.weight_sync.delta.wire import (
     POSITIONS,
     VALUES,
@@ -235,9 +235,9 @@ def test_a_valid_flush_with_swapped_names_is_refused():
 @pytest.fixture(scope="module")
 def compiled_cpu():
     """The compiled mix64 kernel on CPU, built (or loaded from the cache dir) and self-tested as a process would."""
-    mix64.warm("cpu")
-    assert mix64.kernel_state("cpu") == "compiled"
-    return mix64.KERNELS.runner[("mix64", "cpu")]
+    kernels.warm("cpu", mix64.SUM)
+    assert kernels.kernel_state("cpu", mix64.SUM) == "compiled"
+    return kernels.KERNELS.runner[("mix64", "cpu")]
 
 
 def _words(n: int, seed: int) -> bytes:
@@ -256,7 +256,7 @@ def test_the_compiled_kernel_matches_the_reference(compiled_cpu, n):
     blob = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     for domain in DOMAIN.values():
         assert int(mix64.blob_sum(blob, domain)[0]) & M == ref_blob_sum(data, domain)
-    assert mix64.kernel_state("cpu") == "compiled"
+    assert kernels.kernel_state("cpu", mix64.SUM) == "compiled"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn,
@@ -290,28 +290,28 @@ def test_a_kernel_that_differs_anywhere_is_never_used(compiled_cpu):
 
 
 def test_a_kernel_that_fails_at_run_time_leaves_the_eager_path(compiled_cpu, monkeypatch):
-    kernels = mix64._Kernels()
-    kernels.runner[("mix64", "cpu")] = lambda words, k: (_ for _ in ()).throw(RuntimeError("device lost"))
-    monkeypatch.setattr(mix64, "KERNELS", kernels)
+    registry = kernels._Kernels()
+    registry.runner[("mix64", "cpu")] = lambda words, k: (_ for _ in ()).throw(RuntimeError("device lost"))
+    monkeypatch.setattr(kernels, "KERNELS", registry)
     data = _words(1000, 3)
     assert int(mix64.blob_sum(torch.frombuffer(bytearray(data), dtype=torch.uint8), 5)[0]) & M == ref_blob_sum(data, 5)
-    assert kernels.state[("mix64", "cpu")] == "failed: RuntimeError: device lost" and not kernels.runner
+    assert registry.state[("mix64", "cpu")] == "failed: RuntimeError: device lost" and not registry.runner
 
 
 def test_auto_builds_the_kernel_in_the_background_only_after_enough_words(compiled_cpu, monkeypatch):
-    monkeypatch.setenv(mix64.MODE_ENV, "auto")
-    monkeypatch.setattr(mix64, "AUTO_WORDS", 5000)
-    kernels = mix64._Kernels()
+    monkeypatch.setenv(kernels.MODE_ENV, "auto")
+    monkeypatch.setattr(kernels, "AUTO_WORDS", 5000)
+    registry = kernels._Kernels()
     cpu = torch.device("cpu")
     key = ("mix64", "cpu")
-    assert kernels.ready(mix64.SUM, cpu, 4999) is None and key not in kernels.state  # below the line: never built
-    assert kernels.ready(mix64.SUM, cpu, 1) is None and kernels.state[key] == "building"  # eager while it builds
+    assert registry.ready(mix64.SUM, cpu, 4999) is None and key not in registry.state  # below the line: never built
+    assert registry.ready(mix64.SUM, cpu, 1) is None and registry.state[key] == "building"  # eager while it builds
     deadline = time.monotonic() + 300
-    while kernels.state[key] == "building" and time.monotonic() < deadline:
+    while registry.state[key] == "building" and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert kernels.state[key] == "compiled" and kernels.ready(mix64.SUM, cpu, 1) is kernels.runner[key]
-    monkeypatch.setenv(mix64.MODE_ENV, "eager")
-    assert mix64._Kernels().ready(mix64.SUM, cpu, 1 << 40) is None
-    monkeypatch.setenv(mix64.MODE_ENV, "fast")
+    assert registry.state[key] == "compiled" and registry.ready(mix64.SUM, cpu, 1) is registry.runner[key]
+    monkeypatch.setenv(kernels.MODE_ENV, "eager")
+    assert kernels._Kernels().ready(mix64.SUM, cpu, 1 << 40) is None
+    monkeypatch.setenv(kernels.MODE_ENV, "fast")
     with pytest.raises(ValueError, match="SGLANG_DELTA_MIX64_KERNEL='fast': expected one of auto, compiled, eager"):
-        mix64._Kernels().ready(mix64.SUM, cpu, 1)
+        kernels._Kernels().ready(mix64.SUM, cpu, 1)

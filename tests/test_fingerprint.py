@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from sglang.srt.weight_sync.delta import fingerprint, mix64
+from sglang.srt.weight_sync.delta import fingerprint, kernels, mix64
 
 M = 2**64 - 1
 C1, C2, C3 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
@@ -43,11 +43,11 @@ def sample(dtype, n, seed=0):
 @pytest.fixture(params=["eager", "compiled"])
 def kernel(request, monkeypatch):
     """Every fingerprint kernel on CPU (built or loaded from the cache dir, self-tested), or none."""
-    monkeypatch.setattr(mix64, "KERNELS", mix64._Kernels())
-    monkeypatch.setenv(mix64.MODE_ENV, request.param)
+    monkeypatch.setattr(kernels, "KERNELS", kernels._Kernels())
+    monkeypatch.setenv(kernels.MODE_ENV, request.param)
     if request.param == "compiled":
         for k in mix64.FINGERPRINT.values():
-            mix64.warm("cpu", k)
+            kernels.warm("cpu", k)
     return request.param
 
 
@@ -58,7 +58,7 @@ def test_matches_the_documented_definition(kernel, dtype):
     assert (share.total, share.coverage, share.count) == (*ref_fingerprint("model.layers.0.mlp.down_proj.weight", t),
                                                           t.numel())
     want = "compiled" if kernel == "compiled" else "eager"
-    assert mix64.kernel_state("cpu", mix64.FINGERPRINT[fingerprint.INT_VIEW[t.element_size()]]) == want
+    assert kernels.kernel_state("cpu", mix64.FINGERPRINT[fingerprint.INT_VIEW[t.element_size()]]) == want
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -103,8 +103,8 @@ def test_the_coverage_closed_form_equals_the_sum():
 
 
 def test_a_fingerprint_kernel_that_differs_is_never_used():
-    mix64.warm("cpu", mix64.FINGERPRINT[torch.int16])
-    runner = mix64.KERNELS.runner[("fingerprint-int16", "cpu")]
+    kernels.warm("cpu", mix64.FINGERPRINT[torch.int16])
+    runner = kernels.KERNELS.runner[("fingerprint-int16", "cpu")]
 
     def wrong(bits, k, g):  # the last column's key off by one: what an overflowing index product does
         return runner(bits, k, g) + (bits.shape[1] > 2)

@@ -17,7 +17,7 @@ Replicated params (norms, or KV heads shared by several TP ranks) appear on seve
 rank also reports an additive signature of the indices it covers, and :func:`merge_ranks`
 counts every distinct coverage once (the signature is ``sum_i i * (i + C3)``, additive as well).
 
-The hashes run as :mod:`mix64`'s compiled fingerprint kernel once it is ready (the HF indices are made in the kernel
+The hashes run as :mod:`mix64`'s compiled fingerprint kernels (:mod:`kernels`) once they are ready (the HF indices are made in the kernel
 from each view's 2-D geometry), else as eager ops; either way they stay on the device until one host read per
 fingerprint (:func:`read_shares`).
 """
@@ -32,7 +32,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from sglang.srt.weight_sync.delta import mix64
+from sglang.srt.weight_sync.delta import kernels, mix64
 from sglang.srt.weight_sync.delta.mix64 import i64
 from sglang.srt.weight_sync.delta.wire import INT_VIEW, DeltaError, dtype_from_str, dtype_to_str, to_device
 from sglang.srt.weight_sync.delta.write_guard import RangeIndex
@@ -98,14 +98,14 @@ def _hash(pieces: List[Tuple[Pending, torch.Tensor, int, Tuple[int, int], int]])
         kernel, device = mix64.FINGERPRINT[width], items[0][1].device
         mask = _mask(items[0][1])
         keys = [mix64.fingerprint_keys(strides, offset, seed) for _, _, seed, strides, offset in items]
-        runner = mix64.KERNELS.ready(kernel, device, sum(b.numel() for _, b, *_ in items))
+        runner = kernels.KERNELS.ready(kernel, device, sum(b.numel() for _, b, *_ in items))
         totals = None
         if runner is not None:
             try:
                 table = to_device([[*ks, k0, mask] for ks, k0 in keys], device)
                 totals = [mix64.run_fingerprint(runner, block, table[k]) for k, (_, block, *_) in enumerate(items)]
             except Exception as e:  # noqa: BLE001 - the eager path stays, never a wrong sum
-                mix64.KERNELS.failed(kernel, device, e)
+                kernels.KERNELS.failed(kernel, device, e)
                 totals = None
         if totals is None:
             totals = [mix64.eager_fingerprint(block.to(torch.int64).reshape(-1), block.shape, ks, k0, mask)

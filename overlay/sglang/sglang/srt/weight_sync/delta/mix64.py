@@ -1,34 +1,21 @@
-"""The ``mix64`` sum of 64-bit words, the one hash behind every flush checksum: eager torch ops, and one compiled kernel.
+"""The ``mix64`` sums: the flush checksum's blob sums and the weight fingerprint's element hashes — eager torch ops,
+and the same expressions as :mod:`kernels` compiled ahead of time, with the tests a kernel passes before use.
 
-``sum_i mix64(w_i ^ (i * C1 + domain)) mod 2**64`` (``mix64``: splitmix64's finalizer, a bijection). Eager, that is
-~14 passes over the words per block; on CPU it cost ~8x a full ``load_weights`` of the same bytes. The same expression
-compiled ahead of time by inductor (C++ on CPU, Triton on CUDA; ``torch.export`` + AOTInductor, so a call has no
-guards to re-check and never recompiles) is one pass at memory speed. A process switches to the kernel only
-
-* after it has hashed :data:`AUTO_WORDS` words eagerly (``SGLANG_DELTA_MIX64_KERNEL=auto``, the default): the kernel
-  is built (or loaded from inductor's cache dir, built once per machine under a file lock) on a background thread
-  while the eager path goes on serving, so a small model or a short run never pays for compiling; and
-* after the kernel reproduced the eager sums and NaN flags bit for bit on edge words (sign bit, wrap-around,
-  every lane, odd lengths) on that device; a kernel that does not is never used.
-
-``compiled`` builds it at first use and raises if it cannot (tests, bench, gpu-check); ``eager`` never builds it.
+Both are sums of splitmix64's finalizer (a bijection) over keyed 64-bit terms. Eager, the checksum is ~14 passes over
+the words per block (on CPU ~8x a full ``load_weights`` of the same bytes), the fingerprint ~20 per element; each
+compiled kernel is one pass that makes its keys in registers (at memory speed for the checksum).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-import hashlib
-import inspect
-import logging
 import math
-import os
-import threading
-import time
-from typing import Callable, Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
-logger = logging.getLogger(__name__)
+from sglang.srt.weight_sync.delta import kernels
+from sglang.srt.weight_sync.delta.kernels import Kernel
+
 
 M64 = 0xFFFFFFFFFFFFFFFF
 C1, C2, C3 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
@@ -36,9 +23,6 @@ C1, C2, C3 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 NAN_BITS = {torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80), torch.float16: (torch.int16, 0x7FFF, 0x7C00),
             torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F800000), torch.float8_e4m3fn: (torch.uint8, 0x7F, 0x7E),
             torch.float8_e5m2: (torch.uint8, 0x7F, 0x7C)}
-MODE_ENV = "SGLANG_DELTA_MIX64_KERNEL"
-MODES = ("auto", "compiled", "eager")
-AUTO_WORDS = 1 << 26  # 512 MiB hashed eagerly (~0.5 s on a CPU core pair) before a process builds the kernel
 
 
 def i64(c: int) -> int:
@@ -214,35 +198,6 @@ class _Fingerprint(torch.nn.Module):
         return z.sum()
 
 
-def _device_key(device: torch.device) -> str:
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        return f"cuda-sm{major}{minor}"
-    return device.type
-
-
-def _build(kernel: "Kernel", device: torch.device):
-    """Load ``kernel``'s package for ``device``, compiling it first if this machine has none (one process at a
-    time). One package per kernel source and argument dtypes, torch build and device kind, in inductor's cache dir."""
-    import filelock
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    src = inspect.getsource(kernel.module) + repr([t.dtype for t in kernel.example]) + torch.__version__
-    key = hashlib.blake2b((src + _device_key(device)).encode(), digest_size=8).hexdigest()
-    path = os.path.join(cache_dir(), "delta-mix64", f"{kernel.name}-{_device_key(device)}-{key}.pt2")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with filelock.FileLock(path + ".lock"):
-        if not os.path.exists(path):
-            args = tuple(t.to(device) for t in kernel.example)
-            dims = {d: torch.export.Dim(f"n{d}", min=1, max=1 << 40) for d in range(args[0].dim())}
-            program = torch.export.export(kernel.module(), args, dynamic_shapes=(dims,) + (None,) * (len(args) - 1))
-            tmp = f"{path[:-4]}-{os.getpid()}.tmp.pt2"  # a package name must end in .pt2
-            torch._inductor.aoti_compile_and_package(program, package_path=tmp)
-            os.replace(tmp, path)
-    index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else -1)
-    return torch._inductor.aoti_load_package(path, device_index=index)
-
-
 _EDGE_WORDS = [0, -1, 1, -(1 << 63), (1 << 63) - 1, i64(0x8000000080008000), i64(0x7FFF7FFF7FFF7FFF),
                i64(0x7F807F807F807F80), i64(0x7FC17C017E7F7F81), i64(C1), i64(C2), i64(C3)]
 _TEST_LENGTHS = (*range(1, 70), 127, 1000, 4099, 65537, (1 << 20) + 3, (3 << 20) + 5)
@@ -312,96 +267,11 @@ def run_fingerprint(runner, bits: torch.Tensor, row: torch.Tensor) -> torch.Tens
     return runner(bits.contiguous(), _consts(bits.device), row)
 
 
-@dataclasses.dataclass(frozen=True)
-class Kernel:
-    name: str
-    module: type
-    example: Tuple[torch.Tensor, ...]  # CPU tensors of the argument dtypes and ranks (the first one's dims are dynamic)
-    self_test: Callable
-
-
 SUM = Kernel("mix64", _Mix64Sum, (torch.zeros(64, dtype=torch.int64), torch.zeros(7, dtype=torch.int64)), _test_sum)
 # one fingerprint kernel per width of raw bits (fp8, bf16/fp16, fp32, 64-bit), each built when first needed
 FINGERPRINT = {dt: Kernel(f"fingerprint-{str(dt)[6:]}", _Fingerprint, (torch.zeros(8, 8, dtype=dt), torch.zeros(
     3, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)), functools.partial(_test_fingerprint, dtype=dt))
     for dt in (torch.uint8, torch.int16, torch.int32, torch.int64)}
-
-
-class _Kernels:
-    """Per kernel and device: elements hashed eagerly so far, and the kernel once built and tested (or why not)."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.seen: Dict[Tuple[str, str], int] = {}
-        self.runner: Dict[Tuple[str, str], object] = {}
-        self.state: Dict[Tuple[str, str], str] = {}
-        self.seconds: Dict[Tuple[str, str], float] = {}
-
-    def ready(self, kernel: Kernel, device: torch.device, n: int):
-        """The tested kernel for ``device`` or None (then hash eagerly); may start building it."""
-        key = (kernel.name, str(device))
-        runner = self.runner.get(key)
-        if runner is not None:
-            return runner
-        mode = os.environ.get(MODE_ENV, "auto")
-        if mode not in MODES:
-            raise ValueError(f"{MODE_ENV}={mode!r}: expected one of {', '.join(MODES)}")
-        if mode == "eager":
-            return None
-        if mode == "compiled":
-            return self.warm(kernel, device)
-        with self.lock:
-            self.seen[key] = self.seen.get(key, 0) + n
-            if key in self.state or self.seen[key] < AUTO_WORDS:
-                return None
-            self.state[key] = "building"
-        threading.Thread(target=self._build_quietly, args=(kernel, device), name=f"delta-{kernel.name}-build",
-                         daemon=True).start()
-        return None
-
-    def warm(self, kernel: Kernel, device: torch.device):
-        """Build, test and install ``kernel`` for ``device`` now; raise if it cannot be used."""
-        key = (kernel.name, str(device))
-        if key not in self.runner:
-            t0 = time.perf_counter()
-            runner = _build(kernel, device)
-            kernel.self_test(runner, device)
-            self.seconds[key] = time.perf_counter() - t0
-            self.runner[key], self.state[key] = runner, "compiled"
-            logger.info("delta %s: compiled kernel on %s in use (ready after %.1f s)", kernel.name, device,
-                        self.seconds[key])
-        return self.runner[key]
-
-    def _build_quietly(self, kernel: Kernel, device: torch.device) -> None:
-        try:
-            if device.type == "cuda":
-                torch.cuda.set_device(device)  # a new thread starts on device 0
-            self.warm(kernel, device)
-        except Exception as e:  # the eager path stays: correct, only slower
-            self.state[(kernel.name, str(device))] = f"failed: {type(e).__name__}: {e}"[:500]
-            logger.warning("delta %s: compiled kernel unavailable on %s, hashing eagerly: %s", kernel.name, device, e)
-
-    def failed(self, kernel: Kernel, device: torch.device, e: Exception) -> None:
-        key = (kernel.name, str(device))
-        self.runner.pop(key, None)
-        self.state[key] = f"failed: {type(e).__name__}: {e}"[:500]
-        logger.warning("delta %s: compiled kernel failed on %s, hashing eagerly from now on: %s", kernel.name, device, e)
-
-
-KERNELS = _Kernels()
-
-
-def warm(device, kernel: Kernel = SUM) -> float:
-    """Build ``kernel`` for ``device`` now (bench, gpu-check); seconds it took, 0 if it was ready."""
-    key = (kernel.name, str(torch.device(device)))
-    had = key in KERNELS.runner
-    KERNELS.warm(kernel, torch.device(device))
-    return 0.0 if had else KERNELS.seconds[key]
-
-
-def kernel_state(device, kernel: Kernel = SUM) -> str:
-    """``compiled``, ``building``, ``failed: ...`` or ``eager`` (not built yet) for ``device``."""
-    return KERNELS.state.get((kernel.name, str(torch.device(device))), "eager")
 
 
 def words_of(blob: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -426,13 +296,13 @@ def blob_sum(blob: torch.Tensor, domain: int, nan_dtype: Optional[torch.dtype] =
     0-d bool tensor, else None — from the same pass over the words."""
     words, tail = words_of(blob)
     lanes = nan_lanes(nan_dtype)
-    runner = KERNELS.ready(SUM, words.device, words.numel()) if words.numel() else None
+    runner = kernels.KERNELS.ready(SUM, words.device, words.numel()) if words.numel() else None
     total = found = None
     if runner is not None:
         try:
             total, found = _run_sum(runner, words.detach(), domain, lanes)
         except Exception as e:  # noqa: BLE001 - a kernel that cannot run leaves the eager path, never a wrong sum
-            KERNELS.failed(SUM, words.device, e)
+            kernels.KERNELS.failed(SUM, words.device, e)
     if total is None:
         total, found = _eager_sum(words, domain, lanes)
     if tail is not None:

@@ -1,0 +1,147 @@
+"""Kernels compiled ahead of time (``torch.export`` + AOTInductor: C++ on CPU, Triton on CUDA) for hashes that eager
+torch ops run in many passes: built once per machine, tested in every process before use, used only once ready.
+
+A call into an AOTInductor package has no guards to re-check and never recompiles, whatever the caller's grad mode,
+dispatch modes or thread. A process switches to a kernel only
+
+* after it has done :data:`AUTO_WORDS` elements of that kernel's work eagerly (``SGLANG_DELTA_MIX64_KERNEL=auto``,
+  the default): the kernel is built (or loaded from inductor's cache dir, built once per machine under a file lock)
+  on a background thread while the eager path goes on serving, so a small model or a short run never pays for
+  compiling; and
+* after the kernel reproduced the eager results bit for bit on that device (its ``self_test``); a kernel that does
+  not, or that fails at run time, is never used again in that process.
+
+``compiled`` builds at first use and raises if it cannot (tests, bench, gpu-check); ``eager`` never builds.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import logging
+import os
+import threading
+import time
+from typing import Callable, Dict, Tuple
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+MODE_ENV = "SGLANG_DELTA_MIX64_KERNEL"
+MODES = ("auto", "compiled", "eager")
+AUTO_WORDS = 1 << 26  # 512 MiB hashed eagerly (~0.5 s on a CPU core pair) before a process builds the kernel
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    name: str
+    module: type
+    example: Tuple[torch.Tensor, ...]  # CPU tensors of the argument dtypes and ranks (the first one's dims are dynamic)
+    self_test: Callable
+
+
+def _device_key(device: torch.device) -> str:
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"cuda-sm{major}{minor}"
+    return device.type
+
+
+def _build(kernel: Kernel, device: torch.device):
+    """Load ``kernel``'s package for ``device``, compiling it first if this machine has none (one process at a
+    time). One package per kernel source and argument dtypes, torch build and device kind, in inductor's cache dir."""
+    import filelock
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    src = inspect.getsource(kernel.module) + repr([t.dtype for t in kernel.example]) + torch.__version__
+    key = hashlib.blake2b((src + _device_key(device)).encode(), digest_size=8).hexdigest()
+    path = os.path.join(cache_dir(), "delta-mix64", f"{kernel.name}-{_device_key(device)}-{key}.pt2")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with filelock.FileLock(path + ".lock"):
+        if not os.path.exists(path):
+            args = tuple(t.to(device) for t in kernel.example)
+            dims = {d: torch.export.Dim(f"n{d}", min=1, max=1 << 40) for d in range(args[0].dim())}
+            program = torch.export.export(kernel.module(), args, dynamic_shapes=(dims,) + (None,) * (len(args) - 1))
+            tmp = f"{path[:-4]}-{os.getpid()}.tmp.pt2"  # a package name must end in .pt2
+            torch._inductor.aoti_compile_and_package(program, package_path=tmp)
+            os.replace(tmp, path)
+    index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else -1)
+    return torch._inductor.aoti_load_package(path, device_index=index)
+
+
+class _Kernels:
+    """Per kernel and device: elements hashed eagerly so far, and the kernel once built and tested (or why not)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.seen: Dict[Tuple[str, str], int] = {}
+        self.runner: Dict[Tuple[str, str], object] = {}
+        self.state: Dict[Tuple[str, str], str] = {}
+        self.seconds: Dict[Tuple[str, str], float] = {}
+
+    def ready(self, kernel: Kernel, device: torch.device, n: int):
+        """The tested kernel for ``device`` or None (then hash eagerly); may start building it."""
+        key = (kernel.name, str(device))
+        runner = self.runner.get(key)
+        if runner is not None:
+            return runner
+        mode = os.environ.get(MODE_ENV, "auto")
+        if mode not in MODES:
+            raise ValueError(f"{MODE_ENV}={mode!r}: expected one of {', '.join(MODES)}")
+        if mode == "eager":
+            return None
+        if mode == "compiled":
+            return self.warm(kernel, device)
+        with self.lock:
+            self.seen[key] = self.seen.get(key, 0) + n
+            if key in self.state or self.seen[key] < AUTO_WORDS:
+                return None
+            self.state[key] = "building"
+        threading.Thread(target=self._build_quietly, args=(kernel, device), name=f"delta-{kernel.name}-build",
+                         daemon=True).start()
+        return None
+
+    def warm(self, kernel: Kernel, device: torch.device):
+        """Build, test and install ``kernel`` for ``device`` now; raise if it cannot be used."""
+        key = (kernel.name, str(device))
+        if key not in self.runner:
+            t0 = time.perf_counter()
+            runner = _build(kernel, device)
+            kernel.self_test(runner, device)
+            self.seconds[key] = time.perf_counter() - t0
+            self.runner[key], self.state[key] = runner, "compiled"
+            logger.info("delta %s: compiled kernel on %s in use (ready after %.1f s)", kernel.name, device,
+                        self.seconds[key])
+        return self.runner[key]
+
+    def _build_quietly(self, kernel: Kernel, device: torch.device) -> None:
+        try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # a new thread starts on device 0
+            self.warm(kernel, device)
+        except Exception as e:  # the eager path stays: correct, only slower
+            self.state[(kernel.name, str(device))] = f"failed: {type(e).__name__}: {e}"[:500]
+            logger.warning("delta %s: compiled kernel unavailable on %s, hashing eagerly: %s", kernel.name, device, e)
+
+    def failed(self, kernel: Kernel, device: torch.device, e: Exception) -> None:
+        key = (kernel.name, str(device))
+        self.runner.pop(key, None)
+        self.state[key] = f"failed: {type(e).__name__}: {e}"[:500]
+        logger.warning("delta %s: compiled kernel failed on %s, hashing eagerly from now on: %s", kernel.name, device, e)
+
+
+KERNELS = _Kernels()
+
+
+def warm(device, kernel: Kernel) -> float:
+    """Build ``kernel`` for ``device`` now (bench, gpu-check); seconds it took, 0 if it was ready."""
+    key = (kernel.name, str(torch.device(device)))
+    had = key in KERNELS.runner
+    KERNELS.warm(kernel, torch.device(device))
+    return 0.0 if had else KERNELS.seconds[key]
+
+
+def kernel_state(device, kernel: Kernel) -> str:
+    """``compiled``, ``building``, ``failed: ...`` or ``eager`` (not built yet) for ``device``."""
+    return KERNELS.state.get((kernel.name, str(torch.device(device))), "eager")
