@@ -48,9 +48,17 @@ def _device_key(device: torch.device) -> str:
     return device.type
 
 
+_BUILD_LOCK = threading.Lock()  # one export at a time in a process: tracing is not safe to run in two threads
+
+
 def _build(kernel: Kernel, device: torch.device):
     """Load ``kernel``'s package for ``device``, compiling it first if this machine has none (one process at a
     time). One package per kernel source and argument dtypes, torch build and device kind, in inductor's cache dir."""
+    with _BUILD_LOCK:
+        return _build_locked(kernel, device)
+
+
+def _build_locked(kernel: Kernel, device: torch.device):
     import filelock
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
