@@ -7,18 +7,9 @@ import pytest
 import torch
 
 from sglang.srt.weight_sync.delta import fingerprint, kernels, mix64
+from test_checksum import C1, C2, C3, M, ref_mix  # the mix, as docs/wire-format.md defines it
 
-M = 2**64 - 1
-C1, C2, C3 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.int64]
-
-
-def ref_mix(x: int) -> int:
-    x ^= x >> 30
-    x = (x * C2) & M
-    x ^= x >> 27
-    x = (x * C3) & M
-    return x ^ (x >> 31)
 
 
 def ref_fingerprint(name: str, t: torch.Tensor):
