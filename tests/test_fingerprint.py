@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 
+from cpu_harness import SyncCounter
 from sglang.srt.weight_sync.delta import fingerprint, kernels, mix64
 from test_checksum import C1, C2, C3, M, ref_mix  # the mix, as docs/wire-format.md defines it
 
@@ -79,6 +80,27 @@ def test_an_engine_reading_through_recorded_views_gets_the_trainers_numbers(kern
     assert fingerprint.compare_shares(trainer, fingerprint.engine_shares(rec.copies), hf) == ([], [])
     bits["other"][0, 64] ^= 1
     assert fingerprint.compare_shares(trainer, fingerprint.engine_shares(rec.copies), hf) == (["shard"], [])
+
+
+@pytest.mark.parametrize("params", [3, 300])
+def test_a_fingerprint_reads_the_host_once_whatever_the_param_count(kernel, params):
+    """Both sides: every name's sum stays on the device until one read (a per-param read is a stall each on a GPU)."""
+    hf = {f"layers.{k}.w": sample(torch.bfloat16, 64 * 8 + k, k).reshape(-1, 1) for k in range(params)}
+    store = torch.zeros(sum(t.numel() for t in hf.values()), dtype=torch.bfloat16)
+    rec = fingerprint.FingerprintRecorder([store])
+    rec.sources(list(hf.items()))
+    at = 0
+    for t in hf.values():
+        dst = store[at:at + t.numel()].view(t.shape)
+        assert rec.observe(dst, t)
+        dst.copy_(t)
+        at += t.numel()
+    with SyncCounter() as trainer:
+        mine = fingerprint.read_shares({n: fingerprint.tensor_share(n, t) for n, t in hf.items()})
+    with SyncCounter() as engine:
+        theirs = fingerprint.engine_shares(rec.copies)
+    assert len(trainer.ops) == len(engine.ops) == 1, (trainer.ops, engine.ops)
+    assert fingerprint.compare_shares(mine, theirs, hf) == ([], [])
 
 
 def test_the_coverage_closed_form_equals_the_sum():

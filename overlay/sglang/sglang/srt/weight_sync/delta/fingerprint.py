@@ -34,7 +34,7 @@ import torch
 
 from sglang.srt.weight_sync.delta import kernels, mix64
 from sglang.srt.weight_sync.delta.mix64 import i64
-from sglang.srt.weight_sync.delta.wire import INT_VIEW, DeltaError, dtype_from_str, dtype_to_str, to_device
+from sglang.srt.weight_sync.delta.wire import INT_VIEW, DeltaError, dtype_from_str, dtype_to_str, host_values, to_device
 from sglang.srt.weight_sync.delta.write_guard import RangeIndex
 
 _M = 0xFFFFFFFFFFFFFFFF
@@ -82,7 +82,7 @@ def read_shares(pending: Dict[str, Pending]) -> Dict[str, "NameSum"]:
             total = torch.stack(p.parts).sum()  # int64 wraps: the sum mod 2**64
             by_device.setdefault(total.device, []).append((name, total))
     for items in by_device.values():
-        for (name, _), total in zip(items, torch.stack([t for _, t in items]).cpu().tolist()):
+        for (name, _), total in zip(items, host_values(torch.stack([t for _, t in items]))):
             out[name].total = total & _M
     return out
 
