@@ -17,9 +17,9 @@ Replicated params (norms, or KV heads shared by several TP ranks) appear on seve
 rank also reports an additive signature of the indices it covers, and :func:`merge_ranks`
 counts every distinct coverage once (the signature is ``sum_i i * (i + C3)``, additive as well).
 
-The hashes run as :mod:`mix64`'s compiled fingerprint kernels (:mod:`kernels`) once they are ready (the HF indices are made in the kernel
-from each view's 2-D geometry), else as eager ops; either way they stay on the device until one host read per
-fingerprint (:func:`read_shares`).
+The hashes run as :mod:`mix64`'s compiled fingerprint kernels (:mod:`kernels`) once they are ready (the keys are made
+in the kernel from each view's 2-D geometry), else as eager ops; either way they stay on the device until one host
+read per fingerprint (:func:`read_shares`); the coverage signature is a closed form of each view's geometry.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ from sglang.srt.weight_sync.delta.write_guard import RangeIndex
 
 _M = 0xFFFFFFFFFFFFFFFF
 _BLOCK = 1 << 22  # elements hashed at once: bounds the int64 temporaries to a few 32 MiB tensors
-_COLS = 1 << 10
+_COLS = 1 << 10  # a contiguous tensor is hashed as rows of this many elements: many rows keep every core busy
 
 
 def name_seed(name: str) -> int:
@@ -106,7 +106,6 @@ def _hash(pieces: List[Tuple[Pending, torch.Tensor, int, Tuple[int, int], int]])
                 totals = [mix64.run_fingerprint(runner, block, table[k]) for k, (_, block, *_) in enumerate(items)]
             except Exception as e:  # noqa: BLE001 - the eager path stays, never a wrong sum
                 kernels.KERNELS.failed(kernel, device, e)
-                totals = None
         if totals is None:
             totals = [mix64.eager_fingerprint(block.to(torch.int64).reshape(-1), block.shape, ks, k0, mask)
                       for (_, block, *_), (ks, k0) in zip(items, keys)]
@@ -144,7 +143,7 @@ def tensor_share(name: str, tensor: torch.Tensor, dtype: Optional[torch.dtype] =
         t = t.to(dtype)
     seed, out = name_seed(name), Pending(dtype_to_str(t.dtype))
     pieces = []
-    for start in range(0, t.numel(), _BLOCK):  # rows of _COLS (many rows keep every core busy), then the rest
+    for start in range(0, t.numel(), _BLOCK):  # rows of _COLS, then the rest
         n = min(_BLOCK, t.numel() - start)
         rows, rest = divmod(n, _COLS)
         if rows:
