@@ -74,16 +74,22 @@ class Pending:
 
 
 def read_shares(pending: Dict[str, Pending]) -> Dict[str, "NameSum"]:
-    """The pending shares read to the host together (one synchronization per device)."""
+    """The pending shares read to the host together: per device, every part stacked once, summed per name in one
+    ``index_add`` (int64 wraps: sums mod 2**64) and read once — a constant number of ops, whatever the name count."""
     out = {n: NameSum(coverage=p.coverage, count=p.count, dtype=p.dtype) for n, p in pending.items()}
-    by_device: Dict[torch.device, List[Tuple[str, torch.Tensor]]] = {}
+    by_device: Dict[torch.device, Tuple[List[str], List[int], List[torch.Tensor]]] = {}
     for name, p in pending.items():
-        if p.parts:
-            total = torch.stack(p.parts).sum()  # int64 wraps: the sum mod 2**64
-            by_device.setdefault(total.device, []).append((name, total))
-    for items in by_device.values():
-        for (name, _), total in zip(items, host_values(torch.stack([t for _, t in items]))):
-            out[name].total = total & _M
+        for part in p.parts:
+            names, ids, parts = by_device.setdefault(part.device, ([], [], []))
+            if not names or names[-1] != name:
+                names.append(name)
+            ids.append(len(names) - 1)
+            parts.append(part)
+    for device, (names, ids, parts) in by_device.items():
+        totals = torch.zeros(len(names), dtype=torch.int64, device=device)
+        totals.index_add_(0, to_device(ids, device), torch.stack(parts))
+        for name, total in zip(names, host_values(totals)):
+            out[name].total = (out[name].total + total) & _M  # a name on two devices adds up
     return out
 
 

@@ -129,14 +129,14 @@ class _Kernels:
                 torch.cuda.set_device(device)  # a new thread starts on device 0
             self.warm(kernel, device)
         except Exception as e:  # the eager path stays: correct, only slower
-            self.state[(kernel.name, str(device))] = f"failed: {type(e).__name__}: {e}"[:500]
-            logger.warning("delta %s: compiled kernel unavailable on %s, hashing eagerly: %s", kernel.name, device, e)
+            self.failed(kernel, device, e)
 
     def failed(self, kernel: Kernel, device: torch.device, e: Exception) -> None:
+        """``kernel`` could not be built, or failed at run time: this process hashes eagerly from now on."""
         key = (kernel.name, str(device))
         self.runner.pop(key, None)
         self.state[key] = f"failed: {type(e).__name__}: {e}"[:500]
-        logger.warning("delta %s: compiled kernel failed on %s, hashing eagerly from now on: %s", kernel.name, device, e)
+        logger.warning("delta %s: compiled kernel unavailable on %s, hashing eagerly: %s", kernel.name, device, e)
 
 
 KERNELS = _Kernels()
