@@ -64,11 +64,10 @@ gpu-check:
 gpu-bundle:
 	scripts/gpu_bundle.sh $(BUILD)
 
-# 200 syncs into a real server with random (seeded) faults (`make test` runs the same with 50), and the slow
-# shared-group resync with a restarted engine (three servers, ~4 minutes).
+# 200 syncs into a real server with random (seeded) faults (`make test` runs the same with 50).
 soak:
 	@scripts/build_venv.sh $(PIN) $(BUILD)
-	SOAK_SYNCS=200 $(BUILD)/venv-$(PIN)/bin/python -m pytest tests/test_soak.py tests/test_shared_group_resync.py -s $(PYTEST_ARGS)
+	SOAK_SYNCS=200 $(BUILD)/venv-$(PIN)/bin/python -m pytest tests/test_soak.py -s $(PYTEST_ARGS)
 
 # The container image: slime's published image with our patches applied (needs a Docker engine; see README).
 image:

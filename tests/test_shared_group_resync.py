@@ -1,5 +1,5 @@
-"""Over a shared weight-update group, one engine's full sync stays that engine's: three real servers, one restarted;
-the other two receive the full sync's broadcasts without applying them and keep applying deltas."""
+"""Over a shared weight-update group, one engine's full sync stays that engine's: two real servers, one restarted;
+the other receives the full sync's broadcasts without applying them and keeps applying deltas."""
 import pytest
 
 from cpu_harness import Server, bf16_state, engine_mismatch, hf_config, hf_model, rl_steps, segments, write_hf_checkpoint
@@ -14,7 +14,7 @@ def world(tmp_path):
     cfg = hf_config("llama", vocab=300)
     boot = write_hf_checkpoint(str(tmp_path / "boot"), cfg, bf16_state(hf_model(cfg, seed=2)))
     flags = ["--update-weight-group-timeout", str(GROUP_TIMEOUT_S)]
-    servers = [Server(boot, str(tmp_path / f"server{k}.log"), extra=flags) for k in range(3)]
+    servers = [Server(boot, str(tmp_path / f"server{k}.log"), extra=flags) for k in range(2)]
     try:
         for s in servers:
             s.wait_healthy()
@@ -44,11 +44,11 @@ def test_a_restarted_engine_gets_the_only_full_sync(world):
 
         state = bf16_state(trainer)
         results, m = sync(state)
-        assert all(ok for ok, _ in results.values()) and m["perf/update_weights_full_sync_engines"] == 3, results
+        assert all(ok for ok, _ in results.values()) and m["perf/update_weights_full_sync_engines"] == 2, results
         state = next(steps)
         results, m = sync(state)
         assert all(ok for ok, _ in results.values()) and m["perf/update_weights_full_sync_engines"] == 0, results
-        assert [applied(e) for e in engines] == [{"full": 1, "delta": 1}] * 3
+        assert [applied(e) for e in engines] == [{"full": 1, "delta": 1}] * 2
 
         servers[1].stop()  # engine 1 restarts: it comes back fresh, outside the group
         servers[1] = Server(world["boot"], str(world["root"] / "server1-restarted.log"), extra=world["flags"])
@@ -57,22 +57,34 @@ def test_a_restarted_engine_gets_the_only_full_sync(world):
         state = next(steps)
         results, m = sync(state)  # the group has a member that is gone: the sync fails and the group is aborted
         assert not any(ok for ok, _ in results.values()), results
-        # Engines 0 and 2 did not commit it; a flush whose broadcast reached them before the failure may be written
-        # (a sync is applied flush by flush): the next delta re-sends those positions, checked below.
-        assert [applied(engines[k]) for k in (0, 2)] == [{"full": 1, "delta": 1}] * 2
+        # How much of it reached engine 0 is timing: a broadcast reaches live members before the dead one's
+        # link fails it, so it holds none of it, some flushes (not committed; the sender re-sends their
+        # positions), all of it (committed), or wrote part and then failed a flush (dirty). Each state has one
+        # right next step, asserted below; every outcome ends bit-identical.
+        mid = {0: engines[0].status()[0]}
+        for k, st in mid.items():
+            assert (st.version, st.applied) in [(2, {"full": 1, "delta": 1}), (3, {"full": 1, "delta": 2})], (k, st)
+            assert st.needs_full == (st.reason == "dirty") and (st.reason != "dirty" or st.version == 2), (k, st)
+        dirty = [k for k, st in mid.items() if st.needs_full]
+
+        def bumped(k, kind):  # engine k's applied counts after one more sync of this kind
+            before = dict(mid[k].applied) if k in mid else {}
+            return {**before, kind: before.get(kind, 0) + 1}
 
         state = next(steps)
-        results, m = sync(state)  # the group is re-created; engine 1 alone gets the full sync
+        results, m = sync(state)  # the group is re-created; engine 1 and any dirty engine get a full sync
         assert all(ok for ok, _ in results.values()), results
-        assert m["perf/update_weights_full_sync_engines"] == 1 and transport.reconnects == 1, m
-        assert [applied(e) for e in engines] == [{"full": 1, "delta": 2}, {"full": 1}, {"full": 1, "delta": 2}]
+        assert m["perf/update_weights_full_sync_engines"] == 1 + len(dirty) and transport.reconnects == 1, (m, mid)
+        assert [applied(e) for e in engines] == [bumped(k, "full" if k in dirty or k == 1 else "delta")
+                                                 for k in range(2)], mid
         for s in servers:
             assert engine_mismatch(s, state) is None
+        after = [applied(e) for e in engines]
 
         state = next(steps)
         results, m = sync(state)
         assert all(ok for ok, _ in results.values()) and m["perf/update_weights_full_sync_engines"] == 0, results
-        assert [applied(e) for e in engines] == [{"full": 1, "delta": 3}, {"full": 1, "delta": 1}, {"full": 1, "delta": 3}]
+        assert [applied(e) for e in engines] == [{**a, "delta": a.get("delta", 0) + 1} for a in after]
         for s in servers:
             assert engine_mismatch(s, state) is None
     finally:
