@@ -162,6 +162,13 @@ CHUNK_PARAMS = 128
 def sender_sync(snapshot, new, encoding: str, version: int, raw=()):
     """One delta sync on the sender: diff vs the snapshot, encode into bounded buckets, advance the snapshot
     (``xor_zstd``: the snapshot's values at the changed positions go along; ``raw``: the engine's ``xor_raw``)."""
+    from sglang.srt.weight_sync.delta.wire import gc_paused
+
+    with gc_paused():  # as DeltaSender.update runs
+        return _sender_sync(snapshot, new, encoding, version, raw)
+
+
+def _sender_sync(snapshot, new, encoding: str, version: int, raw):
     from sglang.srt.weight_sync.delta.sender import DeltaBucket, DeltaState
     from sglang.srt.weight_sync.delta.wire import as_parts, gather
 
@@ -172,14 +179,15 @@ def sender_sync(snapshot, new, encoding: str, version: int, raw=()):
     found = []
     for at in range(0, len(items), CHUNK_PARAMS):  # the chunks a trainer hands over: one diff per chunk
         chunk = items[at:at + CHUNK_PARAMS]
-        found += state.positions(chunk, [snapshot[name] for name, _ in chunk])
-    for (name, t), idx in zip(items, found):
+        found += state.changes(chunk, [snapshot[name] for name, _ in chunk])
+    for (name, t), (idx, values) in zip(items, found):
         if bucket.should_flush(name):
             payloads += bucket.take(version=version, base_version=version - 1)
         base = None
         if encoding == "xor_zstd":
             base = torch.zeros(idx.numel(), dtype=t.dtype) if name in raw else snapshot[name].reshape(-1)[idx]
-        values = gather(t.reshape(-1), idx)  # once, for the record and the bucket (as DeltaSender does)
+        if values is None:  # once, for the record and the bucket (as DeltaSender does)
+            values = gather(t.reshape(-1), idx)
         state.record(name, t, idx, values)
         bucket.add(name, t, idx, base, values)
     payloads += bucket.take(version=version, base_version=version - 1)

@@ -66,6 +66,7 @@ from sglang.srt.weight_sync.delta.wire import (
     DeltaStatus,
     Refusal,
     dtype_from_str,
+    gc_paused,
     nan_sentinel,
     parse_request,
     sparse_allowed,
@@ -129,6 +130,12 @@ def _apply_delta_payload(self, payloads: Sequence[DeltaPayload], weight_version:
                          failure: Optional[DeltaError] = None) -> Tuple[bool, str]:
     """Validate a whole request, agree on it across TP ranks, then write it; ``(False, message)`` leaves weights
     untouched. ``failure``: the request already failed on this rank (e.g. a file it could not read)."""
+    with gc_paused():
+        return _apply_request(self, payloads, weight_version, failure)
+
+
+def _apply_request(self, payloads: Sequence[DeltaPayload], weight_version: Optional[str],
+                   failure: Optional[DeltaError]) -> Tuple[bool, str]:
     model = host_model(self)
     state = receiver_state(model)
     device = host_device(self)
@@ -332,10 +339,11 @@ def _check_writable(state: ReceiverState, head: DeltaSpec, params: Sequence[Delt
     bytes would rescale them: a silently wrong layer). Checked before this request's first write; a version whose
     earlier flushes already landed is then left dirty by the caller."""
     direct = state.direct or {}
-    changed = {p.name for p in params if p.dense or p.nnz}
+    changed = {p.name for p in params if p.pos_width == 0 or p.val_end > p.val_start}
+    no_sentinel = {n for n in {p.dtype for p in params} if sparse_allowed(dtype_from_str(n))
+                   and not nan_sentinel(dtype_from_str(n))}  # fp8: each dtype name is parsed once
     for p in params:
-        dtype = dtype_from_str(p.dtype)
-        if not p.dense and p.nnz and sparse_allowed(dtype) and not nan_sentinel(dtype) and p.name not in direct:
+        if p.pos_width and p.val_end > p.val_start and p.dtype in no_sentinel and p.name not in direct:
             raise DeltaError(f"param {p.name!r}: {p.dtype} values travel sparse only to params written through "
                              "recorded views, and this engine has none for it (its status lists it under 'dense')",
                              Refusal.NEEDS_DENSE)

@@ -41,11 +41,13 @@ from sglang.srt.weight_sync.delta.wire import (
     DeltaPayload,
     DeltaStatus,
     Refusal,
-    changed_positions_many,
+    Change,
     Gathered,
+    changes_many,
     encode_flush,
     encode_gathered,
     gather,
+    gc_paused,
     nan_sentinel,
     sparse_allowed,
 )
@@ -132,16 +134,17 @@ class DeltaState:
         self.staged: Dict[str, torch.Tensor] = {}  # positions sent by unacknowledged syncs (sorted int64)
         self._sent: Dict[str, Tuple[Optional[torch.Tensor], torch.Tensor]] = {}
 
-    def positions(self, chunk: Chunk, bases: Sequence[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
-        """Positions this sync must carry for each param of a chunk (changed since the snapshot, plus those staged
-        by an unacknowledged sync); None where a param has no snapshot yet. One diff for the whole chunk."""
+    def changes(self, chunk: Chunk, bases: Sequence[Optional[torch.Tensor]]) -> List[Optional[Change]]:
+        """Per param of a chunk, the positions this sync must carry (changed since the snapshot, plus those staged
+        by an unacknowledged sync) and, where the diff got them, the new values there (``wire.changes_many``);
+        None where a param has no snapshot yet. One diff for the whole chunk."""
         diffable = [k for k, ((_, t), b) in enumerate(zip(chunk, bases))
                     if b is not None and b.shape == t.shape and b.dtype == t.dtype]
-        found = changed_positions_many([(bases[k], chunk[k][1]) for k in diffable],
-                                       [self.staged.get(chunk[k][0]) for k in diffable])
-        out: List[Optional[torch.Tensor]] = [None] * len(chunk)
-        for k, idx in zip(diffable, found):
-            out[k] = idx
+        found = changes_many([(bases[k], chunk[k][1]) for k in diffable],
+                             [self.staged.get(chunk[k][0]) for k in diffable])
+        out: List[Optional[Change]] = [None] * len(chunk)
+        for k, change in zip(diffable, found):
+            out[k] = change
         return out
 
     def record(self, name: str, tensor: torch.Tensor, idx: Optional[torch.Tensor],
@@ -316,6 +319,10 @@ class DeltaSender:
 
     def update(self, segments: Sequence[Callable[[], Iterable[Chunk]]]) -> Dict[int, Tuple[bool, str]]:
         """One sync over ``segments`` (callables yielding chunks of HF ``(name, tensor)``); publishes after each."""
+        with gc_paused():
+            return self._update(segments)
+
+    def _update(self, segments: Sequence[Callable[[], Iterable[Chunk]]]) -> Dict[int, Tuple[bool, str]]:
         if self.stages is None or self.stages.first:
             unknown = [i for i, s in self.status.items() if not s.max_request_bytes]
             if unknown:
@@ -506,13 +513,15 @@ class _SyncRun:
         state = self.s.state
         chunk = list(chunk)
         bases = [state.link.ready(h) for h in handles]
-        for (name, tensor), base, idx in zip(chunk, bases, state.positions(chunk, bases)):
+        for (name, tensor), base, change in zip(chunk, bases, state.changes(chunk, bases)):
+            idx, values = change if change is not None else (None, None)
             self.elements += tensor.numel()
             self.nnz += tensor.numel() if idx is None else idx.numel()
             for kind, bucket in self.buckets.items():
                 if bucket.should_flush(name):
                     self._flush(kind)
-            values = None if idx is None else gather(tensor.reshape(-1), idx)  # once, for the bucket and the record
+            if idx is not None and values is None:  # once, for the bucket and the record
+                values = gather(tensor.reshape(-1), idx)
             if "delta" in self.buckets:
                 sparse = idx is not None and sparse_allowed(tensor.dtype) and \
                     (nan_sentinel(tensor.dtype) or name not in self.dense)

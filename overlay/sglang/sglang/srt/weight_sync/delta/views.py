@@ -106,7 +106,8 @@ def write_direct(items) -> None:
     partial = []  # (view, mask, offsets, values)
     for targets, idx, values, numel in items:
         device = targets[0].flat.device
-        idx, values = idx.to(device, non_blocking=True), values.to(device, non_blocking=True)
+        if idx.device != device or values.device != device:  # the receiver hands the flush over on the device
+            idx, values = idx.to(device, non_blocking=True), values.to(device, non_blocking=True)
         for t in targets:
             if not t.dims and t.soff == 0 and t.numel == numel:
                 blocks.setdefault((t.flat.data_ptr(), t.flat.dtype), []).append((t, idx, values))
