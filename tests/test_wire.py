@@ -259,6 +259,68 @@ def test_changed_positions_of_many_params_unite_the_staged_positions(monkeypatch
     assert [g.tolist() for g in got] == [[3, 5, 17], [], [0, 999]]
 
 
+def test_the_joined_diff_hands_over_the_new_values_bit_for_bit():
+    """Small CPU params are diffed joined per dtype and their new values come out of that pass: each param's
+    positions and values equal its own diff and gather — across dtypes of one width (bf16 beside fp16), fp8, a
+    transposed (non-contiguous) tensor, one that requires grad, NaN payloads, an unchanged param, a large one
+    (diffed alone) and one with staged positions (values left to the caller)."""
+    from sglang.srt.weight_sync.delta import wire
+
+    g = torch.Generator().manual_seed(3)
+    olds = [torch.randn(64, 48, generator=g).to(d) for d in
+            (torch.bfloat16, torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.bfloat16,
+             torch.float16, torch.float8_e4m3fn)]
+    olds.append(torch.randn(300, 300, generator=g).bfloat16())  # above the joined size
+    news = [o.clone() for o in olds]
+    for k, n in enumerate(news):
+        if k == 2:
+            continue  # unchanged
+        flat = n.view(-1)
+        hit = torch.randint(0, flat.numel(), (flat.numel() // 20,), generator=g)
+        flat.view(wire.INT_VIEW[n.element_size()])[hit] ^= 1 + k
+    news[0][3, 5] = float("nan")
+    news[5] = news[5].t()  # a transposed view: its flat order is the view's
+    olds[5] = olds[5].t().contiguous()
+    news[1].requires_grad_(True)
+    staged = [None] * len(olds)
+    staged[3] = torch.tensor([0, 7])
+    got = wire.changes_many(list(zip(olds, news)), staged)
+    joined = 0
+    for k, (old, new, (idx, values)) in enumerate(zip(olds, news, got)):
+        want = wire.changed_positions(old, new)
+        if staged[k] is not None:
+            want = torch.unique(torch.cat([want, staged[k]]))
+        assert torch.equal(idx, want), k
+        if values is None:
+            continue
+        joined += 1
+        flat = new.detach().reshape(-1)
+        assert values.dtype == new.dtype and torch.equal(values.view(wire.INT_VIEW[new.element_size()]),
+                                                         wire.gather(flat, idx).view(wire.INT_VIEW[new.element_size()]))
+    assert joined == 7 and got[2][0].numel() == 0 and got[8][1] is None and got[3][1] is None
+
+
+def test_no_garbage_collection_while_a_sync_runs():
+    """A sync pauses the cyclic collector and gives back the caller's setting, also when it raises."""
+    import gc
+
+    from sglang.srt.weight_sync.delta.wire import gc_paused
+
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError):
+        with gc_paused():
+            assert not gc.isenabled()
+            raise RuntimeError("a sync failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn,
                                    torch.float8_e5m2])
 @pytest.mark.parametrize("at", [None, 0, "word_end", "block_edge", "last"])

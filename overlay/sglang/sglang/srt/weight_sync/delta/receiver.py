@@ -35,7 +35,6 @@ How the loader is watched (per thread, aten-level bypasses, foreign threads): se
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
 import logging
@@ -225,14 +224,13 @@ def _apply_request(self, payloads: Sequence[DeltaPayload], weight_version: Optio
                 _kill_point()
             _post_process(model, state, [p.name for p, _, _ in via_views], complete)
         if via_loader:
-            context = contextlib.ExitStack()
-            if head.full:
-                context.enter_context(full_sync_context(model, state.recorder))
-            else:
-                context.enter_context(delta_apply_context(model))
-            with torch.no_grad(), context:
-                chunk, chunk_bytes = [], 0
-                for p, idx, values in via_loader:
+            # a full sync's sources are views of the received blobs: made before the watch, which sees every op
+            ready = [(p.name, _decode_delta_one_param(p, idx, values, device)) for p, idx, values in via_loader] \
+                if head.full else None
+            with torch.no_grad(), (full_sync_context(model, state.recorder) if head.full else
+                                   delta_apply_context(model)):
+                chunk, chunk_bytes = ready or [], 0
+                for p, idx, values in [] if head.full else via_loader:
                     size = p.numel * values.element_size()
                     if chunk and chunk_bytes + size > chunk_cap:
                         load(chunk)

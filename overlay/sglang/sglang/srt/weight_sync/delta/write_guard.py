@@ -87,12 +87,18 @@ def _storages(model: torch.nn.Module) -> set:
     return {t.untyped_storage().data_ptr() for t in model_tensors(model) if t.numel()}
 
 
+_WRITES: Dict[object, tuple] = {}  # aten op -> its written arguments: (position, name, keyword-only)
+
+
 def _model_write(func, args, kwargs, storages: set) -> Optional[torch.Tensor]:
-    """The model tensor an aten op writes (by its schema's write annotations), else None."""
-    for i, a in enumerate(func._schema.arguments):
-        if a.alias_info is None or not a.alias_info.is_write:
-            continue
-        v = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
+    """The model tensor an aten op writes (by its schema's write annotations), else None. A loader runs several
+    ops per param, most of which write nothing: each op's schema is read once."""
+    writes = _WRITES.get(func)
+    if writes is None:
+        writes = _WRITES[func] = tuple((i, a.name, a.kwarg_only) for i, a in enumerate(func._schema.arguments)
+                                       if a.alias_info is not None and a.alias_info.is_write)
+    for i, name, kwarg_only in writes:
+        v = args[i] if i < len(args) and not kwarg_only else kwargs.get(name)
         for t in (v if isinstance(v, (list, tuple)) else [v]):
             if isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage().data_ptr() in storages:
                 return t
@@ -196,6 +202,9 @@ def scoped(scope: Scope):
 # ---------------------------------------------------------------- delta apply
 
 
+_COPY, _ZERO, _FILL, _CAT = torch.ops.aten.copy_, torch.ops.aten.zero_, torch.ops.aten.fill_.Scalar, torch.ops.aten.cat.default
+
+
 class WriteGuard(TorchDispatchMode):
     """Sees every aten op of a delta apply (in one thread); masks or refuses writes into model storage that
     bypass ``copy_``.
@@ -209,6 +218,12 @@ class WriteGuard(TorchDispatchMode):
     def __init__(self, shared: "_ApplyState"):
         super().__init__()
         self.shared = shared
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """No dynamo-disabling wrapper around each dispatch (~10 us per op; a loader runs several per param): this
+        mode runs under a loader, never inside compiled code."""
+        return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -325,17 +340,22 @@ class FullSyncWatch(TorchDispatchMode):
         super().__init__()
         self.storages, self.recorder, self.scope = storages, recorder, scope
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """No dynamo-disabling wrapper around each dispatch (~10 us per op; a loader runs several per param): this
+        mode runs under a loader, never inside compiled code."""
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        op, aten = func.overloadpacket, torch.ops.aten
-        explained = (op is aten.copy_ and self.recorder.in_copy()) or op is aten.zero_ or \
-            (func is aten.fill_.Scalar and args[1] == 0)
+        op = func.overloadpacket
+        explained = (op is _COPY and self.recorder.in_copy()) or op is _ZERO or (func is _FILL and args[1] == 0)
         if not explained and self.recorder.unexplained is None and _current() is self.scope:
             dst = _model_write(func, args, kwargs, self.storages)
             if dst is not None:
                 self.recorder.unexplained = f"{func} into {tuple(dst.shape)}"
         out = func(*args, **kwargs)
-        if func is aten.cat.default and _current() is self.scope:
+        if func is _CAT and _current() is self.scope:
             self.recorder.joined(out, args[0], args[1] if len(args) > 1 else kwargs.get("dim", 0))
         return out
 
