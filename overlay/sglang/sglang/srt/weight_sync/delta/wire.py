@@ -285,10 +285,6 @@ class DeltaParam:
     def dense(self) -> bool:
         return self.pos_width == 0
 
-    def width_fits(self, encoding: str) -> bool:
-        """``indices`` positions are always 4 bytes; gaps are 2, or 4 for a param's fallback."""
-        return self.pos_width == 4 if DeltaEncoding(encoding) is DeltaEncoding.INDICES else self.pos_width in (2, 4)
-
 
 _PARAM_FIELDS = [f.name for f in dataclasses.fields(DeltaParam)]
 _PARAM_FIELD_SET = set(_PARAM_FIELDS)
@@ -656,7 +652,7 @@ def _check_structure(payload: DeltaPayload, manifest, where: str) -> Dict[int, L
     pos_n, val_n = pos.numel(), val.numel()
     seen = set()
     sparse: Dict[int, List[DeltaParam]] = {2: [], 4: []}  # by position width: each group decodes in one pass
-    widths = (4,) if DeltaEncoding(spec.encoding) is DeltaEncoding.INDICES else (2, 4)
+    widths = (4,) if DeltaEncoding(spec.encoding) is DeltaEncoding.INDICES else (2, 4)  # gaps: 2, or 4 as fallback
     dtypes: Dict[str, torch.dtype] = {}  # per-param work is host arithmetic only: each dtype name is parsed once
     for p in spec.params:
         name, width = p.name, p.pos_width
@@ -1112,13 +1108,6 @@ def _small_cpu_diffs(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> List
         for j, k in enumerate(ks):
             out[k] = (local[cuts[j]:cuts[j + 1]], values[cuts[j]:cuts[j + 1]])
     return out
-
-
-def changed_positions_many(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]],
-                           extra: Optional[Sequence[Optional[torch.Tensor]]] = None) -> List[torch.Tensor]:
-    """:func:`changed_positions` of many ``(old, new)`` pairs, each united with its ``extra`` positions (sorted,
-    unique)."""
-    return [idx for idx, _ in changes_many(pairs, extra)]
 
 
 def changes_many(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]],

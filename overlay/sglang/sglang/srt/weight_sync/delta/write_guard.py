@@ -202,7 +202,8 @@ def scoped(scope: Scope):
 # ---------------------------------------------------------------- delta apply
 
 
-_COPY, _ZERO, _FILL, _CAT = torch.ops.aten.copy_, torch.ops.aten.zero_, torch.ops.aten.fill_.Scalar, torch.ops.aten.cat.default
+_aten = torch.ops.aten
+_COPY, _ZERO, _FILL, _CAT = _aten.copy_, _aten.zero_, _aten.fill_.Scalar, _aten.cat.default  # bound once, not per op
 
 
 class WriteGuard(TorchDispatchMode):
