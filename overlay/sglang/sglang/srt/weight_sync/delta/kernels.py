@@ -75,7 +75,22 @@ def _build_locked(kernel: Kernel, device: torch.device):
             torch._inductor.aoti_compile_and_package(program, package_path=tmp)
             os.replace(tmp, path)
     index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else -1)
-    return torch._inductor.aoti_load_package(path, device_index=index)
+    return _direct(torch._inductor.aoti_load_package(path, device_index=index))
+
+
+def _direct(package):
+    """The package's runner called with a flat list of tensors where this torch exposes it: its public call re-parses
+    the call spec and flattens/unflattens the arguments on every call (~40 us, against ~7 for the run itself; a
+    fingerprint calls once per tensor). The self-test checks this very callable before it is used."""
+    loader = getattr(package, "loader", None)
+    if not callable(getattr(loader, "boxed_run", None)):
+        return package
+
+    def run(*tensors):
+        out = loader.boxed_run(list(tensors))
+        return out[0] if len(out) == 1 else tuple(out)
+
+    return run
 
 
 class _Kernels:
