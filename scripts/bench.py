@@ -249,7 +249,7 @@ def measure(paths: list, shape: str, out_json: str, check: bool) -> None:
     _, res["fingerprint_engine_s"], res["fingerprint_engine_mem"] = measured(
         fingerprint.engine_shares, receiver_state(model).copies)
     _, res["fingerprint_trainer_s"], res["fingerprint_trainer_mem"] = measured(
-        lambda: fingerprint.read_shares({k: fingerprint.tensor_share(k, v) for k, v in items}))  # as the sender does
+        lambda: fingerprint.read_shares(fingerprint.tensor_shares(items)))  # as the sender does (per chunk there)
     version, wire_dir = 2, os.path.join(os.path.dirname(out_json), "wire")
     os.makedirs(wire_dir, exist_ok=True)
 

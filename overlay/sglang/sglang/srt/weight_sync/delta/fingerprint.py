@@ -144,18 +144,28 @@ class NameSum:
 
 def tensor_share(name: str, tensor: torch.Tensor, dtype: Optional[torch.dtype] = None) -> Pending:
     """A whole HF tensor's share (the sender's side), hashed in ``dtype`` (the engine's) if given; not read yet."""
-    t = tensor.detach().reshape(-1)
-    if dtype is not None and dtype != t.dtype:
-        t = t.to(dtype)
-    seed, out = name_seed(name), Pending(dtype_to_str(t.dtype))
+    return tensor_shares([(name, tensor)], dtype)[name]
+
+
+def tensor_shares(items: Sequence[Tuple[str, torch.Tensor]], dtype: Optional[torch.dtype] = None) -> Dict[str, Pending]:
+    """:func:`tensor_share` of many tensors (a trainer's chunk), hashed together: one table of keys per bit width for
+    all of them, not one per tensor."""
+    out: Dict[str, Pending] = {}
     pieces = []
-    for start in range(0, t.numel(), _BLOCK):  # rows of _COLS, then the rest
-        n = min(_BLOCK, t.numel() - start)
-        rows, rest = divmod(n, _COLS)
-        if rows:
-            pieces.append((out, _block(t[start:start + rows * _COLS], (rows, _COLS)), seed, (_COLS, 1), start))
-        if rest:
-            pieces.append((out, _block(t[start + rows * _COLS:start + n], (1, rest)), seed, (0, 1), start + rows * _COLS))
+    for name, tensor in items:
+        t = tensor.detach().reshape(-1)
+        if dtype is not None and dtype != t.dtype:
+            t = t.to(dtype)
+        seed, share = name_seed(name), Pending(dtype_to_str(t.dtype))
+        out[name] = share
+        for start in range(0, t.numel(), _BLOCK):  # rows of _COLS, then the rest
+            n = min(_BLOCK, t.numel() - start)
+            rows, rest = divmod(n, _COLS)
+            if rows:
+                pieces.append((share, _block(t[start:start + rows * _COLS], (rows, _COLS)), seed, (_COLS, 1), start))
+            if rest:
+                pieces.append((share, _block(t[start + rows * _COLS:start + n], (1, rest)), seed, (0, 1),
+                               start + rows * _COLS))
     _hash(pieces)
     return out
 

@@ -532,10 +532,10 @@ class _SyncRun:
             if "full" in self.buckets:
                 self.buckets["full"].add(name, tensor, None)
             state.record(name, tensor, idx, values)
-            if self.fingerprints is not None:  # hashed where the tensor lives (on the GPU during training)
-                t0 = time.perf_counter()
-                self.fingerprints[name] = fingerprint.tensor_share(name, tensor)
-                self.fingerprint_s += time.perf_counter() - t0
+        if self.fingerprints is not None:  # hashed where the tensors live (on the GPU during training), per chunk
+            t0 = time.perf_counter()
+            self.fingerprints.update(fingerprint.tensor_shares(chunk))
+            self.fingerprint_s += time.perf_counter() - t0
 
     def _xor_base(self, name: str, tensor: torch.Tensor, base: Optional[torch.Tensor],
                   idx: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -80,7 +80,7 @@ class Checkpoint:
 
 def _fingerprints(named) -> Dict[str, str]:
     """Per-name fingerprint totals of ``(name, tensor)`` pairs: what ``delta.json`` records of a checkpoint."""
-    shares = fingerprint.read_shares({n: fingerprint.tensor_share(n, t) for n, t in named})
+    shares = fingerprint.read_shares({n: fingerprint.tensor_share(n, t) for n, t in named})  # one tensor held at once
     return {n: f"{s.total:016x}" for n, s in shares.items()}
 
 
