@@ -64,10 +64,11 @@ gpu-check:
 gpu-bundle:
 	scripts/gpu_bundle.sh $(BUILD)
 
-# 200 syncs into a real server with random (seeded) faults (`make test` runs the same with 50).
+# 200 syncs into a real server with random (seeded) faults (`make test` runs the same with 50), and the disk
+# transport's fan-out to four real servers.
 soak:
 	@scripts/build_venv.sh $(PIN) $(BUILD)
-	SOAK_SYNCS=200 $(BUILD)/venv-$(PIN)/bin/python -m pytest tests/test_soak.py -s $(PYTEST_ARGS)
+	SOAK_SYNCS=200 $(BUILD)/venv-$(PIN)/bin/python -m pytest tests/test_soak.py tests/test_disk_fanout.py -s $(PYTEST_ARGS)
 
 # The container image: slime's published image with our patches applied (needs a Docker engine; see README).
 image:

@@ -220,12 +220,6 @@ class WriteGuard(TorchDispatchMode):
         super().__init__()
         self.shared = shared
 
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        """No dynamo-disabling wrapper around each dispatch (~10 us per op; a loader runs several per param): this
-        mode runs under a loader, never inside compiled code."""
-        return False
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         sh = self.shared
@@ -340,12 +334,6 @@ class FullSyncWatch(TorchDispatchMode):
     def __init__(self, storages: set, recorder, scope: Scope):
         super().__init__()
         self.storages, self.recorder, self.scope = storages, recorder, scope
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        """No dynamo-disabling wrapper around each dispatch (~10 us per op; a loader runs several per param): this
-        mode runs under a loader, never inside compiled code."""
-        return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
