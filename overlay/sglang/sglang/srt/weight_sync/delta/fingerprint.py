@@ -97,11 +97,11 @@ def _hash(pieces: List[Tuple[Pending, torch.Tensor, int, Tuple[int, int], int]])
     """Each 2-D block's element hashes into its name's share: the compiled kernel of its bit width where it is ready
     (one table of keys per width), else the eager ops. A piece: (share, block of value bits, name seed, (row stride,
     column stride), offset) in HF flat indices."""
-    by_width: Dict[torch.dtype, list] = {}
+    by_width: Dict[Tuple[torch.dtype, torch.device], list] = {}  # a chunk may hold tensors on several devices
     for piece in pieces:
-        by_width.setdefault(piece[1].dtype, []).append(piece)
-    for width, items in by_width.items():
-        kernel, device = mix64.FINGERPRINT[width], items[0][1].device
+        by_width.setdefault((piece[1].dtype, piece[1].device), []).append(piece)
+    for (width, device), items in by_width.items():
+        kernel = mix64.FINGERPRINT[width]
         mask = _mask(items[0][1])
         keys = [mix64.fingerprint_keys(strides, offset, seed) for _, _, seed, strides, offset in items]
         runner = kernels.KERNELS.ready(kernel, device, sum(b.numel() for _, b, *_ in items))
