@@ -124,3 +124,13 @@ def test_a_fingerprint_kernel_that_differs_is_never_used():
 
     with pytest.raises(RuntimeError, match="compiled fingerprint differs from eager on cpu"):
         mix64.FINGERPRINT[torch.int16].self_test(wrong, torch.device("cpu"))
+
+
+def test_a_chunk_hashed_together_gives_each_tensor_its_own_numbers(kernel):
+    """A trainer's chunk of mixed bit widths, one name given twice: each name's share is that of its last tensor alone."""
+    items = [(f"w{k}", sample(dtype, 1024 * (k + 1) + 5 * k, k)) for k, dtype in enumerate(DTYPES)]
+    items.append(("w0", sample(DTYPES[0], 77, 99)))
+    got = fingerprint.read_shares(fingerprint.tensor_shares(items))
+    assert list(got) == [n for n, _ in items[:-1]]
+    for name, t in dict(items).items():
+        assert (got[name].total, got[name].coverage, got[name].count) == (*ref_fingerprint(name, t), t.numel())

@@ -149,10 +149,10 @@ def tensor_share(name: str, tensor: torch.Tensor, dtype: Optional[torch.dtype] =
 
 def tensor_shares(items: Sequence[Tuple[str, torch.Tensor]], dtype: Optional[torch.dtype] = None) -> Dict[str, Pending]:
     """:func:`tensor_share` of many tensors (a trainer's chunk), hashed together: one table of keys per bit width for
-    all of them, not one per tensor."""
+    all of them, not one per tensor. A name given twice keeps its last tensor, and only that one is hashed."""
     out: Dict[str, Pending] = {}
     pieces = []
-    for name, tensor in items:
+    for name, tensor in dict(items).items():
         t = tensor.detach().reshape(-1)
         if dtype is not None and dtype != t.dtype:
             t = t.to(dtype)

@@ -1088,7 +1088,8 @@ Change = Tuple[torch.Tensor, Optional[torch.Tensor]]  # (changed positions, the 
 
 def _small_cpu_diffs(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> List[Optional[Change]]:
     """The changes of the small CPU params among ``pairs`` (None for the others): per dtype, their old and new bytes
-    joined, one compare, one flatnonzero, one gather of the new values; each param's share is two slices."""
+    joined, one compare, one flatnonzero, one gather of the new values; each param's share is two slices (views of
+    the group's changed elements only, which the sender keeps until commit anyway)."""
     out: List[Optional[Change]] = [None] * len(pairs)
     groups: Dict[torch.dtype, List[int]] = {}
     for k, (old, new) in enumerate(pairs):

@@ -204,6 +204,7 @@ def scoped(scope: Scope):
 
 _aten = torch.ops.aten
 _COPY, _ZERO, _FILL, _CAT = _aten.copy_, _aten.zero_, _aten.fill_.Scalar, _aten.cat.default  # bound once, not per op
+_FILLS, _INDEX_PUT, _INDEX = _aten.fill_, _aten.index_put_, _aten.index.Tensor
 
 
 class WriteGuard(TorchDispatchMode):
@@ -226,20 +227,20 @@ class WriteGuard(TorchDispatchMode):
         dst = None if sh.masked() or _current() is not sh.scope else _model_write(func, args, kwargs, sh.storages)
         if dst is None:
             return func(*args, **kwargs)
-        op, aten = func.overloadpacket, torch.ops.aten
-        if op is aten.zero_:
+        op = func.overloadpacket
+        if op is _ZERO:
             return func(*args, **kwargs)
         name = sh.owner(dst) or "a model buffer"
         with _lock:
             sh.caught[str(op)] = sh.caught.get(str(op), 0) + 1
-        if op is aten.fill_ and dst is args[0]:
+        if op is _FILLS and dst is args[0]:
             return dst if _is_nan_scalar(args[1]) else func(*args, **kwargs)
-        if op is aten.copy_ and dst is args[0] and dst.is_floating_point():
+        if op is _COPY and dst is args[0] and dst.is_floating_point():
             src = args[1].to(device=dst.device, dtype=dst.dtype)
             return func(dst, torch.where(nan_mask(src), dst, src), *args[2:], **kwargs)
-        if op is aten.index_put_ and dst is args[0] and dst.is_floating_point() and not (args[3:4] and args[3]):
+        if op is _INDEX_PUT and dst is args[0] and dst.is_floating_point() and not (args[3:4] and args[3]):
             values = args[2].to(device=dst.device, dtype=dst.dtype)
-            values = torch.where(nan_mask(values), aten.index.Tensor(dst, args[1]), values)
+            values = torch.where(nan_mask(values), _INDEX(dst, args[1]), values)
             return func(dst, args[1], values, *args[3:], **kwargs)
         raise DeltaError(f"param {name!r}: the model's loader writes it with {func} outside the NaN-masked "
                          "copy_; refused before that write")
