@@ -435,7 +435,8 @@ def run(args, device, report) -> None:
             bucket = DeltaBucket(enc, 1 << 62)
             for k, t in new.items():
                 bucket.add(k, t, changed_positions(old[k], t))
-            bucket.take(version=2, base_version=1)
+            for payload in bucket.take(version=2, base_version=1):
+                payload.seal(spec_only=True)
         t = median_s(encode, device)
         report.add(f"- diff + encode `{enc}` (checksum incl.): {1e3 * t:.2f} ms ({nbytes / t / 1e9:.1f} GB/s, "
                    f"{t_copy / t:.2f}x the copy)")

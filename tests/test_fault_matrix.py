@@ -370,8 +370,9 @@ def test_a_truncated_plane(xor_world):
 def test_planes_whose_lengths_disagree_with_the_spec(xor_world):
     """A param's position width claimed 4 where its plane holds 2-byte gaps."""
     def lie(params):
-        p = next(p for p in params if p["pos_width"] == 2 and p["val_end"] > p["val_start"])
-        p["pos_width"] = 4
+        k = next(k for k, (w, a, b) in enumerate(zip(params["pos_width"], params["val_start"], params["val_end"]))
+                 if w == 2 and b > a)
+        params["pos_width"][k] = 4
     hook = lambda vdir: _rewrite(first_file(vdir), _edit_params(lie))
     fault(xor_world, "its planes disagree with the spec", hook=hook)
 

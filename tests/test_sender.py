@@ -21,7 +21,7 @@ from delta_helpers import assert_params_equal
 from sglang.srt.weight_sync.delta.receiver import delta_status
 from sglang.srt.weight_sync.delta.sender import DeltaSender
 from sglang.srt.weight_sync.delta.transport import DiskTransport, HttpEngine, NcclTransport
-from sglang.srt.weight_sync.delta.wire import DeltaError, zstd_level
+from sglang.srt.weight_sync.delta.wire import DeltaError, DeltaStatus, Refusal, zstd_level
 
 
 class LocalEngine(InProcessEngine):
@@ -161,6 +161,32 @@ def test_unreachable_engine_gets_a_full_sync_and_both_end_identical(tmp_path):
     state = next(steps)  # and the next sync is a delta for both
     assert all(ok for ok, _ in sender.update(segments(state)).values())
     assert sender.pop_metrics()["perf/update_weights_full_sync_engines"] == 0
+    assert_both_hold(cfg, state, a, b)
+
+
+class OlderEngine(LocalEngine):
+    """Replies to ``delta_status`` as an engine before wire format 2 did: the same reply without ``wire_format``."""
+
+    older = True
+
+    def status(self):
+        ranks = super().status()
+        return [DeltaStatus.from_dict({k: v for k, v in r.to_dict().items() if k != "wire_format"}) if self.older
+                else r for r in ranks]
+
+
+def test_an_engine_on_an_older_wire_format_stops_the_sync_before_anything_is_sent(tmp_path):
+    cfg = hf_config("qwen2")
+    trainer = hf_model(cfg)
+    a, b = LocalEngine(cfg), OlderEngine(cfg)
+    sender = DeltaSender(DiskTransport(str(tmp_path), [a, b]), [a, b], encoding="deltas", buffer_bytes=32 << 10)
+    state = bf16_state(trainer)
+    with pytest.raises(DeltaError, match=r"engines read delta wire formats \{1: \[1\]\} \(engine: formats\), this "
+                                         "sender writes format 2") as e:
+        sender.update(segments(state))
+    assert e.value.code is Refusal.UNSUPPORTED and a.requests == b.requests == 0 and sender.version == 0
+    b.older = False  # upgraded: asked again, and the sync goes through
+    assert all(ok for ok, _ in sender.update(segments(state)).values())
     assert_both_hold(cfg, state, a, b)
 
 

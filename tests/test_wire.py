@@ -9,6 +9,7 @@ from sglang.srt.weight_sync.delta.wire import (
     DeltaError,
     DeltaPayload,
     DeltaSpec,
+    Refusal,
     any_nan,
     changed_positions,
     decode_positions,
@@ -201,8 +202,15 @@ def test_spec_json_and_metadata_roundtrip():
     (lambda d: d.update(version=-1), "'version' must be a non-negative integer"),
     (lambda d: d.update(base_version=9, version=2), "base_version 9 is above version 2"),
     (lambda d: d.update(checksum_algo="xxh3"), "unsupported checksum_algo 'xxh3'"),
-    (lambda d: d["params"][0].update(pos_width=3), "param 'w': pos_width must be 0, 2 or 4"),
-    (lambda d: d["params"][0].update(dtype="complex32"), "unknown dtype 'complex32'"),
+    (lambda d: d["params"]["pos_width"].__setitem__(0, 3), "param 'w': pos_width must be 0, 2 or 4, got 3"),
+    (lambda d: d["params"]["dtype"].__setitem__(0, "complex32"), "unknown dtype 'complex32'"),
+    (lambda d: d["params"]["val_end"].__setitem__(0, True), "param 'w': val_end must be a non-negative integer"),
+    (lambda d: d["params"]["pos_start"].__setitem__(0, -1), "param 'w': pos_start must be a non-negative integer"),
+    (lambda d: d["params"]["shape"].__setitem__(0, [4, 2.0]), "param 'w': shape must be a list of non-negative"),
+    (lambda d: d["params"]["name"].append("v"), r"columns of delta spec 'params' differ in length: .*'name': 2"),
+    (lambda d: d["params"].pop("val_end"), r"exactly the columns \['name', 'dtype'"),
+    (lambda d: d["params"].update(name=("w",)), "every column of delta spec 'params' must be a list"),
+    (lambda d: d["params"]["name"].__setitem__(0, ""), "param name must be a non-empty string"),
     (lambda d: d.update(extra=1), r"unknown fields \['extra'\]"),
 ])
 def test_spec_refuses_malformed(mutate, message):
@@ -210,6 +218,15 @@ def test_spec_refuses_malformed(mutate, message):
     mutate(d)
     with pytest.raises(DeltaError, match=message):
         DeltaSpec.from_dict(d)
+
+
+def test_a_spec_of_per_param_objects_is_an_older_wire_format():
+    """Wire format 1 (params as a list of objects) is refused as unsupported, by code, not as garbage."""
+    d = _flush().spec.to_dict()
+    d["params"] = [dict(zip(d["params"], row)) for row in zip(*d["params"].values())]
+    with pytest.raises(DeltaError, match="per-param objects \\(wire format 1\\); this engine reads wire format 2") as e:
+        DeltaSpec.from_dict(d)
+    assert e.value.code is Refusal.UNSUPPORTED
 
 
 def test_zstd_bomb_and_bad_frame():

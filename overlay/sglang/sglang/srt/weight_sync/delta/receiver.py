@@ -58,6 +58,7 @@ from sglang.srt.weight_sync.delta.views import direct_plan, rebuild_xor, write_d
 from sglang.srt.weight_sync.delta.wire import (
     POSITIONS,
     VALUES,
+    WIRE_FORMAT,
     DeltaError,
     DeltaParam,
     DeltaPayload,
@@ -105,7 +106,7 @@ def delta_status(model: torch.nn.Module) -> DeltaStatus:
     return DeltaStatus(version=state.version, needs_full=reason is not None, reason=reason, pending=state.pending,
                        request=request, code=code, received=received, max_request_bytes=max_request_bytes(model),
                        xor=state.xor_ready and reason is None, xor_raw=list(state.xor_raw), dense=list(state.dense),
-                       applied=dict(state.applied))
+                       applied=dict(state.applied), wire_format=WIRE_FORMAT)
 
 
 def checker_action(action: str, model: torch.nn.Module, parallelism_info=None) -> dict:

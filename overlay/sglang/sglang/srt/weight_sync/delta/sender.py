@@ -41,6 +41,7 @@ from sglang.srt.weight_sync.delta.wire import (
     DeltaPayload,
     DeltaStatus,
     Refusal,
+    WIRE_FORMAT,
     Change,
     Gathered,
     changes_many,
@@ -215,7 +216,8 @@ class DeltaBucket:
         return self.nbytes >= self.max_bytes and _module(next_name) != self.module
 
     def take(self, **spec_fields) -> List[DeltaPayload]:
-        out = [encode_gathered(self.entries[dt], self.encoding, bases=self.bases.get(dt), **spec_fields)
+        """The bucket's flushes, one per dtype, not yet sealed: every caller numbers them first, then seals."""
+        out = [encode_gathered(self.entries[dt], self.encoding, bases=self.bases.get(dt), sealed=False, **spec_fields)
                for dt in sorted(self.entries, key=str)]
         self.entries, self.bases, self.nbytes = {}, {}, 0
         return out
@@ -243,6 +245,7 @@ class EngineStatus:
     xor: bool = False  # every rank can rebuild xor_zstd values (and did not refuse them for want of a base)
     xor_raw: frozenset = frozenset()  # names no rank stores: xor_zstd sends them raw (XOR zero)
     dense: frozenset = frozenset()  # names some rank can take only dense (fp8 without recorded views)
+    wire_formats: frozenset = frozenset()  # the spec layouts its ranks read (empty: not known yet)
 
 
 def _engine_ranks(engine) -> List[DeltaStatus]:
@@ -305,6 +308,7 @@ class DeltaSender:
                 st.needs_full = True
                 logger.warning("engine %d: no delta status (%r); full sync next", i, e)
                 continue
+            st.wire_formats = frozenset(r.wire_format for r in ranks)
             versions = {r.version for r in ranks}
             known = [v for v in versions if v is not None]
             st.max_request_bytes = min(r.max_request_bytes for r in ranks)
@@ -329,6 +333,12 @@ class DeltaSender:
                 self._learn(unknown)
         if self.stages is not None:
             self._adopt(self.stages.share(self._plan() if self.stages.first else None))
+        odd = {i: sorted(s.wire_formats) for i, s in self.status.items() if s.wire_formats - {WIRE_FORMAT}}
+        if odd:  # every stage sees it in the shared plan and stops here, before anything is sent
+            for i in odd:
+                self.status[i].max_request_bytes = 0  # ask again next time: the engine may have been upgraded
+            raise DeltaError(f"engines read delta wire formats {odd} (engine: formats), this sender writes format "
+                             f"{WIRE_FORMAT}: run one patch set on the trainer and the engines", Refusal.UNSUPPORTED)
         v = self.version + 1
         self.version = v
         full_targets = [i for i, s in self.status.items() if s.needs_full]
