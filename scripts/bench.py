@@ -10,8 +10,8 @@ Three phases, so the numbers share one process and the memory run repeats them e
    and advances its snapshot (``DeltaState`` + ``DeltaBucket``, the code the slime updater runs),
    disk encodings also serialize (safetensors, each encoding's zstd level as ``AsyncSafetensorsWriter``), and a
    real SGLang ``Qwen2ForCausalLM`` applies the very same flushes through the receiver
-   (``_apply_delta_payload`` for tensors as a broadcast delivers them; ``_apply_delta`` reading the
-   files for ``deltas_zstd``). The first run checks every step and encoding bit-identical by the
+   (``_apply_delta_payload`` for tensors as a broadcast delivers them, each request's spec parsed from its JSON
+   inside the clock; ``_apply_delta`` reading the files for the disk encodings). The first run checks every step and encoding bit-identical by the
    weight fingerprint. The second run sets ``MALLOC_MMAP_THRESHOLD_=65536`` so every tensor buffer is its own mapping and
    RSS follows live tensors; a 1 ms sampling thread records the peak RSS above the baseline before
    each phase (that run's times are inflated by page faults and are not used).
@@ -224,7 +224,7 @@ def measure(paths: list, shape: str, out_json: str, check: bool) -> None:
     from cpu_harness import Host, SyncCounter, full_flushes, receiver_class, sglang_model
     from sglang.srt.weight_sync.delta import fingerprint, kernels, mix64
     from sglang.srt.weight_sync.delta.receiver import delta_status, receiver_state
-    from sglang.srt.weight_sync.delta.wire import changed_positions
+    from sglang.srt.weight_sync.delta.wire import DeltaPayload, DeltaSpec, changed_positions
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     states = [load_file(p) for p in paths]
@@ -264,7 +264,9 @@ def measure(paths: list, shape: str, out_json: str, check: bool) -> None:
     def apply(payloads, names):
         if names:  # disk: the engine reads and decompresses the files the writer left in the shared dir
             return host.call("_apply_delta", wire_dir, names)
-        return host.call("_apply_delta_payload", payloads)
+        # a broadcast: the engine parses each request's spec JSON (written by the sender, outside the clock) first
+        return host.call("_apply_delta_payload", [DeltaPayload(DeltaSpec.from_json(text), p.positions, p.values)
+                                                  for text, p in payloads])
 
     def counted_apply(payloads, names):
         """The memory run (its times are not used) also counts the apply's host synchronizations."""
@@ -289,7 +291,8 @@ def measure(paths: list, shape: str, out_json: str, check: bool) -> None:
             assert all(torch.equal(snapshot[k].view(torch.int16), new[k].view(torch.int16)) for k in new)
             files, t_ser, m_ser = measured(serialize, payloads, encoding)
             names = publish(payloads, files) if TRANSPORT[encoding] == "disk" else None
-            (ok, msg), t_apply, m_apply = measured(apply if check else counted_apply, payloads, names)
+            request = [(p.spec.to_json(), p) for p in payloads]
+            (ok, msg), t_apply, m_apply = measured(apply if check else counted_apply, request, names)
             assert ok, msg
             if check:
                 engine = fingerprint.engine_shares(receiver_state(model).copies)

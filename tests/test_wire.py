@@ -19,6 +19,7 @@ from sglang.srt.weight_sync.delta.wire import (
     flush_file,
     maybe_zstd_decompress,
     read_safetensors,
+    repeat_counts,
     validate_payload,
     write_safetensors,
 )
@@ -367,3 +368,10 @@ def test_the_checksum_pass_finds_one_nan_anywhere(dtype, at, negative):
     sums, nan = wire.checked_sums(pos, t)
     assert bool(nan) == (at is not None) and sums == wire.blob_sums(pos, t)
     assert bool(any_nan(t)) == (at is not None)
+
+
+@pytest.mark.parametrize("counts", [[3, 0, 5, 1], [0, 0, 4], [2, 0, 0], [7], [0], []])
+def test_repeat_counts_is_repeat_interleave(counts):
+    """Runs of host-known lengths, empty ones first, between and last among them."""
+    values = torch.tensor([(-1) ** k * (1 << 40) * k + 3 for k in range(len(counts))], dtype=torch.int64)
+    assert torch.equal(repeat_counts(values, counts), torch.repeat_interleave(values, torch.tensor(counts, dtype=torch.int64)))

@@ -17,7 +17,16 @@ import torch
 
 from sglang.srt.weight_sync.delta import fingerprint
 from sglang.srt.weight_sync.delta.collectives import tp_agree, tp_group
-from sglang.srt.weight_sync.delta.wire import INT_VIEW, DeltaError, DeltaPayload, Refusal, host_values, unxor
+from sglang.srt.weight_sync.delta.wire import (
+    INT_VIEW,
+    DeltaError,
+    DeltaPayload,
+    Refusal,
+    host_values,
+    repeat_counts,
+    to_device,
+    unxor,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +168,7 @@ def _batched(entries) -> Tuple[list, list]:
 
 def _write_blocks(entries) -> None:
     """One storage's whole-block writes of a flush as one ``index_copy_`` (offsets shifted per block by a
-    ``repeat_interleave`` of host-known counts: no synchronization). Blocks whose destinations overlap (a loader
+    repeat of host-known counts: no synchronization). Blocks whose destinations overlap (a loader
     that writes two HF tensors over the same elements) keep their order, one write each: a batched scatter with
     duplicate offsets has no defined winner on a GPU."""
     flat = entries[0][0].flat
@@ -171,9 +180,7 @@ def _write_blocks(entries) -> None:
         _scatter(flat, idx + t.doff, values)
     if not entries:
         return
-    counts = [idx.numel() for _, idx, _ in entries]
-    shift = torch.repeat_interleave(torch.tensor([t.doff for t, _, _ in entries], device=flat.device),
-                                    torch.tensor(counts, device=flat.device), output_size=sum(counts))
+    shift = repeat_counts(to_device([t.doff for t, _, _ in entries], flat.device), [idx.numel() for _, idx, _ in entries])
     offsets = torch.cat([idx for _, idx, _ in entries]).add_(shift)
     _scatter(flat, offsets, torch.cat([v for _, _, v in entries]))
 
@@ -218,15 +225,13 @@ def read_base(direct: Dict[str, List[Direct]], params, idxs, dtype, device, held
             continue
         flat, sizes = entries[0][0].flat, [idx.numel() for _, idx, _ in entries]
         total = sum(sizes)
-        sizes_t = torch.tensor(sizes, device=device)
-        src = torch.cat([idx for _, idx, _ in entries]).add_(torch.repeat_interleave(
-            torch.tensor([t.doff for t, _, _ in entries], device=device), sizes_t, output_size=total))
+        src = torch.cat([idx for _, idx, _ in entries]).add_(
+            repeat_counts(to_device([t.doff for t, _, _ in entries], device), sizes))
         firsts = [0]
         for n in sizes[:-1]:
             firsts.append(firsts[-1] + n)
-        dst = torch.arange(total, device=device).add_(torch.repeat_interleave(
-            torch.tensor([start - first for (_, _, start), first in zip(entries, firsts)], device=device), sizes_t,
-            output_size=total))
+        dst = torch.arange(total, device=device).add_(repeat_counts(
+            to_device([start - first for (_, _, start), first in zip(entries, firsts)], device), sizes))
         out.index_copy_(0, dst, _bits(flat, src))
     return out.view(dtype)
 

