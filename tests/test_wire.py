@@ -375,3 +375,60 @@ def test_repeat_counts_is_repeat_interleave(counts):
     """Runs of host-known lengths, empty ones first, between and last among them."""
     values = torch.tensor([(-1) ** k * (1 << 40) * k + 3 for k in range(len(counts))], dtype=torch.int64)
     assert torch.equal(repeat_counts(values, counts), torch.repeat_interleave(values, torch.tensor(counts, dtype=torch.int64)))
+
+
+def test_the_column_check_never_accepts_what_the_param_loop_refuses():
+    """The fast structure check against the loop that names faults, over a thousand lying specs and manifests:
+    it accepts only what the loop accepts (with the same result) and it accepts every honest flush."""
+    from sglang.srt.weight_sync.delta import wire
+
+    g = torch.Generator().manual_seed(5)
+    rng = random.Random(5)
+    names = [f"model.layers.{k}.w" for k in range(5)]
+    taken = refused = 0
+    for trial in range(1500):
+        entries = []
+        for k, name in enumerate(names[:rng.randint(0, 5)]):
+            old = torch.randn(rng.randint(1, 300), generator=g).to(torch.bfloat16)
+            new = old.clone()
+            new[torch.randperm(old.numel(), generator=g)[:rng.randint(0, old.numel())]] += 1
+            idx = changed_positions(old, new) if rng.random() < 0.8 else None
+            entries.append((name, new.reshape(-1, 1) if k % 2 else new, idx))
+        pl = encode_flush(entries, rng.choice(["indices", "deltas"]))
+        manifest = {p.name: (list(p.shape), p.dtype) for p in pl.spec.params}
+        lies = rng.choice([0, 1, 1, 2])
+        for _ in range(lies):
+            what = rng.randrange(12)
+            ps = pl.spec.params
+            if what < 8 and ps:
+                p, field = rng.choice(ps), wire._PARAM_FIELDS[what]
+                v = getattr(p, field)
+                if field == "name":
+                    p.name = rng.choice(names + ["x"])
+                elif field == "dtype":
+                    p.dtype = rng.choice(["float16", "int32", "bfloat16", "torch.bfloat16"])
+                elif field == "shape":
+                    p.shape = rng.choice([[], [v[0] + 1], list(reversed(v)), v + [1], [0], [1 << 70]])
+                else:
+                    p.__dict__[field] = rng.choice([v + 1, v - 1, 0, 2, 4, 3, 1 << 70, -5, v * 2])
+            elif what == 8:
+                pl.spec.full = not pl.spec.full
+            elif what == 9:
+                pl.spec.encoding = rng.choice(["indices", "deltas", "xor_zstd"])
+            elif what == 10 and manifest:
+                name = rng.choice(list(manifest))
+                shape, dtype = manifest[name]
+                manifest[name] = rng.choice([(tuple(shape), dtype), (shape + [2], dtype), (shape, "float16")])
+            elif manifest:
+                manifest.pop(rng.choice(list(manifest)))
+        for m in (manifest, None):
+            fast = wire._structure_by_columns(pl, m)
+            try:
+                slow = wire._structure_one_by_one(pl, m, "")
+            except DeltaError:
+                slow = "refused"
+            assert fast is None or fast == slow, (trial, pl.spec, m)
+            assert lies or fast is not None, (trial, pl.spec, m)
+            taken += fast is not None
+            refused += slow == "refused"
+    assert taken > 1500 and refused > 800, (taken, refused)

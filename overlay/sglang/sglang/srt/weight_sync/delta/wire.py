@@ -684,7 +684,53 @@ def _check_blobs(payload: DeltaPayload, where: str) -> None:
 
 
 def _check_structure(payload: DeltaPayload, manifest, where: str) -> Dict[int, List[DeltaParam]]:
-    """The spec's own rules and its fit to the blobs (host arithmetic only); returns sparse params by position width."""
+    """The spec's own rules and its fit to the blobs; returns sparse params by position width. A flush the
+    column-wise check accepts is done; any other goes through the loop, which names what is wrong (or accepts what
+    the column check could not tell, e.g. a manifest shape held as a tuple)."""
+    sparse = _structure_by_columns(payload, manifest)
+    return sparse if sparse is not None else _structure_one_by_one(payload, manifest, where)
+
+
+_OFFSETS = operator.attrgetter("pos_start", "pos_end", "pos_width", "val_start", "val_end")
+
+
+def _structure_by_columns(payload: DeltaPayload, manifest) -> Optional[Dict[int, List[DeltaParam]]]:
+    """:func:`_structure_one_by_one`'s rules on whole columns (numpy over the offsets, C-level maps over names and
+    shapes): the sparse params by width, or None where any rule may fail. Never accepts what the loop refuses."""
+    spec, val = payload.spec, payload.values
+    params = spec.params
+    names = list(map(operator.attrgetter("name"), params))
+    if len(set(names)) != len(names):
+        return None
+    try:
+        if any(dtype_from_str(d) != val.dtype for d in set(map(operator.attrgetter("dtype"), params))):
+            return None
+        numel = np.array(list(map(math.prod, map(operator.attrgetter("shape"), params))), dtype=np.int64)
+        cols = np.array(list(map(_OFFSETS, params)), dtype=np.int64).reshape(-1, 5)
+    except (DeltaError, OverflowError, ValueError, TypeError):
+        return None
+    ps, pe, w, vs, ve = cols.T
+    nnz = ve - vs
+    ends = (0, 0) if not len(params) else (int(pe[-1]), int(ve[-1]))
+    sparse, dense = w != 0, w == 0
+    widths = (4,) if DeltaEncoding(spec.encoding) is DeltaEncoding.INDICES else (2, 4)
+    if (ends != (payload.positions.numel(), val.numel()) or (len(params) and (ps[0] or vs[0]))
+            or (ps[1:] != pe[:-1]).any() or (vs[1:] != ve[:-1]).any() or (pe < ps).any() or (nnz < 0).any()
+            or (sparse.any() and (spec.full or not sparse_allowed(val.dtype)))
+            or (dense & ((pe != ps) | (nnz != numel))).any()
+            or (sparse & ~np.isin(w, widths)).any() or (sparse & ((pe - ps != nnz * w) | (nnz > numel))).any()):
+        return None
+    if manifest is not None:
+        entries = list(map(manifest.get, names))
+        if None in entries or {e[1] for e in entries} - {dtype_to_str(val.dtype)}:
+            return None
+        if not all(map(operator.eq, map(operator.itemgetter(0), entries), map(operator.attrgetter("shape"), params))):
+            return None
+    return {width: [params[k] for k in np.flatnonzero(w == width).tolist()] for width in (2, 4)}
+
+
+def _structure_one_by_one(payload: DeltaPayload, manifest, where: str) -> Dict[int, List[DeltaParam]]:
+    """The spec's own rules and its fit to the blobs, param by param: the first param at fault is named."""
     spec, pos, val = payload.spec, payload.positions, payload.values
     pos_at = val_at = 0
     pos_n, val_n = pos.numel(), val.numel()
