@@ -47,6 +47,7 @@ import numpy as np
 import safetensors
 import safetensors.torch
 import torch
+from torch._utils import _flatten_dense_tensors
 
 from sglang.srt.weight_sync.delta.mix64 import M64, NAN_BITS, blob_sum
 
@@ -1160,9 +1161,12 @@ _NUMPY_DIFF = True  # CPU: numpy's multi-threaded flatnonzero per param (a CPU h
 _SMALL_DIFF = 1 << 16  # CPU: params up to this many elements are diffed joined (per-param calls cost more than a copy)
 
 
-def _flat_ints(t: torch.Tensor) -> np.ndarray:
-    """``t``'s elements as a flat numpy array of same-width integers (its bytes; no copy when contiguous)."""
-    return np.ravel((t.detach() if t.requires_grad else t).view(INT_VIEW[t.element_size()]).numpy())
+def _joined_ints(ts: Sequence[torch.Tensor]) -> np.ndarray:
+    """Tensors of one dtype joined flat, as same-width integers: one C++ call for all of them (the flatten that
+    PyTorch's and Megatron's bucketing use) — a view per tensor from Python costs more than a small param's copy."""
+    with torch.no_grad():
+        joined = _flatten_dense_tensors(ts)
+    return joined.view(INT_VIEW[joined.element_size()]).numpy()
 
 
 Change = Tuple[torch.Tensor, Optional[torch.Tensor]]  # (changed positions, the new values there, where known)
@@ -1180,8 +1184,7 @@ def _small_cpu_diffs(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> List
     for dtype, ks in groups.items():
         if len(ks) < 2:
             continue
-        a = np.concatenate([_flat_ints(pairs[k][0]) for k in ks])
-        b = np.concatenate([_flat_ints(pairs[k][1]) for k in ks])
+        a, b = _joined_ints([pairs[k][0] for k in ks]), _joined_ints([pairs[k][1] for k in ks])
         hits = np.flatnonzero(a != b)
         sizes = [pairs[k][1].numel() for k in ks]
         starts = np.cumsum([0] + sizes)
