@@ -11,8 +11,8 @@ Three phases, so the numbers share one process and the memory run repeats them e
    disk encodings also serialize (safetensors, each encoding's zstd level as ``AsyncSafetensorsWriter``), and a
    real SGLang ``Qwen2ForCausalLM`` applies the very same flushes through the receiver
    (``_apply_delta_payload`` for tensors as a broadcast delivers them, each request's spec parsed from its JSON
-   inside the clock; ``_apply_delta`` reading the files for the disk encodings). The first run checks every step and encoding bit-identical by the
-   weight fingerprint. The second run sets ``MALLOC_MMAP_THRESHOLD_=65536`` so every tensor buffer is its own mapping and
+   inside the clock; ``_apply_delta`` reading the files for the disk encodings). The first run checks every step
+   and encoding bit-identical by the weight fingerprint. The second run sets ``MALLOC_MMAP_THRESHOLD_=65536`` so every tensor buffer is its own mapping and
    RSS follows live tensors; a 1 ms sampling thread records the peak RSS above the baseline before
    each phase (that run's times are inflated by page faults and are not used).
 3. **report** — ``docs/benchmarks.md`` (tables + method) and ``docs/benchmarks.png``.

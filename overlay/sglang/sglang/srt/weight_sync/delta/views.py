@@ -180,7 +180,8 @@ def _write_blocks(entries) -> None:
         _scatter(flat, idx + t.doff, values)
     if not entries:
         return
-    shift = repeat_counts(to_device([t.doff for t, _, _ in entries], flat.device), [idx.numel() for _, idx, _ in entries])
+    shift = repeat_counts(to_device([t.doff for t, _, _ in entries], flat.device),
+                          [idx.numel() for _, idx, _ in entries])
     offsets = torch.cat([idx for _, idx, _ in entries]).add_(shift)
     _scatter(flat, offsets, torch.cat([v for _, _, v in entries]))
 
