@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -407,6 +408,12 @@ def breakeven(t: dict, s: dict) -> float:
     return float("inf") if compute <= 0 else (t["full_bytes"] - s["wire"]) / compute
 
 
+def _breakeven_words(link: float) -> str:
+    if math.isinf(link):
+        return "beats a full sync on any link (its encode and apply take less than the plain load alone)"
+    return f"beats a full sync on links slower than {link / 1e6:,.0f} MB/s and loses on faster ones"
+
+
 def plot(t: dict, summ: dict, path: str) -> None:
     import matplotlib
 
@@ -517,8 +524,7 @@ def report(t: dict, m: dict, args, env: str) -> str:
         f"{summ['deltas']['apply'] / t['full_load_s']:.1f}x a full `load_weights`, which is one memory-speed copy. "
         "On the sender, the bytewise diff is a pass over the whole model and encoding gathers the changed values, "
         f"{sum(summ['deltas'][k] for k in ('encode', 'serialize')):.1f} s here for `deltas`. With these CPU "
-        f"figures, `deltas` beats a full sync on links slower than {breakeven(t, summ['deltas']) / 1e6:,.0f} MB/s "
-        "and loses on faster ones. On a GPU the "
+        f"figures, `deltas` {_breakeven_words(breakeven(t, summ['deltas']))}. On a GPU the "
         "diff and the gathers run at device memory bandwidth (`make gpu-check` measures them), and the link term is "
         "what remains. Over a shared filesystem or a WAN, where full syncs are slowest, the wire bytes decide.",
         "",
