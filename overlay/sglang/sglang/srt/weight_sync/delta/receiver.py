@@ -98,6 +98,18 @@ def _decode_delta_one_param(p: DeltaParam, idx: Optional[torch.Tensor], values: 
     return flat.view(p.shape)
 
 
+def _values_of(values: torch.Tensor, params: Sequence[DeltaParam]) -> Sequence[torch.Tensor]:
+    """Each of ``params``' values in its flush's ``values`` (params in spec order, a subset of the flush's, whose
+    offsets tile the values: checked), as views made by one ``split`` — one Python slice per param costs more."""
+    if not params:
+        return []
+    sizes, at = [], params[0].val_start
+    for p in params:
+        sizes += (p.val_start - at, p.val_end - p.val_start)  # the gap before it (params left out), then its own
+        at = p.val_end
+    return values[params[0].val_start:at].split(sizes)[1::2]
+
+
 def delta_status(model: torch.nn.Module) -> DeltaStatus:
     """This rank's structured status (what the sender decides on)."""
     state = receiver_state(model)
@@ -208,20 +220,23 @@ def _apply_request(self, payloads: Sequence[DeltaPayload], weight_version: Optio
         _kill_point()
 
     direct = {} if head.full else (state.direct or {})
-    via_views, via_loader = [], []  # (param, positions or None, the flush's values on the device)
+    via_views, via_loader = [], []  # (param, positions, its values) / (param, positions or None, the flush's values)
     for payload, idxs in zip(payloads, decoded):
-        values = payload.values
+        values, viewed = payload.values, []
         for p, idx in zip(payload.spec.params, idxs):
             if head.full:
                 state.pending_manifest[p.name] = (list(p.shape), p.dtype)
             if idx is not None and not idx.numel():
                 continue  # nothing of this param changed: no write at all
-            (via_views if idx is not None and p.name in direct else via_loader).append((p, idx, values))
+            if idx is not None and p.name in direct:
+                viewed.append((p, idx))
+            else:
+                via_loader.append((p, idx, values))
+        via_views += [(p, idx, part) for (p, idx), part in zip(viewed, _values_of(values, [p for p, _ in viewed]))]
     try:
         with torch.no_grad():
             if via_views:
-                write_direct([(direct[p.name], idx, values[p.val_start:p.val_end], p.numel)
-                               for p, idx, values in via_views])
+                write_direct([(direct[p.name], idx, part, p.numel) for p, idx, part in via_views])
                 _kill_point()
             _post_process(model, state, [p.name for p, _, _ in via_views], complete)
         if via_loader:

@@ -889,7 +889,7 @@ def _decode_run(pos: torch.Tensor, params: List[DeltaParam], width: int, gaps: b
     flags.append((idx[last] >= numel).any())  # increasing: each param's last position is its largest
     if clamp:  # one op for the run, not one per param
         idx = torch.minimum(idx, repeat_counts(numel - 1, counts))
-    return {p.name: idx[s:s + c] for p, s, c in zip(params, starts, counts)}
+    return dict(zip(map(operator.attrgetter("name"), params), idx.split(counts)))  # views made in one call
 
 
 def _check_one_by_one(payload: DeltaPayload, where: str) -> None:
