@@ -103,7 +103,7 @@ class _HostLink:
         hands them over, so on a CPU there is nothing to copy)."""
         if not self.cuda:
             if fresh and values.device.type == "cpu":
-                return values.detach()
+                return values.detach() if values.requires_grad else values
             return values.detach().clone() if values.device.type == "cpu" else values.detach().cpu()
         self.d2h_bytes += values.numel() * values.element_size()
         event = torch.cuda.Event()

@@ -1242,10 +1242,10 @@ class Gathered:
     def of(cls, name: str, tensor: torch.Tensor, idx: Optional[torch.Tensor],
            values: Optional[torch.Tensor] = None) -> "Gathered":
         """``values``: ``tensor`` at ``idx``, when the caller already gathered them."""
-        flat = tensor.detach().reshape(-1)
-        if idx is not None and values is None:
-            values = gather(flat, idx)
-        return cls(name, list(tensor.shape), flat if idx is None else values, idx)
+        if idx is None or values is None:
+            flat = tensor.detach().reshape(-1)
+            values = flat if idx is None else gather(flat, idx)
+        return cls(name, list(tensor.shape), values, idx)
 
 
 def encode_flush(entries: Sequence[Tuple[str, torch.Tensor, Optional[torch.Tensor]]], encoding: str,
@@ -1271,18 +1271,19 @@ def encode_gathered(items: Sequence[Gathered], encoding: str, bases: Optional[Se
         raise DeltaError(f"one flush holds one values dtype, got {sorted(map(dtype_to_str, dtypes))}")
     dtype = dtypes.pop() if dtypes else torch.bfloat16
     device = items[0].values.device if items else torch.device("cpu")
-    for g in items:
-        if g.idx is not None and not sparse_allowed(g.values.dtype):
-            raise DeltaError(f"param {g.name!r}: {dtype_to_str(g.values.dtype)} params travel dense")
-    positions, ranges = encode_positions_many([g.idx for g in items if g.idx is not None], encoding, device)
+    name = dtype_to_str(dtype)
+    sparse = [g.idx for g in items if g.idx is not None]
+    if sparse and not sparse_allowed(dtype):
+        raise DeltaError(f"param {next(g.name for g in items if g.idx is not None)!r}: {name} params travel dense")
+    positions, ranges = encode_positions_many(sparse, encoding, device)
     encoded = iter(ranges)  # the sparse params' bytes in item order: dense params have none
     params, pos_at, val_at = [], 0, 0
     for g in items:
         start, end, width = (pos_at, pos_at, 0) if g.idx is None else next(encoded)
-        params.append(DeltaParam(g.name, dtype_to_str(g.values.dtype), g.shape, start, end, width,
-                                 val_at, val_at + g.values.numel()))
+        n = g.values.numel()
+        params.append(DeltaParam(g.name, name, g.shape, start, end, width, val_at, val_at + n))
         pos_at = end
-        val_at += g.values.numel()
+        val_at += n
     values = torch.cat([g.values for g in items]) if items else torch.empty(0, dtype=dtype, device=device)
     base = None
     if xor:
