@@ -160,6 +160,14 @@ def measured(fn, *args):
 CHUNK_PARAMS = 128
 
 
+def snapshot_of(state: dict) -> dict:
+    """A copy of ``state`` laid out as the sender keeps its snapshot (tensors cut from shared slabs)."""
+    from sglang.srt.weight_sync.delta.sender import _HostLink
+
+    link = _HostLink(torch.device("cpu"))
+    return {k: link.host_copy(v) for k, v in state.items()}
+
+
 def sender_sync(snapshot, new, encoding: str, version: int, raw=()):
     """One delta sync on the sender: diff vs the snapshot, encode into bounded buckets, advance the snapshot
     (``xor_zstd``: the snapshot's values at the changed positions go along; ``raw``: the engine's ``xor_raw``)."""
@@ -285,7 +293,7 @@ def measure(paths: list, shape: str, out_json: str, check: bool) -> None:
         _, row["memcpy_s"], _ = measured(lambda: [t.clone() for t in new.values()])
         _, row["diff_s"], _ = measured(lambda: [changed_positions(old[k], new[k]) for k in new])
         for i, encoding in enumerate(ENCODINGS):
-            snapshot = {k: v.clone() for k, v in old.items()}
+            snapshot = snapshot_of(old)
             version += 1
             raw = delta_status(model).xor_raw  # names the engine never stores travel raw in xor_zstd
             payloads, t_enc, m_enc = measured(sender_sync, snapshot, new, encoding, version, raw)

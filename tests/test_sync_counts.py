@@ -88,6 +88,37 @@ def test_direct_writes_scatter_once_per_destination_not_per_tensor(layers):
     assert c.n <= len(storages), (c.n, len(storages), len(pl.spec.params))
 
 
+@pytest.mark.parametrize("n", [6, 300])
+def test_the_snapshot_folds_a_sync_in_once_per_slab_not_per_tensor(n):
+    """The sender's snapshot is cut from shared slabs (exact sizes: no pinned power-of-two rounding per tensor), and
+    a sync's changes go in with one scatter per slab and dtype, bit for bit, fp8 included."""
+    from sglang.srt.weight_sync.delta.sender import DeltaState
+
+    g = torch.Generator().manual_seed(n)
+    dtypes = [torch.bfloat16, torch.float32, torch.float8_e4m3fn]
+    old = {f"p{k}": torch.randn(7 + 3 * k, 5, generator=g).to(dtypes[k % 3]) for k in range(n)}
+    state = DeltaState(torch.device("cpu"))
+    for name, t in old.items():
+        state.record(name, t, None)
+    state.commit(1)
+    assert len({t.untyped_storage().data_ptr() for t in state.snapshot.values()}) == 1
+    new = {}
+    for name, t in old.items():
+        t = t.clone()
+        flat = t.view(-1).view(torch.uint8 if t.element_size() == 1 else torch.int16 if t.element_size() == 2
+                               else torch.int32)
+        flat[torch.randperm(flat.numel(), generator=g)[:3]] ^= 1
+        new[name] = t
+    chunk = list(new.items())
+    for (name, t), (idx, values) in zip(chunk, state.changes(chunk, [state.snapshot[k] for k in new])):
+        state.record(name, t, idx, values)
+    with ScatterCounter() as c:
+        state.commit(2)
+    assert c.n == len(dtypes)
+    for name, t in new.items():
+        assert torch.equal(state.snapshot[name].view(torch.uint8), t.view(torch.uint8)), name
+
+
 def test_the_sender_synchronizes_a_constant_number_of_times_per_chunk_and_flush(tmp_path, monkeypatch):
     """The sender's side of a delta sync (diff against the snapshot, bucket, encode) on a real Qwen3-MoE at 2 and 6
     layers (5x the tensors), one chunk and one flush per dtype: the same count. The diff runs its device path

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -39,6 +40,7 @@ from sglang.srt.weight_sync.delta.wire import (
     DeltaEncoding,
     DeltaError,
     DeltaPayload,
+    INT_VIEW,
     DeltaStatus,
     Refusal,
     WIRE_FORMAT,
@@ -50,11 +52,13 @@ from sglang.srt.weight_sync.delta.wire import (
     gather,
     gc_paused,
     nan_sentinel,
+    repeat_counts,
     sparse_allowed,
 )
 
 logger = logging.getLogger(__name__)
 
+_SLAB, _ALIGN = 64 << 20, 64  # snapshot slabs (bytes; a power of two) and the alignment of tensors in them
 _EXPERT_SUBPASSES = 4  # expert params are published in this many segments so apply overlaps encode
 
 Chunk = Sequence[Tuple[str, torch.Tensor]]
@@ -73,11 +77,27 @@ class _HostLink:
             self.d2h_stream = torch.cuda.Stream(device)
         self.h2d_bytes = self.d2h_bytes = 0
 
+        self._slab: Optional[torch.Tensor] = None
+        self._slab_at = 0
+
     def host_copy(self, t: torch.Tensor) -> torch.Tensor:
-        """A host copy that outlives ``t`` (pinned on CUDA so later H2D/D2H copies are async)."""
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.cuda)
+        """A host copy that outlives ``t`` (pinned on CUDA so later H2D/D2H copies are async), cut from a slab."""
+        out = self._host_empty(t.shape, t.dtype)
         out.copy_(t.detach())
         return out
+
+    def _host_empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """Snapshot memory cut from slabs of power-of-two bytes (64-byte aligned): torch's pinned allocator rounds
+        each allocation up to a power of two (a snapshot of one allocation per tensor pins up to 2x the model), and
+        tensors that share a slab are folded into by one scatter per slab (:meth:`DeltaState.commit`)."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        at = -(-self._slab_at // _ALIGN) * _ALIGN
+        if self._slab is None or at + nbytes > self._slab.numel():
+            self._slab = torch.empty(max(_SLAB, 1 << max(nbytes - 1, 0).bit_length()), dtype=torch.uint8,
+                                     pin_memory=self.cuda)
+            at = 0
+        self._slab_at = at + nbytes
+        return self._slab[at:at + nbytes].view(dtype).view(shape)
 
     def prefetch(self, host: Optional[torch.Tensor], device: torch.device):
         """Start moving a snapshot tensor to ``device``; returns a handle for :meth:`ready`."""
@@ -160,13 +180,17 @@ class DeltaState:
             self._sent[name] = (self.link.to_host(idx, fresh=True), self.link.to_host(values, fresh=True))
 
     def commit(self, version: int) -> None:
-        """Every engine acknowledged ``version``: fold what it sent into the snapshot."""
+        """Every engine acknowledged ``version``: fold what it sent into the snapshot, one scatter per slab."""
         self.link.synchronize()
+        folds: Dict[Tuple[int, torch.dtype], list] = {}
         for name, (idx, values) in self._sent.items():
             if idx is None:
                 self.snapshot[name] = values
             elif idx.numel():
-                self.snapshot[name].view(-1)[idx] = values
+                snap = self.snapshot[name]
+                folds.setdefault((snap.untyped_storage().data_ptr(), snap.dtype), []).append((snap, idx, values))
+        for entries in folds.values():
+            _fold(entries)
         self._sent.clear()
         self.staged.clear()
         self.version = version
@@ -178,6 +202,23 @@ class DeltaState:
             if idx is not None:
                 self.staged[name] = idx
         self._sent.clear()
+
+
+def _fold(entries) -> None:
+    """``snap.view(-1)[idx] = values`` for snapshot tensors of one storage and dtype, as one ``index_copy_`` into
+    the storage (as integers of the same width: index kernels lack fp8 on some devices)."""
+    snap = entries[0][0]
+    iv = INT_VIEW[snap.element_size()]
+    if len(entries) == 1 or not all(s.is_contiguous() for s, _, _ in entries):
+        for s, idx, values in entries:
+            s.view(-1).view(iv).index_copy_(0, idx, values.view(iv))
+        return
+    storage = snap.untyped_storage()
+    flat = torch.empty(0, dtype=iv).set_(storage, 0, (storage.nbytes() // snap.element_size(),))
+    shift = repeat_counts(torch.tensor([s.storage_offset() for s, _, _ in entries], dtype=torch.int64),
+                          [idx.numel() for _, idx, _ in entries])
+    flat.index_copy_(0, torch.cat([idx for _, idx, _ in entries]).add_(shift),
+                     torch.cat([values.view(iv) for _, _, values in entries]))
 
 
 # ---------------------------------------------------------------- bucket
