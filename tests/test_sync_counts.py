@@ -88,11 +88,16 @@ def test_direct_writes_scatter_once_per_destination_not_per_tensor(layers):
     assert c.n <= len(storages), (c.n, len(storages), len(pl.spec.params))
 
 
-@pytest.mark.parametrize("n", [6, 300])
-def test_the_snapshot_folds_a_sync_in_once_per_slab_not_per_tensor(n):
+@pytest.mark.parametrize("n, slab", [(6, None), (300, None), (300, 1 << 10)])
+def test_the_snapshot_folds_a_sync_in_once_per_slab_not_per_tensor(n, slab, monkeypatch):
     """The sender's snapshot is cut from shared slabs (exact sizes: no pinned power-of-two rounding per tensor), and
-    a sync's changes go in with one scatter per slab and dtype, bit for bit, fp8 included."""
+    a sync's changes go in with one scatter per slab and dtype, bit for bit, fp8 included; with small slabs, tensors
+    larger than one get their own allocation."""
+    from sglang.srt.weight_sync.delta import sender
     from sglang.srt.weight_sync.delta.sender import DeltaState
+
+    if slab:
+        monkeypatch.setattr(sender, "_SLAB", slab)
 
     g = torch.Generator().manual_seed(n)
     dtypes = [torch.bfloat16, torch.float32, torch.float8_e4m3fn]
@@ -101,7 +106,12 @@ def test_the_snapshot_folds_a_sync_in_once_per_slab_not_per_tensor(n):
     for name, t in old.items():
         state.record(name, t, None)
     state.commit(1)
-    assert len({t.untyped_storage().data_ptr() for t in state.snapshot.values()}) == 1
+    groups = {(t.untyped_storage().data_ptr(), t.dtype) for t in state.snapshot.values()}
+    storages = [t.untyped_storage().data_ptr() for t in state.snapshot.values()]
+    big = [t.untyped_storage().data_ptr() for t in state.snapshot.values()
+           if t.numel() * t.element_size() > sender._SLAB]
+    assert len(set(storages)) == 1 if not slab else (0 < len(big) < n and len(set(storages)) < n)
+    assert all(storages.count(ptr) == 1 for ptr in big)  # a tensor larger than a slab has its own allocation
     new = {}
     for name, t in old.items():
         t = t.clone()
@@ -114,7 +124,7 @@ def test_the_snapshot_folds_a_sync_in_once_per_slab_not_per_tensor(n):
         state.record(name, t, idx, values)
     with ScatterCounter() as c:
         state.commit(2)
-    assert c.n == len(dtypes)
+    assert c.n == len(groups) and (slab or c.n == len(dtypes))
     for name, t in new.items():
         assert torch.equal(state.snapshot[name].view(torch.uint8), t.view(torch.uint8)), name
 

@@ -76,7 +76,6 @@ class _HostLink:
             self.h2d_stream = torch.cuda.Stream(device)
             self.d2h_stream = torch.cuda.Stream(device)
         self.h2d_bytes = self.d2h_bytes = 0
-
         self._slab: Optional[torch.Tensor] = None
         self._slab_at = 0
 
@@ -87,15 +86,16 @@ class _HostLink:
         return out
 
     def _host_empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
-        """Snapshot memory cut from slabs of power-of-two bytes (64-byte aligned): torch's pinned allocator rounds
-        each allocation up to a power of two (a snapshot of one allocation per tensor pins up to 2x the model), and
-        tensors that share a slab are folded into by one scatter per slab (:meth:`DeltaState.commit`)."""
+        """Snapshot memory: tensors up to a slab cut from shared slabs of a power-of-two size, 64-byte aligned
+        (torch's pinned allocator rounds each allocation up to a power of two: one allocation per tensor pins up to
+        2x the model; tensors that share a slab are folded into by one scatter, :meth:`DeltaState.commit`). A
+        larger tensor gets its own allocation, as before."""
         nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes > _SLAB:
+            return torch.empty(shape, dtype=dtype, pin_memory=self.cuda)
         at = -(-self._slab_at // _ALIGN) * _ALIGN
-        if self._slab is None or at + nbytes > self._slab.numel():
-            self._slab = torch.empty(max(_SLAB, 1 << max(nbytes - 1, 0).bit_length()), dtype=torch.uint8,
-                                     pin_memory=self.cuda)
-            at = 0
+        if self._slab is None or at + nbytes > _SLAB:
+            self._slab, at = torch.empty(_SLAB, dtype=torch.uint8, pin_memory=self.cuda), 0
         self._slab_at = at + nbytes
         return self._slab[at:at + nbytes].view(dtype).view(shape)
 
