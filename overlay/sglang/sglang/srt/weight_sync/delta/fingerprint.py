@@ -23,7 +23,6 @@ read per fingerprint (:func:`read_shares`); the coverage signature is a closed f
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import math
@@ -202,14 +201,15 @@ class FingerprintRecorder:
     def in_copy(self) -> bool:
         return getattr(self._tls, "in_copy", False)
 
-    @contextlib.contextmanager
-    def copying(self, recorded: bool):
-        """Mark this thread as inside a ``copy_`` the recorder explains (when ``recorded``)."""
-        self._tls.in_copy = recorded
+    def copy(self, native, dst: torch.Tensor, src, non_blocking: bool = False):
+        """``native(dst, src, non_blocking)``, recorded (:meth:`observe`), with this thread marked as inside a copy
+        the recorder explains while it runs (when it does). Every copy of a full load comes here: no context manager."""
+        tls = self._tls
+        tls.in_copy = self.observe(dst, src)
         try:
-            yield
+            return native(dst, src, non_blocking)
         finally:
-            self._tls.in_copy = False
+            tls.in_copy = False
 
     @staticmethod
     def _ranges(items) -> RangeIndex:

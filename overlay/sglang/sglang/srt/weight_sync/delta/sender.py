@@ -52,7 +52,7 @@ from sglang.srt.weight_sync.delta.wire import (
     gather,
     gc_paused,
     nan_sentinel,
-    repeat_counts,
+    shifted_cat,
     sparse_allowed,
 )
 
@@ -215,10 +215,8 @@ def _fold(entries) -> None:
         return
     storage = snap.untyped_storage()
     flat = torch.empty(0, dtype=iv).set_(storage, 0, (storage.nbytes() // snap.element_size(),))
-    shift = repeat_counts(torch.tensor([s.storage_offset() for s, _, _ in entries], dtype=torch.int64),
-                          [idx.numel() for _, idx, _ in entries])
-    flat.index_copy_(0, torch.cat([idx for _, idx, _ in entries]).add_(shift),
-                     torch.cat([values.view(iv) for _, _, values in entries]))
+    offsets = shifted_cat([idx for _, idx, _ in entries], [s.storage_offset() for s, _, _ in entries], flat.device)
+    flat.index_copy_(0, offsets, torch.cat([values.view(iv) for _, _, values in entries]))
 
 
 # ---------------------------------------------------------------- bucket

@@ -9,6 +9,7 @@ flush is relative to (:func:`read_base`, :func:`rebuild_xor`).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -24,6 +25,7 @@ from sglang.srt.weight_sync.delta.wire import (
     Refusal,
     host_values,
     repeat_counts,
+    shifted_cat,
     to_device,
     unxor,
 )
@@ -180,9 +182,7 @@ def _write_blocks(entries) -> None:
         _scatter(flat, idx + t.doff, values)
     if not entries:
         return
-    shift = repeat_counts(to_device([t.doff for t, _, _ in entries], flat.device),
-                          [idx.numel() for _, idx, _ in entries])
-    offsets = torch.cat([idx for _, idx, _ in entries]).add_(shift)
+    offsets = shifted_cat([idx for _, idx, _ in entries], [t.doff for t, _, _ in entries], flat.device)
     _scatter(flat, offsets, torch.cat([v for _, _, v in entries]))
 
 
@@ -225,13 +225,9 @@ def read_base(direct: Dict[str, List[Direct]], params, idxs, dtype, device, held
         if not entries:
             continue
         flat, sizes = entries[0][0].flat, [idx.numel() for _, idx, _ in entries]
-        total = sum(sizes)
-        src = torch.cat([idx for _, idx, _ in entries]).add_(
-            repeat_counts(to_device([t.doff for t, _, _ in entries], device), sizes))
-        firsts = [0]
-        for n in sizes[:-1]:
-            firsts.append(firsts[-1] + n)
-        dst = torch.arange(total, device=device).add_(repeat_counts(
+        src = shifted_cat([idx for _, idx, _ in entries], [t.doff for t, _, _ in entries], device)
+        firsts = itertools.accumulate(sizes, initial=0)
+        dst = torch.arange(sum(sizes), device=device).add_(repeat_counts(
             to_device([start - first for (_, _, start), first in zip(entries, firsts)], device), sizes))
         out.index_copy_(0, dst, _bits(flat, src))
     return out.view(dtype)

@@ -562,6 +562,12 @@ def repeat_counts(values: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
     return out[:total].cumsum_(0)
 
 
+def shifted_cat(idxs: Sequence[torch.Tensor], shifts: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``cat([idx + shift ...])`` for host-known shifts, with no host read: how both sides turn many tensors' offsets
+    into one storage's, for one scatter or gather per storage instead of one per tensor."""
+    return torch.cat(list(idxs)).add_(repeat_counts(to_device(shifts, device), [i.numel() for i in idxs]))
+
+
 def encode_positions_many(idxs: Sequence[torch.Tensor], encoding: str,
                           device: Optional[torch.device] = None) -> Tuple[torch.Tensor, List[Tuple[int, int, int]]]:
     """Several params' sorted positions -> (one uint8 blob, their bytes in order; per param (byte start, byte end,
@@ -869,11 +875,9 @@ def _decode_run(pos: torch.Tensor, params: List[DeltaParam], width: int, gaps: b
     else:
         raw = torch.cat([pos[p.pos_start:p.pos_end] for p in params])
     idx = raw.view(torch.uint16 if width == 2 else torch.uint32).to(torch.int64)
-    starts = [0]
-    for c in counts[:-1]:
-        starts.append(starts[-1] + c)
-    first = torch.tensor(starts, dtype=torch.int64, device=device)
-    last = first + torch.tensor([c - 1 for c in counts], dtype=torch.int64, device=device)
+    ends = list(itertools.accumulate(counts, initial=0))
+    first = to_device(ends[:-1], device)
+    last = to_device([e - 1 for e in ends[1:]], device)
     if gaps:  # idx = cumsum(gap + 1) - 1 within each param: the running sum less its value where the param starts
         idx += 1
         before = idx[first]
@@ -885,7 +889,7 @@ def _decode_run(pos: torch.Tensor, params: List[DeltaParam], width: int, gaps: b
         if len(params) > 1:
             rising[first[1:] - 1] = True
         flags.append(~rising.all())
-    numel = torch.tensor([p.numel for p in params], dtype=torch.int64, device=device)
+    numel = to_device([p.numel for p in params], device)
     flags.append((idx[last] >= numel).any())  # increasing: each param's last position is its largest
     if clamp:  # one op for the run, not one per param
         idx = torch.minimum(idx, repeat_counts(numel - 1, counts))
