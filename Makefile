@@ -14,14 +14,16 @@ IMAGE     ?= delta-weight-sync:latest
 venvs:
 	@for p in $(PINS); do scripts/build_venv.sh $$p $(BUILD) || exit 1; done
 
-# One pytest run per SGLang pin: the same tests against both patched versions, except the modules that run no
-# SGLang code (wire format, checksum, fingerprint: the overlay on the same torch in both venvs), run with the first.
-PIN_FREE_TESTS = tests/test_wire.py tests/test_checksum.py tests/test_fingerprint.py
+# One pytest run per SGLang pin: the same tests against both patched versions, except modules whose subject does
+# not change with the pin, run with the first only: the wire format, checksum and fingerprint (no SGLang code), the
+# bench's report and gpu-check's dry run (our scripts), and the 50-sync soak (`make soak PIN=...` runs 200 on any pin).
+ONE_PIN_TESTS = tests/test_wire.py tests/test_checksum.py tests/test_fingerprint.py tests/test_bench.py \
+  tests/test_gpu_check.py tests/test_soak.py
 test: venvs
 	@rc=0; skip=""; for p in $(PINS); do \
 	  echo "=== tests against patched sglang $$p ==="; \
 	  $(BUILD)/venv-$$p/bin/python -m pytest tests $$skip $(PYTEST_ARGS) || rc=1; \
-	  skip="$(addprefix --ignore=,$(PIN_FREE_TESTS))"; \
+	  skip="$(addprefix --ignore=,$(ONE_PIN_TESTS))"; \
 	done; exit $$rc
 
 # slime's patched updater with a tiny Megatron model on CPU into a server on the image's SGLang tree
@@ -67,7 +69,7 @@ gpu-check:
 gpu-bundle:
 	scripts/gpu_bundle.sh $(BUILD)
 
-# 200 syncs into a real server with random (seeded) faults (`make test` runs the same with 50), and the disk
+# 200 syncs into a real server with random (seeded) faults (`make test` runs the same with 50, first pin), and the disk
 # transport's fan-out to four real servers.
 soak:
 	@scripts/build_venv.sh $(PIN) $(BUILD)
