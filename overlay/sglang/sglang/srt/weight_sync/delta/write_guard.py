@@ -202,22 +202,12 @@ def scoped(scope: Scope):
 # ---------------------------------------------------------------- delta apply
 
 
-class _Mode(TorchDispatchMode):
-    """A dispatch mode whose ``__torch_dispatch__`` runs aten ops only, never ``torch.compile``d code: torch's
-    guard that keeps dynamo out of such frames is skipped — it costs about as much as the rest of the mode per
-    op, and a full load runs ~5 ops per tensor (measured: 87k ops on 18.9k tensors)."""
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False
-
-
 _aten = torch.ops.aten
 _COPY, _ZERO, _FILL, _CAT = _aten.copy_, _aten.zero_, _aten.fill_.Scalar, _aten.cat.default  # bound once, not per op
 _FILLS, _INDEX_PUT, _INDEX = _aten.fill_, _aten.index_put_, _aten.index.Tensor
 
 
-class WriteGuard(_Mode):
+class WriteGuard(TorchDispatchMode):
     """Sees every aten op of a delta apply (in one thread); masks or refuses writes into model storage that
     bypass ``copy_``.
 
@@ -336,7 +326,7 @@ def delta_apply_context(model: torch.nn.Module):
 # ---------------------------------------------------------------- full sync
 
 
-class FullSyncWatch(_Mode):
+class FullSyncWatch(TorchDispatchMode):
     """During a full sync (one per thread of its scope): any write into model storage that a recorded view
     copy does not explain (a transformed or deferred copy, in-place arithmetic, an index-assignment, a fill
     with a value) keeps the whole model off the direct path — which name it derives from is unknowable here.
