@@ -450,6 +450,9 @@ def run(args, device, report) -> None:
                    f"(h2d {statistics.mean(h2d) / 1e6:.1f} + d2h {statistics.mean(d2h) / 1e6:.1f}) = "
                    f"{moved / (2 * nbytes):.2f} of the 4N = {2 * nbytes / 1e6:.0f} MB of whole chunks both ways"
                    + (" (CPU: no host link)" if device.type != "cuda" else ""))
+    held = lanes["deltas"][1].state.host_bytes()
+    report.add(f"- sender snapshot in host memory{' (pinned)' if device.type == 'cuda' else ''}: {held / 1e6:.1f} MB "
+               f"for {nbytes / 1e6:.1f} MB of weights ({held / nbytes:.2f}x; whole 64 MiB slabs: the last one's tail is unused)")
     if device.type == "cuda":
         host, sender, _ = lanes["deltas"]
         sender.transport = DiskTransport(os.path.join(workdir, "profiled"), sender.engines)

@@ -22,6 +22,7 @@ def test_dry_run_passes_every_check(tmp_path):
     assert "PASS: broadcast:gloo: a request refused unreceived aborts the pending broadcast" in text
     assert "PASS: broadcast:gloo: the next sync re-creates the group and lands bit-identically" in text
     assert "skipped (no device): mix64 blob sums equal on CPU and device" in text and "delta apply `deltas`" in text
+    assert "- sender snapshot in host memory: " in text
     assert "PASS: mix64" not in text and "PASS: weight fingerprint equal on CPU" not in text
     for enc in ("deltas_zstd", "xor_zstd"):  # the FP8 rollout lane
         assert f"PASS: fp8 step 3 {enc}: delta, e4m3 density" in text

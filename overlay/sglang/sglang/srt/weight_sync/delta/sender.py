@@ -155,6 +155,12 @@ class DeltaState:
         self.staged: Dict[str, torch.Tensor] = {}  # positions sent by unacknowledged syncs (sorted int64)
         self._sent: Dict[str, Tuple[Optional[torch.Tensor], torch.Tensor]] = {}
 
+    def host_bytes(self) -> int:
+        """Host memory the snapshot holds (pinned on CUDA): each slab or own allocation once. Torch's pinned
+        allocator rounds an allocation larger than a slab up to a power of two on top of this."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.snapshot.values()}
+        return sum(storages.values())
+
     def changes(self, chunk: Chunk, bases: Sequence[Optional[torch.Tensor]]) -> List[Optional[Change]]:
         """Per param of a chunk, the positions this sync must carry (changed since the snapshot, plus those staged
         by an unacknowledged sync) and, where the diff got them, the new values there (``wire.changes_many``);
