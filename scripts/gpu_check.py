@@ -452,7 +452,7 @@ def run(args, device, report) -> None:
                    + (" (CPU: no host link)" if device.type != "cuda" else ""))
     held = lanes["deltas"][1].state.host_bytes()
     report.add(f"- sender snapshot in host memory{' (pinned)' if device.type == 'cuda' else ''}: {held / 1e6:.1f} MB "
-               f"for {nbytes / 1e6:.1f} MB of weights ({held / nbytes:.2f}x; whole 64 MiB slabs: the last one's tail is unused)")
+               f"for {nbytes / 1e6:.1f} MB of weights ({held / nbytes:.2f}x; whole slabs: the last one's tail is unused)")
     if device.type == "cuda":
         host, sender, _ = lanes["deltas"]
         sender.transport = DiskTransport(os.path.join(workdir, "profiled"), sender.engines)
