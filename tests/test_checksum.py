@@ -278,6 +278,23 @@ def test_the_compiled_kernel_sums_and_flags_nans_as_the_eager_pass(compiled_cpu,
             bits[at] = old
 
 
+@pytest.mark.parametrize("threads", [1, 2, 5])
+def test_the_compiled_kernel_gives_one_sum_whatever_the_thread_count(compiled_cpu, threads):
+    """Every thread sums a share: more threads than the compiling process had (5) must not run past the partial
+    sums (inductor sizes them by the compiling process unless told otherwise), fewer must not drop a share."""
+    data = _words((1 << 21) * 8 + 3, threads)
+    blob = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    was = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = [int(x) for x in mix64.blob_sum(blob, DOMAIN[VALUES], torch.bfloat16)]
+    finally:
+        torch.set_num_threads(was)
+    padded = torch.cat([blob, torch.zeros(-blob.numel() % 8, dtype=torch.uint8)]).view(torch.int64)
+    assert got == [int(x) for x in mix64._eager_sum(padded, DOMAIN[VALUES], mix64.nan_lanes(torch.bfloat16))]
+    assert kernels.kernel_state("cpu", mix64.SUM) == "compiled"
+
+
 def test_a_kernel_that_differs_anywhere_is_never_used(compiled_cpu):
     """The self-test every process runs before using the kernel: one wrong key past 32 words (what inductor's
     unchecked int64 overflow produced) is found; the eager path stays."""

@@ -115,6 +115,23 @@ def test_the_coverage_closed_form_equals_the_sum():
         assert mix64.coverage(shape, strides, offset) == want, (shape, strides, offset)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 5])
+def test_the_fingerprint_kernel_gives_one_sum_whatever_the_thread_count(threads):
+    """As the checksum kernel: each thread hashes a share of the rows, and the shares add up to the eager sum."""
+    kernels.warm("cpu", mix64.FINGERPRINT[torch.int16])
+    runner = kernels.KERNELS.runner[("fingerprint-int16", "cpu")]
+    bits = sample(torch.bfloat16, (1 << 21) + 1024, threads).view(torch.int16).reshape(-1, 1024)
+    (ka, kb), key0 = mix64.fingerprint_keys((1024, 1), 5, 77)
+    row = torch.tensor([ka, kb, key0, 0xFFFF])
+    was = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = int(mix64.run_fingerprint(runner, bits, row))
+    finally:
+        torch.set_num_threads(was)
+    assert got == int(mix64.eager_fingerprint(bits.to(torch.int64).reshape(-1), bits.shape, (ka, kb), key0, 0xFFFF))
+
+
 def test_a_fingerprint_kernel_that_differs_is_never_used():
     kernels.warm("cpu", mix64.FINGERPRINT[torch.int16])
     runner = kernels.KERNELS.runner[("fingerprint-int16", "cpu")]

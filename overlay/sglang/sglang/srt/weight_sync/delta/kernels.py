@@ -48,6 +48,12 @@ def _device_key(device: torch.device) -> str:
     return device.type
 
 
+# CPU: every sum reduces over all threads of the calling process, however many it has at run time. Inductor's
+# default decides from the example's 64 elements that one thread will do (1.3 GB/s for the checksum on one core, the
+# same on two), and where it does parallelize, sizes its per-thread partial sums by the compiling process's thread
+# count while the parallel region takes the running one's.
+_OPTIONS = {"cpp.dynamic_threads": True}
+
 _BUILD_LOCK = threading.Lock()  # one export at a time in a process: tracing is not safe to run in two threads
 
 
@@ -62,7 +68,8 @@ def _build_locked(kernel: Kernel, device: torch.device):
     import filelock
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    src = inspect.getsource(kernel.module) + repr([t.dtype for t in kernel.example]) + torch.__version__
+    src = (inspect.getsource(kernel.module) + repr([t.dtype for t in kernel.example]) + torch.__version__
+           + repr(_OPTIONS))
     key = hashlib.blake2b((src + _device_key(device)).encode(), digest_size=8).hexdigest()
     path = os.path.join(cache_dir(), "delta-mix64", f"{kernel.name}-{_device_key(device)}-{key}.pt2")
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -72,7 +79,8 @@ def _build_locked(kernel: Kernel, device: torch.device):
             dims = {d: torch.export.Dim(f"n{d}", min=1, max=1 << 40) for d in range(args[0].dim())}
             program = torch.export.export(kernel.module(), args, dynamic_shapes=(dims,) + (None,) * (len(args) - 1))
             tmp = f"{path[:-4]}-{os.getpid()}.tmp.pt2"  # a package name must end in .pt2
-            torch._inductor.aoti_compile_and_package(program, package_path=tmp)
+            with torch._inductor.config.patch(_OPTIONS):
+                torch._inductor.aoti_compile_and_package(program, package_path=tmp)
             os.replace(tmp, path)
     index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else -1)
     return _direct(torch._inductor.aoti_load_package(path, device_index=index))
