@@ -10,7 +10,6 @@ the same code in ``make gpu-check``.
 import time
 
 import pytest
-import torch
 
 from cpu_harness import Server, bf16_state, engine_mismatch, hf_config, hf_model, rl_steps, segments, write_hf_checkpoint
 from sglang.srt.weight_sync.delta.sender import DeltaSender
