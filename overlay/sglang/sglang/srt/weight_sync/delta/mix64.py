@@ -3,7 +3,8 @@ and the same expressions as :mod:`kernels` compiled ahead of time, with the test
 
 Both are sums of splitmix64's finalizer (a bijection) over keyed 64-bit terms. Eager, the checksum is ~14 passes over
 the words per block (on CPU ~8x a full ``load_weights`` of the same bytes), the fingerprint ~20 per element; each
-compiled kernel is one pass that makes its keys in registers (at memory speed for the checksum).
+compiled kernel is one pass on all threads that makes its keys in registers. On an AVX2 CPU the 64-bit multiplies
+bound it (measured: checksum ~1.2 GB/s per core, fingerprint ~0.2 GB/s of bf16 per core), not memory.
 """
 from __future__ import annotations
 

@@ -178,8 +178,8 @@ def _write_blocks(entries) -> None:
     entries, alone = _batched(entries) if not any(b[0] < a[1] for a, b in zip(spans, spans[1:])) else ([], entries)
     if len(entries) == 1:
         entries, alone = [], entries + alone
-    for t, idx, values in alone:
-        _scatter(flat, idx + t.doff, values)
+    for t, idx, values in alone:  # the block's start moves the view, not every position (no pass over them)
+        _scatter(flat[t.doff:], idx, values)
     if not entries:
         return
     offsets = shifted_cat([idx for _, idx, _ in entries], [t.doff for t, _, _ in entries], flat.device)
@@ -220,8 +220,8 @@ def read_base(direct: Dict[str, List[Direct]], params, idxs, dtype, device, held
         at += n
     for entries in blocks.values():  # idx is clamped into each param: every offset lies inside its block
         entries, alone = _batched(entries)
-        for t, idx, start in alone:
-            out[start:start + idx.numel()] = _bits(t.flat, idx + t.doff)
+        for t, idx, start in alone:  # gathered straight into place, from the block's start
+            torch.index_select(t.flat[t.doff:].view(out.dtype), 0, idx, out=out[start:start + idx.numel()])
         if not entries:
             continue
         flat, sizes = entries[0][0].flat, [idx.numel() for _, idx, _ in entries]
