@@ -1192,11 +1192,12 @@ def _small_cpu_diffs(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> List
         hits = np.flatnonzero(a != b)
         sizes = [pairs[k][1].numel() for k in ks]
         starts = np.cumsum([0] + sizes)
-        cuts = np.searchsorted(hits, starts).tolist()
+        counts = np.diff(np.searchsorted(hits, starts))
         values = torch.from_numpy(b[hits]).view(dtype)
-        local = torch.from_numpy(hits - np.repeat(starts[:-1], np.diff(cuts)))
-        for j, k in enumerate(ks):
-            out[k] = (local[cuts[j]:cuts[j + 1]], values[cuts[j]:cuts[j + 1]])
+        local = torch.from_numpy(hits - np.repeat(starts[:-1], counts))
+        counts = counts.tolist()  # each param's share as views made in one call each (a slice costs ~2 us)
+        for k, idx, vals in zip(ks, local.split(counts), values.split(counts)):
+            out[k] = (idx, vals)
     return out
 
 
