@@ -129,6 +129,43 @@ def test_the_snapshot_folds_a_sync_in_once_per_slab_not_per_tensor(n, slab, monk
         assert torch.equal(state.snapshot[name].view(torch.uint8), t.view(torch.uint8)), name
 
 
+class OpCounter(TorchDispatchMode):
+    """Counts the ops that compute (not views): one kernel launch each on a GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_device_diff_launches_a_constant_number_of_ops_per_batch(monkeypatch):
+    """The sender's diff on a device (run here on CPU): 10 or 100 params of two dtypes, one with staged positions,
+    take the same ops — compare, gather and split per dtype and batch, never per param — and every param's
+    positions and values are its own diff's."""
+    from sglang.srt.weight_sync.delta import wire
+
+    monkeypatch.setattr(wire, "_NUMPY_DIFF", False)
+    counts = []
+    for n in (5, 50):
+        g = torch.Generator().manual_seed(n)
+        olds = [torch.randn(256, generator=g).bfloat16() for _ in range(n)] + \
+            [torch.randn(64, generator=g) for _ in range(n)]
+        news = [o.clone() for o in olds]
+        for t in news[1:]:
+            t[::7] += 1
+        staged = [torch.tensor([1, 2])] + [None] * (2 * n - 1)
+        with OpCounter() as c:
+            got = wire.changes_many(list(zip(olds, news)), staged)
+        counts.append(c.n)
+        for k, (old, new, (idx, values)) in enumerate(zip(olds, news, got)):
+            want = changed_positions(old, new) if k else torch.tensor([1, 2])
+            assert torch.equal(idx, want) and torch.equal(values, new[want]), k
+    assert counts[0] == counts[1], counts
+
+
 def test_the_sender_synchronizes_a_constant_number_of_times_per_chunk_and_flush(tmp_path, monkeypatch):
     """The sender's side of a delta sync (diff against the snapshot, bucket, encode) on a real Qwen3-MoE at 2 and 6
     layers (5x the tensors), one chunk and one flush per dtype: the same count. The diff runs its device path

@@ -277,12 +277,17 @@ def test_changed_positions_of_many_params_unite_the_staged_positions(monkeypatch
     assert [g.tolist() for g in got] == [[3, 5, 17], [], [0, 999]]
 
 
-def test_the_joined_diff_hands_over_the_new_values_bit_for_bit():
+@pytest.mark.parametrize("numpy_diff", [True, False])
+def test_the_joined_diff_hands_over_the_new_values_bit_for_bit(monkeypatch, numpy_diff):
     """Small CPU params are diffed joined per dtype and their new values come out of that pass: each param's
     positions and values equal its own diff and gather — across dtypes of one width (bf16 beside fp16), fp8, a
     transposed (non-contiguous) tensor, one that requires grad, NaN payloads, an unchanged param, a large one
-    (diffed alone) and one with staged positions (values left to the caller)."""
+    (diffed alone on CPU) and one with staged positions (values left to the caller on CPU). The device path
+    (``numpy_diff=False``, in batches small enough here to split the params) hands over every param's values."""
     from sglang.srt.weight_sync.delta import wire
+
+    monkeypatch.setattr(wire, "_NUMPY_DIFF", numpy_diff)
+    monkeypatch.setattr(wire, "_JOIN_BYTES", 3 * 64 * 48 * 2)
 
     g = torch.Generator().manual_seed(3)
     olds = [torch.randn(64, 48, generator=g).to(d) for d in
@@ -315,7 +320,8 @@ def test_the_joined_diff_hands_over_the_new_values_bit_for_bit():
         flat = new.detach().reshape(-1)
         assert values.dtype == new.dtype and torch.equal(values.view(wire.INT_VIEW[new.element_size()]),
                                                          wire.gather(flat, idx).view(wire.INT_VIEW[new.element_size()]))
-    assert joined == 7 and got[2][0].numel() == 0 and got[8][1] is None and got[3][1] is None
+    assert got[2][0].numel() == 0
+    assert (joined == 7 and got[8][1] is None and got[3][1] is None) if numpy_diff else joined == len(olds)
 
 
 def test_no_garbage_collection_while_a_sync_runs():

@@ -1201,12 +1201,16 @@ def _small_cpu_diffs(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> List
     return out
 
 
+_JOIN_BYTES = 64 << 20  # device diff: params are compared joined in batches of about this many bytes per side
+
+
 def changes_many(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]],
                  extra: Optional[Sequence[Optional[torch.Tensor]]] = None) -> List[Change]:
     """Per ``(old, new)`` pair: the positions whose bytes differ, united with its ``extra`` positions (sorted,
-    unique), and ``new``'s values there where the diff got them for free (small CPU params; None elsewhere: the
-    caller gathers). On a device: one ``nonzero`` over the joined masks and one host read of the split points, for
-    all of them — a per-param ``nonzero`` is a host synchronization each."""
+    unique), and ``new``'s values there where the diff got them for free (small CPU params and every param on a
+    device; None elsewhere: the caller gathers). On a device, per batch of params (:func:`_joined_diff`): a
+    constant number of ops and two host reads, whatever the params' count — a per-param op is a kernel launch
+    each, a per-param ``nonzero`` a host synchronization each."""
     extra = list(extra) if extra is not None else [None] * len(pairs)
     if not pairs:
         return []
@@ -1218,19 +1222,64 @@ def changes_many(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]],
                 change = (torch.from_numpy(np.union1d(change[0].numpy(), more.cpu().numpy())), None)
             out[k] = change
         return out
-    masks, starts = [], [0]
-    for (old, new), more in zip(pairs, extra):
+    for old, new in pairs:
         if old.shape != new.shape or old.dtype != new.dtype:
             raise DeltaError(f"cannot diff {old.dtype} {list(old.shape)} against {new.dtype} {list(new.shape)}")
-        iv = INT_VIEW[new.element_size()]
-        mask = old.detach().reshape(-1).view(iv) != new.detach().reshape(-1).view(iv)
-        if more is not None and more.numel():
-            mask.index_fill_(0, more.to(mask.device, non_blocking=True), True)
-        masks.append(mask)
-        starts.append(starts[-1] + mask.numel())
-    hits = torch.cat(masks).nonzero().reshape(-1)
-    bounds = host_values(torch.searchsorted(hits, torch.tensor(starts, device=hits.device)))
-    return [(hits[a:b] - s, None) for a, b, s in zip(bounds, bounds[1:], starts)]
+    out: List[Change] = []
+    batch: List[int] = []
+    size = 0
+    for k, (_, new) in enumerate(pairs):  # batches bound the joined copies' memory (a large param goes alone)
+        batch.append(k)
+        size += new.numel() * new.element_size()
+        if size >= _JOIN_BYTES or k == len(pairs) - 1:
+            out += _joined_diff([pairs[j] for j in batch], [extra[j] for j in batch])
+            batch, size = [], 0
+    return out
+
+
+def _joined(ts: Sequence[torch.Tensor], iv: torch.dtype) -> torch.Tensor:
+    """Tensors' bits flat and joined (a view for a lone contiguous tensor)."""
+    flat = [t.detach().reshape(-1).view(iv) for t in ts]
+    return flat[0] if len(flat) == 1 else torch.cat(flat)
+
+
+def _joined_diff(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]],
+                 extra: Sequence[Optional[torch.Tensor]]) -> List[Change]:
+    """One batch of :func:`changes_many` on a device. Per values dtype: the olds and the news joined, one compare,
+    one gather of the new values at the hits; for the batch: staged positions filled in with one scatter, one
+    ``nonzero``, one host read of where each param's hits start. Each param's positions and values are views cut
+    from those (``split``), so no op runs per param."""
+    device = pairs[0][1].device
+    groups: Dict[torch.dtype, List[int]] = {}
+    for k, (_, new) in enumerate(pairs):
+        groups.setdefault(new.dtype, []).append(k)
+    order = [k for ks in groups.values() for k in ks]  # params in the joined order
+    masks, news, starts = [], [], [0]
+    for dtype, ks in groups.items():
+        iv = INT_VIEW[dtype.itemsize]
+        joined_new = _joined([pairs[k][1] for k in ks], iv)
+        masks.append(_joined([pairs[k][0] for k in ks], iv) != joined_new)
+        news.append(joined_new)
+        for k in ks:
+            starts.append(starts[-1] + pairs[k][1].numel())
+    mask = masks[0] if len(masks) == 1 else torch.cat(masks)
+    staged = [(j, extra[k]) for j, k in enumerate(order) if extra[k] is not None and extra[k].numel()]
+    if staged:  # positions an unacknowledged sync sent: carried again, whatever their bytes
+        mask.index_fill_(0, shifted_cat([m.to(device, non_blocking=True) for _, m in staged],
+                                        [starts[j] for j, _ in staged], device), True)
+    hits = mask.nonzero().reshape(-1)
+    bounds = host_values(torch.searchsorted(hits, to_device(starts, device)))
+    counts = [b - a for a, b in zip(bounds, bounds[1:])]
+    local = (hits - repeat_counts(to_device(starts[:-1], device), counts)).split(counts)
+    out: List[Optional[Change]] = [None] * len(pairs)
+    j = 0
+    for (dtype, ks), joined_new in zip(groups.items(), news):
+        a, b = bounds[j], bounds[j + len(ks)]
+        values = joined_new[hits[a:b] - starts[j]].view(dtype).split(counts[j:j + len(ks)])
+        for k, idx, vals in zip(ks, local[j:j + len(ks)], values):
+            out[k] = (idx, vals)
+        j += len(ks)
+    return out
 
 
 @dataclasses.dataclass
