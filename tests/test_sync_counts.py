@@ -166,10 +166,12 @@ def test_the_device_diff_launches_a_constant_number_of_ops_per_batch(monkeypatch
     assert counts[0] == counts[1], counts
 
 
-def test_the_sender_synchronizes_a_constant_number_of_times_per_chunk_and_flush(tmp_path, monkeypatch):
+@pytest.mark.parametrize("encoding", ["deltas", "xor_zstd"])
+def test_the_sender_synchronizes_a_constant_number_of_times_per_chunk_and_flush(tmp_path, monkeypatch, encoding):
     """The sender's side of a delta sync (diff against the snapshot, bucket, encode) on a real Qwen3-MoE at 2 and 6
-    layers (5x the tensors), one chunk and one flush per dtype: the same count. The diff runs its device path
-    (the CPU's numpy fast path has nothing to synchronize, so it would count nothing)."""
+    layers (5x the tensors), one chunk and one flush per dtype: the same count of host synchronizations and of
+    computing ops (a launch each on a GPU; ``xor_zstd``'s base values come out of the diff too). The diff runs its
+    device path (the CPU's numpy fast path has nothing to synchronize, so it would count nothing)."""
     from cpu_harness import InProcessEngine
     from sglang.srt.weight_sync.delta import wire
     from sglang.srt.weight_sync.delta.sender import DeltaSender
@@ -181,11 +183,12 @@ def test_the_sender_synchronizes_a_constant_number_of_times_per_chunk_and_flush(
         cfg = hf_config("qwen3-moe", layers=layers)
         states = rl_states(cfg, 1, seed=0)
         engine = InProcessEngine(Host(sglang_model(cfg)))
-        sender = DeltaSender(DiskTransport(str(tmp_path / str(layers)), [engine]), [engine], encoding="deltas")
+        sender = DeltaSender(DiskTransport(str(tmp_path / str(layers)), [engine]), [engine], encoding=encoding)
         assert sender.update([lambda: [list(states[0].items())]])[0][0]
-        ops = _count(lambda: sender.update([lambda: [list(states[1].items())]]))
+        with OpCounter() as launches:
+            ops = _count(lambda: sender.update([lambda: [list(states[1].items())]]))
         m = sender.pop_metrics()
         assert sender.state.version == 2 and 0 < m["perf/update_weights_density"] < 0.2, m
-        counts.append(ops)
+        counts.append((ops, launches.n))
         sender.transport.close()
-    assert counts[0] == counts[1] and len(counts[1]) <= 4, counts  # the chunk's diff: 2; the flush's encode: 2
+    assert counts[0] == counts[1] and len(counts[1][0]) <= 4, counts  # the chunk's diff: 2; the flush's encode: 2

@@ -161,17 +161,24 @@ class DeltaState:
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.snapshot.values()}
         return sum(storages.values())
 
-    def changes(self, chunk: Chunk, bases: Sequence[Optional[torch.Tensor]]) -> List[Optional[Change]]:
+    def changes(self, chunk: Chunk, bases: Sequence[Optional[torch.Tensor]],
+                olds: Optional[list] = None) -> List[Optional[Change]]:
         """Per param of a chunk, the positions this sync must carry (changed since the snapshot, plus those staged
         by an unacknowledged sync) and, where the diff got them, the new values there (``wire.changes_many``);
-        None where a param has no snapshot yet. One diff for the whole chunk."""
+        None where a param has no snapshot yet. One diff for the whole chunk. ``olds``: filled per param with
+        the snapshot's values at those positions where the diff got them, else None."""
         diffable = [k for k, ((_, t), b) in enumerate(zip(chunk, bases))
                     if b is not None and b.shape == t.shape and b.dtype == t.dtype]
+        got: Optional[list] = [] if olds is not None else None
         found = changes_many([(bases[k], chunk[k][1]) for k in diffable],
-                             [self.staged.get(chunk[k][0]) for k in diffable])
+                             [self.staged.get(chunk[k][0]) for k in diffable], got)
         out: List[Optional[Change]] = [None] * len(chunk)
-        for k, change in zip(diffable, found):
+        if olds is not None:
+            olds[:] = [None] * len(chunk)
+        for j, (k, change) in enumerate(zip(diffable, found)):
             out[k] = change
+            if olds is not None:
+                olds[k] = got[j]
         return out
 
     def record(self, name: str, tensor: torch.Tensor, idx: Optional[torch.Tensor],
@@ -568,7 +575,9 @@ class _SyncRun:
         state = self.s.state
         chunk = list(chunk)
         bases = [state.link.ready(h) for h in handles]
-        for (name, tensor), base, change in zip(chunk, bases, state.changes(chunk, bases)):
+        olds: Optional[list] = [] if self.encodings.get("delta") == DeltaEncoding.XOR_ZSTD.value else None
+        changes = state.changes(chunk, bases, olds)
+        for k, ((name, tensor), base, change) in enumerate(zip(chunk, bases, changes)):
             idx, values = change if change is not None else (None, None)
             self.elements += tensor.numel()
             self.nnz += tensor.numel() if idx is None else idx.numel()
@@ -582,7 +591,8 @@ class _SyncRun:
                     (nan_sentinel(tensor.dtype) or name not in self.dense)
                 if idx is None or idx.numel():  # an unchanged param is left out of the spec
                     self.buckets["delta"].add(name, tensor, idx if sparse else None,
-                                              self._xor_base(name, tensor, base, idx if sparse else None),
+                                              self._xor_base(name, tensor, base, idx if sparse else None,
+                                                             olds[k] if olds else None),
                                               values if sparse else None)
             if "full" in self.buckets:
                 self.buckets["full"].add(name, tensor, None)
@@ -593,14 +603,17 @@ class _SyncRun:
             self.fingerprint_s += time.perf_counter() - t0
 
     def _xor_base(self, name: str, tensor: torch.Tensor, base: Optional[torch.Tensor],
-                  idx: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+                  idx: Optional[torch.Tensor], at_idx: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """xor_zstd: base_version's values where this delta sends values (zero for a name the engines never store
-        or one without a snapshot, which the engines' manifest refuses anyway)."""
+        or one without a snapshot, which the engines' manifest refuses anyway); ``at_idx``: the snapshot's values
+        at ``idx`` when the diff already gathered them."""
         if self.encodings.get("delta") != DeltaEncoding.XOR_ZSTD.value:
             return None
         if base is None or name in self.xor_raw:
             return torch.zeros(tensor.numel() if idx is None else idx.numel(), dtype=tensor.dtype, device=tensor.device)
-        return base.reshape(-1) if idx is None else gather(base.reshape(-1), idx)
+        if idx is None:
+            return base.reshape(-1)
+        return at_idx if at_idx is not None else gather(base.reshape(-1), idx)
 
     def _spec_fields(self, kind: str, final: bool) -> dict:
         full = kind == "full"

@@ -1205,13 +1205,17 @@ _JOIN_BYTES = 64 << 20  # device diff: params are compared joined in batches of 
 
 
 def changes_many(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]],
-                 extra: Optional[Sequence[Optional[torch.Tensor]]] = None) -> List[Change]:
+                 extra: Optional[Sequence[Optional[torch.Tensor]]] = None,
+                 olds: Optional[List[Optional[torch.Tensor]]] = None) -> List[Change]:
     """Per ``(old, new)`` pair: the positions whose bytes differ, united with its ``extra`` positions (sorted,
     unique), and ``new``'s values there where the diff got them for free (small CPU params and every param on a
-    device; None elsewhere: the caller gathers). On a device, per batch of params (:func:`_joined_diff`): a
-    constant number of ops and two host reads, whatever the params' count — a per-param op is a kernel launch
-    each, a per-param ``nonzero`` a host synchronization each."""
+    device; None elsewhere: the caller gathers). ``olds``: a list to fill with ``old``'s values at the same
+    positions where the diff got them (device; None elsewhere), for ``xor_zstd``. On a device, per batch of params
+    (:func:`_joined_diff`): a constant number of ops and two host reads, whatever the params' count — a per-param
+    op is a kernel launch each, a per-param ``nonzero`` a host synchronization each."""
     extra = list(extra) if extra is not None else [None] * len(pairs)
+    if olds is not None:
+        olds[:] = [None] * len(pairs)
     if not pairs:
         return []
     if _NUMPY_DIFF and all(new.device.type == "cpu" for _, new in pairs):
@@ -1232,7 +1236,10 @@ def changes_many(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]],
         batch.append(k)
         size += new.numel() * new.element_size()
         if size >= _JOIN_BYTES or k == len(pairs) - 1:
-            out += _joined_diff([pairs[j] for j in batch], [extra[j] for j in batch])
+            changes, bases = _joined_diff([pairs[j] for j in batch], [extra[j] for j in batch], olds is not None)
+            out += changes
+            if olds is not None:
+                olds[k + 1 - len(batch):k + 1] = bases
             batch, size = [], 0
     return out
 
@@ -1243,23 +1250,23 @@ def _joined(ts: Sequence[torch.Tensor], iv: torch.dtype) -> torch.Tensor:
     return flat[0] if len(flat) == 1 else torch.cat(flat)
 
 
-def _joined_diff(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]],
-                 extra: Sequence[Optional[torch.Tensor]]) -> List[Change]:
+def _joined_diff(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], extra: Sequence[Optional[torch.Tensor]],
+                 want_olds: bool) -> Tuple[List[Change], list]:
     """One batch of :func:`changes_many` on a device. Per values dtype: the olds and the news joined, one compare,
-    one gather of the new values at the hits; for the batch: staged positions filled in with one scatter, one
-    ``nonzero``, one host read of where each param's hits start. Each param's positions and values are views cut
-    from those (``split``), so no op runs per param."""
+    one gather of the new values at the hits (and of the old ones, ``want_olds``); for the batch: staged positions
+    filled in with one scatter, one ``nonzero``, one host read of where each param's hits start. Each param's
+    positions and values are views cut from those (``split``), so no op runs per param."""
     device = pairs[0][1].device
     groups: Dict[torch.dtype, List[int]] = {}
     for k, (_, new) in enumerate(pairs):
         groups.setdefault(new.dtype, []).append(k)
     order = [k for ks in groups.values() for k in ks]  # params in the joined order
-    masks, news, starts = [], [], [0]
+    masks, joined, starts = [], [], [0]
     for dtype, ks in groups.items():
         iv = INT_VIEW[dtype.itemsize]
-        joined_new = _joined([pairs[k][1] for k in ks], iv)
-        masks.append(_joined([pairs[k][0] for k in ks], iv) != joined_new)
-        news.append(joined_new)
+        old, new = _joined([pairs[k][0] for k in ks], iv), _joined([pairs[k][1] for k in ks], iv)
+        masks.append(old != new)
+        joined.append((old, new))
         for k in ks:
             starts.append(starts[-1] + pairs[k][1].numel())
     mask = masks[0] if len(masks) == 1 else torch.cat(masks)
@@ -1272,14 +1279,17 @@ def _joined_diff(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]],
     counts = [b - a for a, b in zip(bounds, bounds[1:])]
     local = (hits - repeat_counts(to_device(starts[:-1], device), counts)).split(counts)
     out: List[Optional[Change]] = [None] * len(pairs)
+    bases: list = [None] * len(pairs)
     j = 0
-    for (dtype, ks), joined_new in zip(groups.items(), news):
-        a, b = bounds[j], bounds[j + len(ks)]
-        values = joined_new[hits[a:b] - starts[j]].view(dtype).split(counts[j:j + len(ks)])
-        for k, idx, vals in zip(ks, local[j:j + len(ks)], values):
-            out[k] = (idx, vals)
+    for (dtype, ks), (old, new) in zip(groups.items(), joined):
+        at, cut = hits[bounds[j]:bounds[j + len(ks)]] - starts[j], counts[j:j + len(ks)]
+        for k, idx, values in zip(ks, local[j:j + len(ks)], new[at].view(dtype).split(cut)):
+            out[k] = (idx, values)
+        if want_olds:
+            for k, base in zip(ks, old[at].view(dtype).split(cut)):
+                bases[k] = base
         j += len(ks)
-    return out
+    return out, bases
 
 
 @dataclasses.dataclass
