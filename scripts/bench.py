@@ -189,6 +189,7 @@ def _sender_sync(snapshot, new, encoding: str, version: int, raw):
     for at in range(0, len(items), CHUNK_PARAMS):  # the chunks a trainer hands over: one diff per chunk
         chunk = items[at:at + CHUNK_PARAMS]
         found += state.changes(chunk, [snapshot[name] for name, _ in chunk])
+    sent = []
     for (name, t), (idx, values) in zip(items, found):
         if bucket.should_flush(name):
             payloads += bucket.take(version=version, base_version=version - 1)
@@ -197,8 +198,9 @@ def _sender_sync(snapshot, new, encoding: str, version: int, raw):
             base = torch.zeros(idx.numel(), dtype=t.dtype) if name in raw else snapshot[name].reshape(-1)[idx]
         if values is None:  # once, for the record and the bucket (as DeltaSender does)
             values = gather(t.reshape(-1), idx)
-        state.record(name, t, idx, values)
+        sent.append((name, t, idx, values))
         bucket.add(name, t, idx, base, values)
+    state.record(sent)
     payloads += bucket.take(version=version, base_version=version - 1)
     state.commit(version)
     return as_parts(payloads)  # the bench applies them as one request (flush 0, final)

@@ -103,8 +103,7 @@ def test_the_snapshot_folds_a_sync_in_once_per_slab_not_per_tensor(n, slab, monk
     dtypes = [torch.bfloat16, torch.float32, torch.float8_e4m3fn]
     old = {f"p{k}": torch.randn(7 + 3 * k, 5, generator=g).to(dtypes[k % 3]) for k in range(n)}
     state = DeltaState(torch.device("cpu"))
-    for name, t in old.items():
-        state.record(name, t, None)
+    state.record([(name, t, None, None) for name, t in old.items()])
     state.commit(1)
     groups = {(t.untyped_storage().data_ptr(), t.dtype) for t in state.snapshot.values()}
     storages = [t.untyped_storage().data_ptr() for t in state.snapshot.values()]
@@ -120,8 +119,8 @@ def test_the_snapshot_folds_a_sync_in_once_per_slab_not_per_tensor(n, slab, monk
         flat[torch.randperm(flat.numel(), generator=g)[:3]] ^= 1
         new[name] = t
     chunk = list(new.items())
-    for (name, t), (idx, values) in zip(chunk, state.changes(chunk, [state.snapshot[k] for k in new])):
-        state.record(name, t, idx, values)
+    found = state.changes(chunk, [state.snapshot[k] for k in new])
+    state.record([(name, t, idx, values) for (name, t), (idx, values) in zip(chunk, found)])
     with ScatterCounter() as c:
         state.commit(2)
     assert c.n == len(groups) and (slab or c.n == len(dtypes))

@@ -135,6 +135,14 @@ class _HostLink:
             values.record_stream(self.d2h_stream)
         return out
 
+    def to_host_many(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """:meth:`to_host` (``fresh``) for flat tensors of one dtype: on CUDA joined, so a chunk takes one copy off the
+        default stream instead of one per param, and handed back as views of that host copy."""
+        if not self.cuda or len(tensors) < 2 or any(t.device.type != "cuda" for t in tensors):
+            return [self.to_host(t, fresh=True) for t in tensors]
+        host = self.to_host(torch.cat([t.reshape(-1) for t in tensors]), fresh=True)
+        return list(host.split([t.numel() for t in tensors]))
+
     def synchronize(self) -> None:
         if self.cuda:
             self.h2d_stream.synchronize()
@@ -181,16 +189,27 @@ class DeltaState:
                 olds[k] = got[j]
         return out
 
-    def record(self, name: str, tensor: torch.Tensor, idx: Optional[torch.Tensor],
-               values: Optional[torch.Tensor] = None) -> None:
-        """Keep what this sync sent — the changed values only (``values``: ``tensor`` at ``idx``, if already
-        gathered), or a full copy for a new param (positions and values go to the host off the default stream: no
-        synchronization per param). ``idx`` and ``values`` are the caller's own, never changed afterwards."""
-        if idx is None:
-            self._sent[name] = (None, self.link.host_copy(tensor))
-        else:
-            values = gather(tensor.reshape(-1), idx) if values is None else values
-            self._sent[name] = (self.link.to_host(idx, fresh=True), self.link.to_host(values, fresh=True))
+    def record(self, entries: Sequence[Tuple[str, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]]
+               ) -> None:
+        """Keep what this sync sent, for a chunk's ``(name, tensor, idx, values)``: the changed values only
+        (``values``: ``tensor`` at ``idx``, or None to gather them here), or a full copy for a new param (``idx``
+        None). Positions and values go to the host off the default stream, one copy per dtype for the chunk: no
+        synchronization and no copy per param. ``idx`` and ``values`` are the caller's own, never changed."""
+        sparse = []
+        for name, tensor, idx, values in entries:
+            if idx is None:
+                self._sent[name] = (None, self.link.host_copy(tensor))
+            else:
+                sparse.append((name, idx, gather(tensor.reshape(-1), idx) if values is None else values))
+        by_dtype: Dict[torch.dtype, List[int]] = {}
+        for k, (_, _, values) in enumerate(sparse):
+            by_dtype.setdefault(values.dtype, []).append(k)
+        kept: List[Optional[torch.Tensor]] = [None] * len(sparse)
+        for ks in by_dtype.values():
+            for k, host in zip(ks, self.link.to_host_many([sparse[k][2] for k in ks])):
+                kept[k] = host
+        for (name, _, _), idx, values in zip(sparse, self.link.to_host_many([i for _, i, _ in sparse]), kept):
+            self._sent[name] = (idx, values)
 
     def commit(self, version: int) -> None:
         """Every engine acknowledged ``version``: fold what it sent into the snapshot, one scatter per slab."""
@@ -577,6 +596,7 @@ class _SyncRun:
         bases = [state.link.ready(h) for h in handles]
         olds: Optional[list] = [] if self.encodings.get("delta") == DeltaEncoding.XOR_ZSTD.value else None
         changes = state.changes(chunk, bases, olds)
+        sent = []
         for k, ((name, tensor), base, change) in enumerate(zip(chunk, bases, changes)):
             idx, values = change if change is not None else (None, None)
             self.elements += tensor.numel()
@@ -596,7 +616,8 @@ class _SyncRun:
                                               values if sparse else None)
             if "full" in self.buckets:
                 self.buckets["full"].add(name, tensor, None)
-            state.record(name, tensor, idx, values)
+            sent.append((name, tensor, idx, values))
+        state.record(sent)
         if self.fingerprints is not None:  # hashed where the tensors live (on the GPU during training), per chunk
             t0 = time.perf_counter()
             self.fingerprints.update(fingerprint.tensor_shares(chunk))
