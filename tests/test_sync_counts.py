@@ -128,6 +128,37 @@ def test_the_snapshot_folds_a_sync_in_once_per_slab_not_per_tensor(n, slab, monk
         assert torch.equal(state.snapshot[name].view(torch.uint8), t.view(torch.uint8)), name
 
 
+@pytest.mark.parametrize("slab", [None, 4096])
+def test_a_chunks_snapshot_is_fetched_with_one_copy_per_slab_range(monkeypatch, slab):
+    """The CUDA prefetch's plan, run with host copies: a chunk recorded in one order is fetched with one copy per
+    slab it lies in, in any order; a sparse pick of it copies each tensor alone (a span would move >2x its bytes);
+    every fetched tensor is bit-identical to its snapshot, and a name without one stays None."""
+    from sglang.srt.weight_sync.delta import sender
+    from sglang.srt.weight_sync.delta.sender import DeltaState, _fetch
+
+    if slab:
+        monkeypatch.setattr(sender, "_SLAB", slab)
+    g = torch.Generator().manual_seed(5)
+    dtypes = [torch.bfloat16, torch.float32, torch.float8_e4m3fn]
+    state = DeltaState(torch.device("cpu"))
+    state.record([(f"p{k}", torch.randn(3 + k, 9, generator=g).to(dtypes[k % 3]), None, None) for k in range(30)])
+    state.commit(1)
+    snap = state.snapshot
+    cpu = torch.device("cpu")
+    storages = {t.untyped_storage().data_ptr() for t in snap.values()}
+    cases = [(list(snap), len(storages)), (list(snap)[::-1], len(storages))]
+    if not slab:  # one slab: every third tensor spans ~3x its bytes
+        cases.append((list(snap)[::3], 10))
+    for names, copies_wanted in cases:
+        hosts = [snap[n] for n in names] + [None]
+        views, copies = _fetch(hosts, [cpu] * len(hosts), lambda src, device: src.clone())
+        assert len(copies) == copies_wanted and views[-1] is None
+        for t, v in zip(hosts, views):
+            if t is not None:
+                assert v.dtype == t.dtype and v.shape == t.shape and v.data_ptr() != t.data_ptr()
+                assert torch.equal(v.view(torch.uint8), t.view(torch.uint8))
+
+
 class OpCounter(TorchDispatchMode):
     """Counts the ops that compute (not views): one kernel launch each on a GPU."""
 

@@ -20,8 +20,9 @@ Contract:
 * Failures are never swallowed: logged, counted in :meth:`DeltaSender.pop_metrics`, acted on.
 
 CUDA: the diff runs on the default stream; snapshot chunks are prefetched host->device on
-``h2d_stream`` one chunk ahead, changed values go device->host on ``d2h_stream``; events order
-them (:class:`_HostLink`). On CPU the same code runs synchronously.
+``h2d_stream`` one chunk ahead (one copy per slab range), changed positions and values go device->host on
+``d2h_stream`` (one copy per chunk and dtype); events order them (:class:`_HostLink`). On CPU the same code runs
+synchronously.
 """
 
 from __future__ import annotations
@@ -99,24 +100,27 @@ class _HostLink:
         self._slab_at = at + nbytes
         return self._slab[at:at + nbytes].view(dtype).view(shape)
 
-    def prefetch(self, host: Optional[torch.Tensor], device: torch.device):
-        """Start moving a snapshot tensor to ``device``; returns a handle for :meth:`ready`."""
-        if host is None or not self.cuda:
-            return host
-        self.h2d_bytes += host.numel() * host.element_size()
+    def prefetch(self, hosts: Sequence[Optional[torch.Tensor]], devices: Sequence[torch.device]):
+        """Start moving a chunk's snapshot tensors to their params' devices: one copy per slab range they lie in
+        (:func:`_fetch`), not one per param; returns a handle for :meth:`ready`."""
+        if not self.cuda:
+            return hosts
         with torch.cuda.stream(self.h2d_stream):
-            dev = host.to(device, non_blocking=True)
+            views, copies = _fetch(hosts, devices, lambda src, device: src.to(device, non_blocking=True))
             event = torch.cuda.Event()
             event.record(self.h2d_stream)
-        return dev, event
+        self.h2d_bytes += sum(c.numel() * c.element_size() for c in copies)
+        return views, copies, event
 
-    def ready(self, handle) -> Optional[torch.Tensor]:
-        if not self.cuda or handle is None:
+    def ready(self, handle) -> List[Optional[torch.Tensor]]:
+        """The chunk's snapshot tensors on the device, once the default stream may read them."""
+        if not self.cuda:
             return handle
-        dev, event = handle
+        views, copies, event = handle
         torch.cuda.current_stream().wait_event(event)
-        dev.record_stream(torch.cuda.current_stream())
-        return dev
+        for c in copies:
+            c.record_stream(torch.cuda.current_stream())
+        return views
 
     def to_host(self, values: torch.Tensor, fresh: bool = False) -> torch.Tensor:
         """Changed values back to host memory, off the default stream (``fresh``: the caller made ``values`` and
@@ -147,6 +151,36 @@ class _HostLink:
         if self.cuda:
             self.h2d_stream.synchronize()
             self.d2h_stream.synchronize()
+
+
+def _fetch(hosts: Sequence[Optional[torch.Tensor]], devices: Sequence[torch.device],
+           copy: Callable[[torch.Tensor, torch.device], torch.Tensor]):
+    """(``hosts`` as views of copies, the copies) with one ``copy`` to a device per range of a storage: a chunk's
+    snapshot tensors lie side by side in a slab when the chunk was first synced in the same order, so a range that
+    spans them costs one transfer. Where a span would move more than twice their bytes, each tensor goes alone."""
+    views: List[Optional[torch.Tensor]] = [None] * len(hosts)
+    by_storage: Dict[Tuple[int, torch.device], List[int]] = {}
+    for k, (t, device) in enumerate(zip(hosts, devices)):
+        if t is not None:
+            key = t.untyped_storage().data_ptr() if t.is_contiguous() else -1 - k
+            by_storage.setdefault((key, device), []).append(k)
+    copies = []
+    for (_, device), ks in by_storage.items():
+        if not hosts[ks[0]].is_contiguous():
+            copies.append(copy(hosts[ks[0]], device))
+            views[ks[0]] = copies[-1]
+            continue
+        spans = [(hosts[k].storage_offset() * hosts[k].element_size(), hosts[k].nbytes) for k in ks]
+        lo, hi = min(a for a, _ in spans), max(a + n for a, n in spans)
+        ranges = [(lo, hi, ks)] if hi - lo <= 2 * sum(n for _, n in spans) else \
+            [(a, a + n, [k]) for (a, n), k in zip(spans, ks)]
+        for a, b, members in ranges:
+            src = torch.empty(0, dtype=torch.uint8).set_(hosts[members[0]].untyped_storage(), a, (b - a,))
+            copies.append(copy(src, device))
+            for k in members:
+                t, at = hosts[k], hosts[k].storage_offset() * hosts[k].element_size() - a
+                views[k] = copies[-1][at:at + t.nbytes].view(t.dtype).view(t.shape)
+    return views, copies
 
 
 # ---------------------------------------------------------------- snapshot
@@ -583,7 +617,8 @@ class _SyncRun:
         """Process chunk k while chunk k+1's snapshot is already on its way (CUDA); plain loop on CPU."""
         link, prev = self.s.state.link, None
         for chunk in chunks:
-            handles = [link.prefetch(self.s.state.snapshot.get(n), t.device) for n, t in chunk]
+            chunk = list(chunk)
+            handles = link.prefetch([self.s.state.snapshot.get(n) for n, _ in chunk], [t.device for _, t in chunk])
             if prev is not None:
                 self._process(*prev)
             prev = (chunk, handles)
@@ -593,7 +628,7 @@ class _SyncRun:
     def _process(self, chunk: Chunk, handles) -> None:
         state = self.s.state
         chunk = list(chunk)
-        bases = [state.link.ready(h) for h in handles]
+        bases = state.link.ready(handles)
         olds: Optional[list] = [] if self.encodings.get("delta") == DeltaEncoding.XOR_ZSTD.value else None
         changes = state.changes(chunk, bases, olds)
         sent = []
