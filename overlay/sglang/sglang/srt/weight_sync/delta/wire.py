@@ -579,7 +579,7 @@ def encode_positions_many(idxs: Sequence[torch.Tensor], encoding: str,
     live = [k for k, n in enumerate(lengths) if n]
     tops = [0] * len(idxs)
     if live:
-        flat = torch.cat([idxs[k].reshape(-1) for k in live]).to(torch.int64)
+        flat = torch.cat([idxs[k] if idxs[k].dim() == 1 else idxs[k].reshape(-1) for k in live]).to(torch.int64)
         firsts = list(itertools.accumulate([lengths[k] for k in live], initial=0))
         if enc is DeltaEncoding.INDICES:
             ints = flat
