@@ -385,7 +385,8 @@ class DeltaSpec:
             DeltaEncoding(d.get("encoding"))
         except ValueError:
             raise DeltaError(f"unknown encoding {d.get('encoding')!r} (have: {[e.value for e in DeltaEncoding]})") from None
-        out = cls(**{**d, "params": _params_from_columns(d.get("params"))})
+        with gc_paused():  # an object per param: collections they trigger would scan an engine's whole heap
+            out = cls(**{**d, "params": _params_from_columns(d.get("params"))})
         for k in cls._INT_FIELDS:
             if type(getattr(out, k)) is not int or getattr(out, k) < 0:
                 raise DeltaError(f"delta spec {k!r} must be a non-negative integer")
