@@ -294,7 +294,15 @@ def engine_shares(copies: Dict[str, List[_Copy]]) -> Dict[str, NameSum]:
                     acc.add(mix64.eager_fingerprint(bits, sizes, ks, k0, _mask(d)), sizes, sst, soff + sshift)
                 elif d.numel():
                     shape, s0, s1, off = geometry
-                    pieces.setdefault(d.device, []).append((acc, _block(d, shape), seed, (s0, s1), off))
+                    block, out = _block(d, shape), pieces.setdefault(d.device, [])
+                    if shape[0] > 1 or shape[1] <= _COLS:
+                        out.append((acc, block, seed, (s0, s1), off))
+                        continue
+                    rows, rest = divmod(shape[1], _COLS)  # one long row as rows of _COLS, as the trainer's side
+                    flat = block.reshape(-1)
+                    out.append((acc, flat[:rows * _COLS].view(rows, _COLS), seed, (_COLS * s1, s1), off))
+                    if rest:
+                        out.append((acc, flat[rows * _COLS:].view(1, rest), seed, (0, s1), off + rows * _COLS * s1))
     for items in pieces.values():
         _hash(items)
     return read_shares(pending)
