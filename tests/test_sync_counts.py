@@ -59,17 +59,19 @@ def test_a_delta_apply_through_the_direct_path_synchronizes_a_constant_number_of
     assert counts[0] == counts[1] and len(counts[1]) <= 4, counts
 
 
-class ScatterCounter(TorchDispatchMode):
-    """Counts the scatters that write model storage (``index_copy_``), one kernel launch each on a GPU."""
+class OpCounter(TorchDispatchMode):
+    """Counts the ops that compute (not views), one kernel launch each on a GPU; ``only``: just these ops."""
 
-    def __init__(self):
+    def __init__(self, only=None):
         super().__init__()
-        self.n = 0
+        self.n, self.only = 0, only
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += func.overloadpacket is torch.ops.aten.index_copy_
+        self.n += func.overloadpacket is self.only if self.only is not None else not func.is_view
         return func(*args, **(kwargs or {}))
 
+
+SCATTER = torch.ops.aten.index_copy_  # how direct writes and the snapshot fold write storage
 
 @pytest.mark.parametrize("layers", [2, 6])
 def test_direct_writes_scatter_once_per_destination_not_per_tensor(layers):
@@ -82,7 +84,7 @@ def test_direct_writes_scatter_once_per_destination_not_per_tensor(layers):
     (pl,) = delta_flushes(states[0], states[1], "deltas", version=2, base_version=1)
     storages = {p.untyped_storage().data_ptr() for p in host.model.parameters()}
     assert len(pl.spec.params) > 2 * len(storages)  # far more HF tensors than destinations
-    with ScatterCounter() as c:
+    with OpCounter(SCATTER) as c:
         ok, msg = host.call("_apply_delta_payload", [pl])
     assert ok, msg
     assert c.n <= len(storages), (c.n, len(storages), len(pl.spec.params))
@@ -121,7 +123,7 @@ def test_the_snapshot_folds_a_sync_in_once_per_slab_not_per_tensor(n, slab, monk
     chunk = list(new.items())
     found = state.changes(chunk, [state.snapshot[k] for k in new])
     state.record([(name, t, idx, values) for (name, t), (idx, values) in zip(chunk, found)])
-    with ScatterCounter() as c:
+    with OpCounter(SCATTER) as c:
         state.commit(2)
     assert c.n == len(groups) and (slab or c.n == len(dtypes))
     for name, t in new.items():
@@ -157,18 +159,6 @@ def test_a_chunks_snapshot_is_fetched_with_one_copy_per_slab_range(monkeypatch, 
             if t is not None:
                 assert v.dtype == t.dtype and v.shape == t.shape and v.data_ptr() != t.data_ptr()
                 assert torch.equal(v.view(torch.uint8), t.view(torch.uint8))
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the ops that compute (not views): one kernel launch each on a GPU."""
-
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += not func.is_view
-        return func(*args, **(kwargs or {}))
 
 
 def test_the_device_diff_launches_a_constant_number_of_ops_per_batch(monkeypatch):

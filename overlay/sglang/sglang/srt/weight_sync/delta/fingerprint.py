@@ -157,15 +157,21 @@ def tensor_shares(items: Sequence[Tuple[str, torch.Tensor]], dtype: Optional[tor
             t = t.to(dtype)
         seed, share = name_seed(name), Pending(dtype_to_str(t.dtype))
         out[name] = share
-        for start in range(0, t.numel(), _BLOCK):  # rows of _COLS, then the rest
-            n = min(_BLOCK, t.numel() - start)
-            rows, rest = divmod(n, _COLS)
-            if rows:
-                pieces.append((share, _block(t[start:start + rows * _COLS], (rows, _COLS)), seed, (_COLS, 1), start))
-            if rest:
-                pieces.append((share, _block(t[start + rows * _COLS:start + n], (1, rest)), seed, (0, 1),
-                               start + rows * _COLS))
+        for start in range(0, t.numel(), _BLOCK):
+            pieces += _rows(share, t[start:start + _BLOCK], seed, 1, start)
     _hash(pieces)
+    return out
+
+
+def _rows(share: "Pending", flat: torch.Tensor, seed: int, step: int, offset: int) -> list:
+    """A run of values at HF flat indices ``offset + i * step`` as :func:`_hash` pieces: rows of _COLS (many rows keep
+    every thread of the kernel busy), then the rest as one row."""
+    rows, rest = divmod(flat.numel(), _COLS)
+    out = []
+    if rows:
+        out.append((share, _block(flat[:rows * _COLS], (rows, _COLS)), seed, (_COLS * step, step), offset))
+    if rest:
+        out.append((share, _block(flat[rows * _COLS:], (1, rest)), seed, (0, step), offset + rows * _COLS * step))
     return out
 
 
@@ -295,14 +301,10 @@ def engine_shares(copies: Dict[str, List[_Copy]]) -> Dict[str, NameSum]:
                 elif d.numel():
                     shape, s0, s1, off = geometry
                     block, out = _block(d, shape), pieces.setdefault(d.device, [])
-                    if shape[0] > 1 or shape[1] <= _COLS:
+                    if shape[0] > 1:
                         out.append((acc, block, seed, (s0, s1), off))
-                        continue
-                    rows, rest = divmod(shape[1], _COLS)  # one long row as rows of _COLS, as the trainer's side
-                    flat = block.reshape(-1)
-                    out.append((acc, flat[:rows * _COLS].view(rows, _COLS), seed, (_COLS * s1, s1), off))
-                    if rest:
-                        out.append((acc, flat[rows * _COLS:].view(1, rest), seed, (0, s1), off + rows * _COLS * s1))
+                    else:  # one long row: as the trainer's side cuts it
+                        out += _rows(acc, block.reshape(-1), seed, s1, off)
     for items in pieces.values():
         _hash(items)
     return read_shares(pending)

@@ -140,12 +140,19 @@ class _HostLink:
         return out
 
     def to_host_many(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-        """:meth:`to_host` (``fresh``) for flat tensors of one dtype: on CUDA joined, so a chunk takes one copy off the
-        default stream instead of one per param, and handed back as views of that host copy."""
-        if not self.cuda or len(tensors) < 2 or any(t.device.type != "cuda" for t in tensors):
+        """:meth:`to_host` (``fresh``) for flat tensors: on CUDA joined per dtype, so a chunk takes one copy off the
+        default stream per dtype instead of one per param, and handed back as views of that host copy."""
+        if not self.cuda or any(t.device.type != "cuda" for t in tensors):
             return [self.to_host(t, fresh=True) for t in tensors]
-        host = self.to_host(torch.cat([t.reshape(-1) for t in tensors]), fresh=True)
-        return list(host.split([t.numel() for t in tensors]))
+        out: List[Optional[torch.Tensor]] = [None] * len(tensors)
+        by_dtype: Dict[torch.dtype, List[int]] = {}
+        for k, t in enumerate(tensors):
+            by_dtype.setdefault(t.dtype, []).append(k)
+        for ks in by_dtype.values():
+            host = self.to_host(torch.cat([tensors[k].reshape(-1) for k in ks]), fresh=True)
+            for k, part in zip(ks, host.split([tensors[k].numel() for k in ks])):
+                out[k] = part
+        return out
 
     def synchronize(self) -> None:
         if self.cuda:
@@ -157,19 +164,17 @@ def _fetch(hosts: Sequence[Optional[torch.Tensor]], devices: Sequence[torch.devi
            copy: Callable[[torch.Tensor, torch.device], torch.Tensor]):
     """(``hosts`` as views of copies, the copies) with one ``copy`` to a device per range of a storage: a chunk's
     snapshot tensors lie side by side in a slab when the chunk was first synced in the same order, so a range that
-    spans them costs one transfer. Where a span would move more than twice their bytes, each tensor goes alone."""
+    spans them costs one transfer. Where a span would move more than twice their bytes, each tensor goes alone.
+    ``hosts`` are contiguous (:meth:`_HostLink.host_copy` makes every snapshot tensor)."""
     views: List[Optional[torch.Tensor]] = [None] * len(hosts)
     by_storage: Dict[Tuple[int, torch.device], List[int]] = {}
     for k, (t, device) in enumerate(zip(hosts, devices)):
         if t is not None:
-            key = t.untyped_storage().data_ptr() if t.is_contiguous() else -1 - k
-            by_storage.setdefault((key, device), []).append(k)
+            if not t.is_contiguous():  # a span's bytes would not be its elements
+                raise DeltaError(f"snapshot tensor {k} of the chunk is not contiguous")
+            by_storage.setdefault((t.untyped_storage().data_ptr(), device), []).append(k)
     copies = []
     for (_, device), ks in by_storage.items():
-        if not hosts[ks[0]].is_contiguous():
-            copies.append(copy(hosts[ks[0]], device))
-            views[ks[0]] = copies[-1]
-            continue
         spans = [(hosts[k].storage_offset() * hosts[k].element_size(), hosts[k].nbytes) for k in ks]
         lo, hi = min(a for a, _ in spans), max(a + n for a, n in spans)
         ranges = [(lo, hi, ks)] if hi - lo <= 2 * sum(n for _, n in spans) else \
@@ -235,14 +240,9 @@ class DeltaState:
                 self._sent[name] = (None, self.link.host_copy(tensor))
             else:
                 sparse.append((name, idx, gather(tensor.reshape(-1), idx) if values is None else values))
-        by_dtype: Dict[torch.dtype, List[int]] = {}
-        for k, (_, _, values) in enumerate(sparse):
-            by_dtype.setdefault(values.dtype, []).append(k)
-        kept: List[Optional[torch.Tensor]] = [None] * len(sparse)
-        for ks in by_dtype.values():
-            for k, host in zip(ks, self.link.to_host_many([sparse[k][2] for k in ks])):
-                kept[k] = host
-        for (name, _, _), idx, values in zip(sparse, self.link.to_host_many([i for _, i, _ in sparse]), kept):
+        idxs = self.link.to_host_many([idx for _, idx, _ in sparse])
+        kept = self.link.to_host_many([values for _, _, values in sparse])
+        for (name, _, _), idx, values in zip(sparse, idxs, kept):
             self._sent[name] = (idx, values)
 
     def commit(self, version: int) -> None:

@@ -1272,9 +1272,10 @@ def _joined_diff(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], extra: Sequ
             starts.append(starts[-1] + pairs[k][1].numel())
     mask = masks[0] if len(masks) == 1 else torch.cat(masks)
     staged = [(j, extra[k]) for j, k in enumerate(order) if extra[k] is not None and extra[k].numel()]
-    if staged:  # positions an unacknowledged sync sent: carried again, whatever their bytes
-        mask.index_fill_(0, shifted_cat([m.to(device, non_blocking=True) for _, m in staged],
-                                        [starts[j] for j, _ in staged], device), True)
+    if staged:  # positions an unacknowledged sync sent (kept on the host): carried again, whatever their bytes
+        cpu = torch.device("cpu")
+        at = shifted_cat([m.cpu() for _, m in staged], [starts[j] for j, _ in staged], cpu)
+        mask.index_fill_(0, at.to(device, non_blocking=True), True)
     hits = mask.nonzero().reshape(-1)
     bounds = host_values(torch.searchsorted(hits, to_device(starts, device)))
     counts = [b - a for a, b in zip(bounds, bounds[1:])]
