@@ -295,6 +295,19 @@ def test_the_compiled_kernel_gives_one_sum_whatever_the_thread_count(compiled_cp
     assert kernels.kernel_state("cpu", mix64.SUM) == "compiled"
 
 
+@pytest.mark.parametrize("kernel", [mix64.SUM, mix64.FINGERPRINT[torch.uint8]], ids=lambda k: k.name)
+def test_cpus_below_avx512_get_a_scalar_package_of_their_own(kernel, monkeypatch, tmp_path):
+    """Below AVX-512 the kernels are compiled as scalar code (vectors would multiply int64 lanes one at a time):
+    a package under its own cache key, which passes the self-test every process runs before use."""
+    monkeypatch.setattr(kernels, "_cpu_isa", lambda: "")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    cpu = torch.device("cpu")
+    assert kernels._options(cpu) == {"cpp.dynamic_threads": True, "cpp.simdlen": 1}
+    runner = kernels._build(kernel, cpu)
+    kernel.self_test(runner, cpu)
+    assert [p.name.split("-cpu-scalar-")[0] for p in (tmp_path / "delta-mix64").glob("*.pt2")] == [kernel.name]
+
+
 def test_a_kernel_that_differs_anywhere_is_never_used(compiled_cpu):
     """The self-test every process runs before using the kernel: one wrong key past 32 words (what inductor's
     unchecked int64 overflow produced) is found; the eager path stays."""
