@@ -625,7 +625,7 @@ def decode_positions(blob: torch.Tensor, width: int, encoding: str) -> torch.Ten
     ints = blob.view(torch.uint16 if width == 2 else torch.uint32).to(torch.int64)  # little-endian, as encoded
     if DeltaEncoding(encoding) is DeltaEncoding.INDICES:
         return ints
-    return torch.cumsum(ints + 1, 0) - 1
+    return ints.add_(1).cumsum_(0).sub_(1)  # in place: torch's CPU cumsum into a new tensor is 2-6x slower
 
 
 # ---------------------------------------------------------------- validation
@@ -882,7 +882,7 @@ def _decode_run(pos: torch.Tensor, params: List[DeltaParam], width: int, gaps: b
     if gaps:  # idx = cumsum(gap + 1) - 1 within each param: the running sum less its value where the param starts
         idx += 1
         before = idx[first]
-        idx = torch.cumsum(idx, 0)
+        idx.cumsum_(0)  # in place (:func:`decode_positions`)
         before = idx[first] - before
         idx -= repeat_counts(before + 1, counts)
     else:  # absolute: strictly increasing within each param (a param's start may be below the last one's end)
