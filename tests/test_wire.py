@@ -380,7 +380,11 @@ def test_the_checksum_pass_finds_one_nan_anywhere(dtype, at, negative):
 def test_repeat_counts_is_repeat_interleave(counts):
     """Runs of host-known lengths, empty ones first, between and last among them."""
     values = torch.tensor([(-1) ** k * (1 << 40) * k + 3 for k in range(len(counts))], dtype=torch.int64)
-    assert torch.equal(repeat_counts(values, counts), torch.repeat_interleave(values, torch.tensor(counts, dtype=torch.int64)))
+    want = torch.repeat_interleave(values, torch.tensor(counts, dtype=torch.int64))
+    assert torch.equal(repeat_counts(values, counts), want)
+    for room in (sum(counts), sum(counts) + 1, sum(counts) + 9):  # scratch too small, just enough, larger: garbage in it
+        scratch = torch.full((room,), -7, dtype=torch.int64)
+        assert torch.equal(repeat_counts(values, counts, scratch), want)
 
 
 def test_the_column_check_never_accepts_what_the_param_loop_refuses():
