@@ -700,7 +700,8 @@ def main():
 
     import sglang
 
-    env = (f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, SGLang {sglang.__version__} "
+    env = (f"{platform.machine()}, {os.cpu_count()} CPU cores ({torch.backends.cpu.get_cpu_capability()} vectors), "
+           f"torch {torch.__version__}, SGLang {sglang.__version__} "
            f"(patched), {time.strftime('%Y-%m-%d')}")
     os.makedirs(args.out, exist_ok=True)
     summ = summarize(results["timing"], results["memory"])
