@@ -198,16 +198,21 @@ def read_base(direct: Dict[str, List[Direct]], params, idxs, dtype, device, held
     blocks: Dict[Tuple[int, torch.dtype], list] = {}  # storage -> [(view, positions, start in out)]
     at = 0
     for p, idx, n in zip(params, idxs, counts):
-        idx = torch.arange(p.numel, device=device) if idx is None else idx.to(device)
-        targets = [t for t in direct.get(p.name, ()) if t.flat.dtype == dtype]  # other bytes than the trainer's: no base
-        block = next((t for t in targets if not t.dims and t.soff == 0 and t.numel == p.numel), None)
+        numel = p.numel
+        idx = torch.arange(numel, device=device) if idx is None else idx if idx.device == device else idx.to(device)
+        targets = direct.get(p.name, ())
+        if len(targets) == 1 and targets[0].flat.dtype == dtype:  # one view of the whole tensor, as most params have
+            block = targets[0] if not targets[0].dims and targets[0].soff == 0 and targets[0].numel == numel else None
+        else:
+            targets = [t for t in targets if t.flat.dtype == dtype]  # other bytes than the trainer's: no base
+            block = next((t for t in targets if not t.dims and t.soff == 0 and t.numel == numel), None)
         if block is not None:
             blocks.setdefault((block.flat.data_ptr(), dtype), []).append((block, idx, at))
             held_parts.append(None)
         else:
             v, h = None, torch.zeros(n, dtype=torch.bool, device=device)
             for t in targets:
-                mask, offsets = t.targets(idx, whole=t.soff == 0 and t.numel == p.numel)
+                mask, offsets = t.targets(idx, whole=t.soff == 0 and t.numel == numel)
                 got = _bits(t.flat, offsets.clamp(0, max(t.flat.numel() - 1, 0)))  # outside this view: masked off
                 if mask is None:
                     v, h = got, None
