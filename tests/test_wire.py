@@ -1,6 +1,7 @@
 """Codec properties of the wire module: encode -> decode is exact, and the checksum catches corruption."""
 import random
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -442,3 +443,31 @@ def test_the_column_check_never_accepts_what_the_param_loop_refuses():
             taken += fast is not None
             refused += slow == "refused"
     assert taken > 1500 and refused > 800, (taken, refused)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_plane_transposition_batches_small_segments_and_keeps_every_byte(seed):
+    """Plane-major blobs: segments of mixed widths and sizes (many small ones batched together, large ones alone,
+    batches cut at their size bound) against the per-segment definition, and back."""
+    from sglang.srt.weight_sync.delta import wire
+
+    rng = random.Random(seed)
+    segments, at = [], 0
+    for _ in range(rng.randrange(1, 400)):
+        w = rng.choice([1, 2, 2, 4, 4, 8])
+        n = rng.choice([1, 2, 3, rng.randrange(1, 200), rng.randrange(4000, 4200), rng.randrange(1, 3000)])
+        segments.append((at, n, w))
+        at += n * w
+    blob = np.frombuffer(rng.randbytes(at), dtype=np.uint8).copy()
+    want = blob.copy()
+    for start, n, w in segments:  # the definition: byte k of element i goes to plane k
+        want[start:start + n * w] = blob[start:start + n * w].reshape(n, w).T.reshape(-1)
+    was = wire._PLANE_BATCH_ELEMENTS
+    wire._PLANE_BATCH_ELEMENTS = 500  # several batches per blob
+    try:
+        planes = wire._to_planes(blob, segments)
+        assert np.array_equal(planes, want)
+        assert np.array_equal(wire._from_planes(planes, segments), blob)
+    finally:
+        wire._PLANE_BATCH_ELEMENTS = was
+    assert any(isinstance(r, list) for r in wire._plane_runs(segments)) or len(segments) < 3

@@ -385,12 +385,13 @@ def _refuse_unsupported(host) -> None:
 
 def _apply_delta(self, model_path: str, files: Optional[List[str]], weight_version: Optional[str] = None) -> Tuple[bool, str]:
     """Disk transport: read the announced files of one publish (once per engine, in parallel), then apply them as
-    one request."""
-    try:
-        payloads = read_files_once(self, model_path, files)
-    except DeltaError as e:  # every rank refuses alike (the TP ranks still agree before any write)
-        return _apply_delta_payload(self, [], weight_version, failure=e)
-    return _apply_delta_payload(self, payloads, weight_version)
+    one request. No garbage collection while the files are parsed either (:func:`wire.gc_paused`)."""
+    with gc_paused():
+        try:
+            payloads = read_files_once(self, model_path, files)
+        except DeltaError as e:  # every rank refuses alike (the TP ranks still agree before any write)
+            return _apply_delta_payload(self, [], weight_version, failure=e)
+        return _apply_delta_payload(self, payloads, weight_version)
 
 
 def _apply_delta_from_distributed(self, delta: Optional[str], names, dtypes, shapes, group_name: str,

@@ -967,12 +967,55 @@ def plane_segments(spec: DeltaSpec, pos_bytes: int, n_values: int, value_size: i
     return pos_seg, val_seg
 
 
+_PLANE_BATCH_BELOW = 1 << 12  # elements: a segment this small is transposed with its neighbours, not alone
+_PLANE_BATCH_ELEMENTS = 1 << 20  # elements per batch (bounds its two int64 index arrays)
+
+
+def _plane_runs(segments):
+    """The segments in order as ``(start, n, w)`` alone, or as batches ``[(start, n, w), ...]`` of adjacent small
+    segments of one width 2 or 4: a model with many small params has a few numpy calls per batch, not per param."""
+    out, batch, size = [], [], 0
+    for seg in segments:
+        start, n, w = seg
+        joins = batch and w == batch[-1][2] and start == batch[-1][0] + batch[-1][1] * w
+        if batch and (not joins or size >= _PLANE_BATCH_ELEMENTS or n >= _PLANE_BATCH_BELOW):
+            out.append(batch if len(batch) > 1 else batch[0])
+            batch, size = [], 0
+        if n < _PLANE_BATCH_BELOW and w in (2, 4):
+            batch.append(seg)
+            size += n
+        else:
+            out.append(seg)
+    if batch:
+        out.append(batch if len(batch) > 1 else batch[0])
+    return out
+
+
+def _plane_index(batch):
+    """(first byte, bytes, width, per element: its byte in plane 0 of its segment, relative to the first byte; the
+    step from one plane to the next, i.e. its segment's element count) for a batch of adjacent segments."""
+    starts, ns = (np.array(c, dtype=np.int64) for c in zip(*[(a, n) for a, n, _ in batch]))
+    w, first = batch[0][2], batch[0][0]
+    ends = np.cumsum(ns)
+    at = np.arange(ends[-1], dtype=np.int64)
+    at += np.repeat(starts - first - (ends - ns), ns)  # element i of a segment: its start + i
+    return first, int(ends[-1]) * w, w, at, np.repeat(ns, ns)
+
+
 def _to_planes(blob, segments):
     """Element-major -> plane-major per segment (numpy uint8, on the host: files are written there)."""
     if not segments:
         return blob
     out = np.empty_like(blob)  # the segments tile the blob
-    for start, n, w in segments:
+    for run in _plane_runs(segments):
+        if isinstance(run, list):
+            first, size, w, at, step = _plane_index(run)
+            elems = blob[first:first + size].view(np.uint16 if w == 2 else np.uint32)
+            dst = out[first:first + size]
+            for k in range(w):
+                dst[at + k * step] = (elems >> (8 * k)).astype(np.uint8)
+            continue
+        start, n, w = run
         out[start:start + n * w].reshape(w, n)[:] = blob[start:start + n * w].reshape(n, w).T
     return out
 
@@ -983,7 +1026,16 @@ def _from_planes(blob, segments):
     if not segments:
         return blob
     out = np.empty_like(blob)
-    for start, n, w in segments:
+    for run in _plane_runs(segments):
+        if isinstance(run, list):
+            first, size, w, at, step = _plane_index(run)
+            it = np.uint16 if w == 2 else np.uint32
+            src, acc = blob[first:first + size], out[first:first + size].view(it)
+            acc[:] = src[at]
+            for k in range(1, w):
+                acc |= np.left_shift(src[at + k * step], 8 * k, dtype=it)
+            continue
+        start, n, w = run
         src, dst = blob[start:start + n * w], out[start:start + n * w]
         if w in (2, 4):
             it = np.uint16 if w == 2 else np.uint32
