@@ -142,7 +142,10 @@ class _HostLink:
     def to_host_many(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """:meth:`to_host` (``fresh``) for flat tensors: on CUDA joined per dtype, so a chunk takes one copy off the
         default stream per dtype instead of one per param, and handed back as views of that host copy."""
-        if not self.cuda or any(t.device.type != "cuda" for t in tensors):
+        if not self.cuda:  # a CPU sender keeps the caller's fresh tensors as they are (one check each, no call)
+            return [t if t.device.type == "cpu" and not t.requires_grad else self.to_host(t, fresh=True)
+                    for t in tensors]
+        if any(t.device.type != "cuda" for t in tensors):
             return [self.to_host(t, fresh=True) for t in tensors]
         out: List[Optional[torch.Tensor]] = [None] * len(tensors)
         by_dtype: Dict[torch.dtype, List[int]] = {}
