@@ -115,32 +115,55 @@ def test_the_coverage_closed_form_equals_the_sum():
         assert mix64.coverage(shape, strides, offset) == want, (shape, strides, offset)
 
 
+@pytest.mark.parametrize("width", [torch.int16, mix64.PAIRS], ids=str)
 @pytest.mark.parametrize("threads", [1, 2, 5])
-def test_the_fingerprint_kernel_gives_one_sum_whatever_the_thread_count(threads):
+def test_the_fingerprint_kernel_gives_one_sum_whatever_the_thread_count(threads, width):
     """As the checksum kernel: each thread hashes a share of the rows, and the shares add up to the eager sum."""
-    kernels.warm("cpu", mix64.FINGERPRINT[torch.int16])
-    runner = kernels.KERNELS.runner[("fingerprint-int16", "cpu")]
+    kernel = mix64.FINGERPRINT[width]
+    kernels.warm("cpu", kernel)
+    runner = kernels.KERNELS.runner[(kernel.name, "cpu")]
     bits = sample(torch.bfloat16, (1 << 21) + 1024, threads).view(torch.int16).reshape(-1, 1024)
     (ka, kb), key0 = mix64.fingerprint_keys((1024, 1), 5, 77)
     row = torch.tensor([ka, kb, key0, 0xFFFF])
     was = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = int(mix64.run_fingerprint(runner, bits, row))
+        got = int(mix64.run_fingerprint(runner, bits if width == torch.int16 else mix64.as_pairs(bits), row))
     finally:
         torch.set_num_threads(was)
     assert got == int(mix64.eager_fingerprint(bits.to(torch.int64).reshape(-1), bits.shape, (ka, kb), key0, 0xFFFF))
 
 
-def test_a_fingerprint_kernel_that_differs_is_never_used():
-    kernels.warm("cpu", mix64.FINGERPRINT[torch.int16])
-    runner = kernels.KERNELS.runner[("fingerprint-int16", "cpu")]
+@pytest.mark.parametrize("width", [torch.int16, mix64.PAIRS], ids=str)
+def test_a_fingerprint_kernel_that_differs_is_never_used(width):
+    kernel = mix64.FINGERPRINT[width]
+    kernels.warm("cpu", kernel)
+    runner = kernels.KERNELS.runner[(kernel.name, "cpu")]
 
     def wrong(bits, k, g):  # the last column's key off by one: what an overflowing index product does
         return runner(bits, k, g) + (bits.shape[1] > 2)
 
     with pytest.raises(RuntimeError, match="compiled fingerprint differs from eager on cpu"):
-        mix64.FINGERPRINT[torch.int16].self_test(wrong, torch.device("cpu"))
+        kernel.self_test(wrong, torch.device("cpu"))
+
+
+def test_16_bit_rows_of_an_even_length_are_hashed_in_pairs(kernel, monkeypatch):
+    """bf16 rows of an even length go two elements per int32 word; a row of an odd length, and rows whose memory
+    starts off a 4-byte boundary, go through the int16 kernel. Every split gives the documented numbers."""
+    calls = {}
+    if kernel == "compiled":
+        for width in (torch.int16, mix64.PAIRS):
+            key = (mix64.FINGERPRINT[width].name, "cpu")
+            run = kernels.KERNELS.runner[key]
+            monkeypatch.setitem(kernels.KERNELS.runner, key, lambda *a, run=run, w=width: (
+                calls.__setitem__(w, calls.get(w, 0) + 1), run(*a))[1])
+    whole = sample(torch.bfloat16, 5 * 1024 + 7, 3)  # five rows of 1024 in pairs, a rest of 7 alone
+    shifted = sample(torch.bfloat16, 2 * 1024 + 1, 4)[1:]  # two rows starting 2 bytes into the storage
+    assert mix64.as_pairs(shifted[:1024].view(torch.int16).reshape(1, -1)) is None
+    got = fingerprint.read_shares(fingerprint.tensor_shares([("a", whole), ("b", shifted)]))
+    for name, t in (("a", whole), ("b", shifted)):
+        assert (got[name].total, got[name].coverage) == ref_fingerprint(name, t)
+    assert calls == ({torch.int16: 2, mix64.PAIRS: 1} if kernel == "compiled" else {})
 
 
 def test_a_chunk_hashed_together_gives_each_tensor_its_own_numbers(kernel):

@@ -94,13 +94,17 @@ def read_shares(pending: Dict[str, Pending]) -> Dict[str, "NameSum"]:
 
 def _hash(pieces: List[Tuple[Pending, torch.Tensor, int, Tuple[int, int], int]]) -> None:
     """Each 2-D block's element hashes into its name's share: the compiled kernel of its bit width where it is ready
-    (one table of keys per width), else the eager ops. A piece: (share, block of value bits, name seed, (row stride,
+    (one table of keys per width; 16-bit rows of an even length in pairs, :func:`mix64.as_pairs`), else the eager
+    ops. A piece: (share, block of value bits, name seed, (row stride,
     column stride), offset) in HF flat indices."""
-    by_width: Dict[Tuple[torch.dtype, torch.device], list] = {}  # a chunk may hold tensors on several devices
+    by_width: Dict[Tuple[object, torch.device], list] = {}  # a chunk may hold tensors on several devices
     for piece in pieces:
-        by_width.setdefault((piece[1].dtype, piece[1].device), []).append(piece)
-    for (width, device), items in by_width.items():
+        pairs = mix64.as_pairs(piece[1])  # 16-bit rows of an even length: two elements per word
+        key = (mix64.PAIRS, piece[1].device) if pairs is not None else (piece[1].dtype, piece[1].device)
+        by_width.setdefault(key, []).append((piece, piece[1] if pairs is None else pairs))
+    for (width, device), group in by_width.items():
         kernel = mix64.FINGERPRINT[width]
+        items = [piece for piece, _ in group]
         mask = _mask(items[0][1])
         keys = [mix64.fingerprint_keys(strides, offset, seed) for _, _, seed, strides, offset in items]
         runner = kernels.KERNELS.ready(kernel, device, sum(b.numel() for _, b, *_ in items))
@@ -108,7 +112,7 @@ def _hash(pieces: List[Tuple[Pending, torch.Tensor, int, Tuple[int, int], int]])
         if runner is not None:
             try:
                 table = to_device([[*ks, k0, mask] for ks, k0 in keys], device)
-                totals = [mix64.run_fingerprint(runner, block, table[k]) for k, (_, block, *_) in enumerate(items)]
+                totals = [mix64.run_fingerprint(runner, bits, table[k]) for k, (_, bits) in enumerate(group)]
             except Exception as e:  # noqa: BLE001 - the eager path stays, never a wrong sum
                 kernels.KERNELS.failed(kernel, device, e)
         if totals is None:
