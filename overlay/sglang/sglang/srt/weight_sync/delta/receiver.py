@@ -397,15 +397,23 @@ def _apply_delta(self, model_path: str, files: Optional[List[str]], weight_versi
 def _apply_delta_from_distributed(self, delta: Optional[str], names, dtypes, shapes, group_name: str,
                                   weight_version: Optional[str] = None) -> Tuple[bool, str]:
     """NCCL transport: receive both broadcasts first (see :func:`receive_broadcast`), then validate and apply."""
-    try:
-        received = receive_broadcast(self, names, dtypes, shapes, group_name)
-    except DeltaError as e:
-        return _refused(receiver_state(host_model(self)), e, received=False)
-    return _apply_received_delta(self, delta, received, weight_version)
+    with gc_paused():
+        try:
+            received = receive_broadcast(self, names, dtypes, shapes, group_name)
+        except DeltaError as e:
+            return _refused(receiver_state(host_model(self)), e, received=False)
+        return _apply_received_delta(self, delta, received, weight_version)
 
 
 def _apply_received_delta(self, delta: Optional[str], named_tensors, weight_version: Optional[str] = None) -> Tuple[bool, str]:
-    """Apply the two received blobs of one flush (v0.5.23 receives them through :func:`receive_broadcast` too)."""
+    """Apply the two received blobs of one flush (v0.5.23 receives them through :func:`receive_broadcast` too), with
+    no garbage collection from the spec's parse on: a collection the parse's objects trigger scans the engine's
+    whole heap (measured on the 30B-A3B topology: ~0.45 s, every few requests)."""
+    with gc_paused():
+        return _apply_received(self, delta, named_tensors, weight_version)
+
+
+def _apply_received(self, delta: Optional[str], named_tensors, weight_version: Optional[str]) -> Tuple[bool, str]:
     try:
         tensors = dict(named_tensors)
         if list(tensors) != [POSITIONS, VALUES]:
