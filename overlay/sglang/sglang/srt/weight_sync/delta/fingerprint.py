@@ -95,8 +95,7 @@ def read_shares(pending: Dict[str, Pending]) -> Dict[str, "NameSum"]:
 def _hash(pieces: List[Tuple[Pending, torch.Tensor, int, Tuple[int, int], int]]) -> None:
     """Each 2-D block's element hashes into its name's share: the compiled kernel of its bit width where it is ready
     (one table of keys per width; 16-bit rows of an even length in pairs, :func:`mix64.as_pairs`), else the eager
-    ops. A piece: (share, block of value bits, name seed, (row stride,
-    column stride), offset) in HF flat indices."""
+    ops. A piece: (share, block of value bits, name seed, (row stride, column stride), offset) in HF flat indices."""
     by_width: Dict[Tuple[object, torch.device], list] = {}  # a chunk may hold tensors on several devices
     for piece in pieces:
         pairs = mix64.as_pairs(piece[1])  # 16-bit rows of an even length: two elements per word

@@ -72,6 +72,7 @@ def _options(device: torch.device) -> dict:
         return {}
     return {"cpp.dynamic_threads": True, **({} if _cpu_isa() else {"cpp.simdlen": 1})}
 
+
 _BUILD_LOCK = threading.Lock()  # one export at a time in a process: tracing is not safe to run in two threads
 
 
