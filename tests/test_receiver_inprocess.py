@@ -132,9 +132,9 @@ def test_a_loader_copying_a_transformed_tensor_keeps_deltas_on_the_loader_path()
 @pytest.mark.parametrize("encoding", ["deltas", "xor_zstd"])
 def test_direct_writes_and_base_reads_land_the_same_batched_or_one_by_one(tmp_path, monkeypatch, encoding, below):
     """On CPU only entries below a size are batched per storage: both sides of that threshold, bit-identical."""
-    from sglang.srt.weight_sync.delta import views
+    from sglang.srt.weight_sync.delta import wire
 
-    monkeypatch.setattr(views, "_CPU_BATCH_BELOW", below)
+    monkeypatch.setattr(wire, "CPU_BATCH_BELOW", below)
     cfg, states = trained("qwen3-tied")
     transport = DiskTransport(str(tmp_path))
     host = Host(nan_filled(sglang_model(cfg)))

@@ -418,3 +418,28 @@ def test_the_disk_writer_queue_is_bounded(tmp_path, monkeypatch):
     assert len(submitted) == 3 and all(f.result(30) > 0 for f in submitted)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f0", "f1", "f2"]
     writer.close()
+
+
+@pytest.mark.parametrize("below", [0, 40, 1 << 30])
+def test_the_snapshot_fold_lands_every_change_joined_or_alone(monkeypatch, below):
+    """A commit folds what a sync sent into the snapshot, one slab at a time: on CPU small params joined into one
+    scatter, large ones alone (``wire.CPU_BATCH_BELOW``). At every threshold the snapshot equals the new tensors."""
+    from sglang.srt.weight_sync.delta import wire
+    from sglang.srt.weight_sync.delta.sender import DeltaState
+
+    monkeypatch.setattr(wire, "CPU_BATCH_BELOW", below)
+    g = torch.Generator().manual_seed(3)
+    old = {f"p{k}": torch.randn(n, generator=g).to(torch.bfloat16) for k, n in enumerate([10, 100, 1000, 5000, 7])}
+    new = {k: v.clone() for k, v in old.items()}
+    for v in new.values():
+        v[::3] += 1
+    state = DeltaState(torch.device("cpu"))
+    state.record([(k, v, None, None) for k, v in old.items()])  # the first sync: whole copies, cut from one slab
+    state.commit(1)
+    assert len({t.untyped_storage().data_ptr() for t in state.snapshot.values()}) == 1
+    chunk = list(new.items())
+    changes = state.changes(chunk, [state.snapshot[k] for k, _ in chunk])
+    state.record([(k, t, idx, values) for (k, t), (idx, values) in zip(chunk, changes)])
+    state.commit(2)
+    for k, v in new.items():
+        assert torch.equal(state.snapshot[k].view(torch.int16), v.view(torch.int16)), k

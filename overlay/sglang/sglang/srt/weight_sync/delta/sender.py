@@ -47,6 +47,7 @@ from sglang.srt.weight_sync.delta.wire import (
     WIRE_FORMAT,
     Change,
     Gathered,
+    batched,
     changes_many,
     encode_flush,
     encode_gathered,
@@ -275,12 +276,16 @@ class DeltaState:
 
 def _fold(entries) -> None:
     """``snap.view(-1)[idx] = values`` for snapshot tensors of one storage and dtype, as one ``index_copy_`` into
-    the storage (as integers of the same width: index kernels lack fp8 on some devices)."""
+    the storage (as integers of the same width: index kernels lack fp8 on some devices); on CPU large ones alone
+    (:func:`wire.batched`)."""
     snap = entries[0][0]
     iv = INT_VIEW[snap.element_size()]
-    if len(entries) == 1 or not all(s.is_contiguous() for s, _, _ in entries):
-        for s, idx, values in entries:
-            s.view(-1).view(iv).index_copy_(0, idx, values.view(iv))
+    entries, alone = batched(entries, snap.device) if all(s.is_contiguous() for s, _, _ in entries) else ([], entries)
+    if len(entries) == 1:
+        entries, alone = [], entries + alone
+    for s, idx, values in alone:
+        s.view(-1).view(iv).index_copy_(0, idx, values.view(iv))
+    if not entries:
         return
     storage = snap.untyped_storage()
     flat = torch.empty(0, dtype=iv).set_(storage, 0, (storage.nbytes() // snap.element_size(),))

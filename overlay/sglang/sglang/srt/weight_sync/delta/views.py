@@ -23,6 +23,7 @@ from sglang.srt.weight_sync.delta.wire import (
     DeltaError,
     DeltaPayload,
     Refusal,
+    batched,
     host_values,
     repeat_counts,
     shifted_cat,
@@ -155,19 +156,6 @@ def _bits(flat: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return flat.view(INT_VIEW[flat.element_size()])[offsets]
 
 
-_CPU_BATCH_BELOW = 1 << 14  # changed elements; measured on the 0.5B bench shape (2 cores)
-
-
-def _batched(entries) -> Tuple[list, list]:
-    """(entries to batch per storage, entries to handle one by one). On a GPU every entry is batched (a launch
-    costs more than the extra pass over positions); on CPU only small ones — a call there costs ~10 µs, while
-    batching a large entry costs an extra int64 pass over its positions (concatenate, shift)."""
-    if entries[0][0].flat.device.type != "cpu":
-        return entries, []
-    return ([e for e in entries if e[1].numel() < _CPU_BATCH_BELOW],
-            [e for e in entries if e[1].numel() >= _CPU_BATCH_BELOW])
-
-
 def _write_blocks(entries) -> None:
     """One storage's whole-block writes of a flush as one ``index_copy_`` (offsets shifted per block by a
     repeat of host-known counts: no synchronization). Blocks whose destinations overlap (a loader
@@ -175,7 +163,8 @@ def _write_blocks(entries) -> None:
     duplicate offsets has no defined winner on a GPU."""
     flat = entries[0][0].flat
     spans = sorted((t.doff, t.doff + t.numel) for t, _, _ in entries)
-    entries, alone = _batched(entries) if not any(b[0] < a[1] for a, b in zip(spans, spans[1:])) else ([], entries)
+    overlap = any(b[0] < a[1] for a, b in zip(spans, spans[1:]))
+    entries, alone = batched(entries, flat.device) if not overlap else ([], entries)
     if len(entries) == 1:
         entries, alone = [], entries + alone
     for t, idx, values in alone:  # the block's start moves the view, not every position (no pass over them)
@@ -224,7 +213,7 @@ def read_base(direct: Dict[str, List[Direct]], params, idxs, dtype, device, held
             held_parts.append(h)
         at += n
     for entries in blocks.values():  # idx is clamped into each param: every offset lies inside its block
-        entries, alone = _batched(entries)
+        entries, alone = batched(entries, device)
         for t, idx, start in alone:  # gathered straight into place, from the block's start
             torch.index_select(t.flat[t.doff:].view(out.dtype), 0, idx, out=out[start:start + idx.numel()])
         if not entries:
