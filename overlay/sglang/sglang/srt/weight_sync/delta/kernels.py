@@ -78,7 +78,8 @@ _BUILD_LOCK = threading.Lock()  # one export at a time in a process: tracing is 
 
 def _build(kernel: Kernel, device: torch.device):
     """Load ``kernel``'s package for ``device``, compiling it first if this machine has none (one process at a
-    time). One package per kernel source and argument dtypes, torch build and device kind, in inductor's cache dir."""
+    time). One package per kernel module source and argument dtypes, torch build and device kind, in inductor's
+    cache dir."""
     with _BUILD_LOCK:
         return _build_locked(kernel, device)
 
@@ -87,8 +88,9 @@ def _build_locked(kernel: Kernel, device: torch.device):
     import filelock
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    src = (inspect.getsource(kernel.module) + repr([t.dtype for t in kernel.example]) + torch.__version__
-           + repr(_options(device)))
+    # the whole module's source: a kernel's expression may call helpers beside its class
+    src = (inspect.getsource(inspect.getmodule(kernel.module)) + repr([t.dtype for t in kernel.example])
+           + torch.__version__ + repr(_options(device)))
     key = hashlib.blake2b((src + _device_key(device)).encode(), digest_size=8).hexdigest()
     path = os.path.join(cache_dir(), "delta-mix64", f"{kernel.name}-{_device_key(device)}-{key}.pt2")
     os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -167,6 +167,15 @@ def as_2d(sizes, strides, offset: int) -> Optional[Tuple[Tuple[int, int], int, i
 # ---------------------------------------------------------------- compiled
 
 
+def _mix(z, k):
+    """:func:`mix64_` as one expression for the compiled kernels (``k[1]``, ``k[2]``: C2, C3 as a tensor)."""
+    z = z ^ ((z >> 30) & ((1 << 34) - 1))
+    z = z * k[1]
+    z = z ^ ((z >> 27) & ((1 << 37) - 1))
+    z = z * k[2]
+    return z ^ ((z >> 31) & ((1 << 33) - 1))
+
+
 class _Mix64Sum(torch.nn.Module):
     """The eager sum and NaN test as one expression: what inductor fuses into one pass. Every constant comes in as a
     tensor (``k`` = C1, C2, C3, domain, NaN lanes): a constant factor would be folded into index arithmetic, where
@@ -174,12 +183,7 @@ class _Mix64Sum(torch.nn.Module):
 
     def forward(self, words, k):
         z = (torch.arange(words.shape[0], dtype=torch.int64, device=words.device) * k[0] + k[3]) ^ words
-        z = z ^ ((z >> 30) & ((1 << 34) - 1))
-        z = z * k[1]
-        z = z ^ ((z >> 27) & ((1 << 37) - 1))
-        z = z * k[2]
-        z = z ^ ((z >> 31) & ((1 << 33) - 1))
-        return z.sum(), (((words & k[4]) + k[5]) & k[6]).ne(0).any()
+        return _mix(z, k).sum(), (((words & k[4]) + k[5]) & k[6]).ne(0).any()
 
 
 class _Fingerprint(torch.nn.Module):
@@ -193,12 +197,7 @@ class _Fingerprint(torch.nn.Module):
         rows = torch.arange(bits.shape[0], dtype=torch.int64, device=bits.device)
         cols = torch.arange(bits.shape[1], dtype=torch.int64, device=bits.device)
         z = (g[2] + rows[:, None] * g[0] + cols[None, :] * g[1]) ^ ((bits.to(torch.int64) & g[3]) * k[1])
-        z = z ^ ((z >> 30) & ((1 << 34) - 1))
-        z = z * k[1]
-        z = z ^ ((z >> 27) & ((1 << 37) - 1))
-        z = z * k[2]
-        z = z ^ ((z >> 31) & ((1 << 33) - 1))
-        return z.sum(1).sum()
+        return _mix(z, k).sum(1).sum()
 
 
 class _FingerprintPairs(torch.nn.Module):
@@ -212,17 +211,8 @@ class _FingerprintPairs(torch.nn.Module):
         cols = torch.arange(words.shape[1], dtype=torch.int64, device=words.device)
         key = g[2] + rows[:, None] * g[0] + cols[None, :] * (g[1] * 2)  # the key of the word's first element
         w = words.to(torch.int64)
-        return (self.mix(key ^ ((((w << 48) >> 48) & g[3]) * k[1]), k)
-                + self.mix((key + g[1]) ^ (((w >> 16) & g[3]) * k[1]), k)).sum(1).sum()
-
-    @staticmethod
-    def mix(z, k):
-        """splitmix64's finalizer, once per element of the word (inside the class: its source keys the package)."""
-        z = z ^ ((z >> 30) & ((1 << 34) - 1))
-        z = z * k[1]
-        z = z ^ ((z >> 27) & ((1 << 37) - 1))
-        z = z * k[2]
-        return z ^ ((z >> 31) & ((1 << 33) - 1))
+        return (_mix(key ^ ((((w << 48) >> 48) & g[3]) * k[1]), k)
+                + _mix((key + g[1]) ^ (((w >> 16) & g[3]) * k[1]), k)).sum(1).sum()
 
 
 def as_pairs(bits: torch.Tensor) -> Optional[torch.Tensor]:
