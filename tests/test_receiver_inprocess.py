@@ -145,3 +145,26 @@ def test_direct_writes_and_base_reads_land_the_same_batched_or_one_by_one(tmp_pa
                                                       base_version=v - 1, raw=raw), encoding)
         assert all(ok for ok, _ in results), results
         assert_params_equal(host.model, reference(cfg, states[v - 1]))
+
+
+@pytest.mark.parametrize("run", [1, 300])
+@pytest.mark.parametrize("arch, encoding", [("qwen2", "indices"), ("qwen3-tied", "deltas")])
+def test_a_flush_decoded_again_run_by_run_lands_bit_identical(monkeypatch, arch, encoding, run):
+    """A flush larger than one decode run is checked in one pass, then decoded run by run into one buffer as the
+    writes take it (CPU): runs of one param and of many, through the direct path and the loader's."""
+    from sglang.srt.weight_sync.delta import wire
+
+    monkeypatch.setattr(wire, "_DECODE_RUN", run)
+    cfg, states = trained(arch)
+    host = Host(nan_filled(sglang_model(cfg)))
+    ok, msg = host.call("_apply_delta_payload", full_flushes(states[0], version=1))
+    assert ok, msg
+    direct = receiver_state(host.model).direct
+    loader_only = sorted(direct)[::5]  # some params off the direct path: their positions are decoded one by one
+    for name in loader_only:
+        del direct[name]
+    for v in (2, 3):
+        ok, msg = host.call("_apply_delta_payload", delta_flushes(states[v - 2], states[v - 1], encoding, version=v,
+                                                                  base_version=v - 1))
+        assert ok, msg
+        assert_params_equal(host.model, reference(cfg, states[v - 1]))

@@ -40,7 +40,8 @@ def _roundtrip(payload: DeltaPayload, encoding: str) -> DeltaPayload:
 
 def _rebuild(payload, decoded, olds):
     out = []
-    for p, idx, old in zip(payload.spec.params, decoded, olds):
+    for p, old in zip(payload.spec.params, olds):
+        idx = decoded.of(p)
         vals = payload.values[p.val_start:p.val_end]
         flat = old.clone().reshape(-1)
         if idx is None:
@@ -383,9 +384,6 @@ def test_repeat_counts_is_repeat_interleave(counts):
     values = torch.tensor([(-1) ** k * (1 << 40) * k + 3 for k in range(len(counts))], dtype=torch.int64)
     want = torch.repeat_interleave(values, torch.tensor(counts, dtype=torch.int64))
     assert torch.equal(repeat_counts(values, counts), want)
-    for room in (sum(counts), sum(counts) + 1, sum(counts) + 9):  # scratch too small, just enough, larger: garbage in it
-        scratch = torch.full((room,), -7, dtype=torch.int64)
-        assert torch.equal(repeat_counts(values, counts, scratch), want)
 
 
 def test_the_column_check_never_accepts_what_the_param_loop_refuses():
@@ -471,3 +469,54 @@ def test_plane_transposition_batches_small_segments_and_keeps_every_byte(seed):
     finally:
         wire._PLANE_BATCH_ELEMENTS = was
     assert any(isinstance(r, list) for r in wire._plane_runs(segments)) or len(segments) < 3
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("encoding", ["indices", "deltas"])
+@pytest.mark.parametrize("run", [1, 5, 300, 1 << 20])
+def test_positions_checked_in_one_pass_and_decoded_again_run_by_run(monkeypatch, seed, encoding, run):
+    """Runs of one param, of a few, of all (kept from the checking pass): widths that alternate within a run, empty
+    and dense params between sparse ones, a blob at an odd offset; every param's positions equal its own decode,
+    through the writes' runs (over any subset) and one by one. A position out of range in the last run is refused."""
+    from sglang.srt.weight_sync.delta import wire
+
+    monkeypatch.setattr(wire, "_DECODE_RUN", run)
+    rng = random.Random(seed)
+    entries = []
+    for k in range(rng.randrange(2, 40)):
+        numel = rng.choice([1, 7, 300, 70000, 200000])
+        old = torch.zeros(numel, dtype=torch.bfloat16)
+        new = old.clone()
+        n = min(numel, rng.choice([0, 1, 2, numel // 3, numel]))
+        idx = torch.tensor(sorted(rng.sample(range(numel), n)), dtype=torch.int64)
+        new[idx] = 1
+        entries.append((f"p{k}", new, None if rng.random() < 0.1 else idx))
+    entries.append(("last", torch.ones(70000, dtype=torch.bfloat16), torch.tensor([5, 69999])))
+    flat = encode_flush(entries, encoding, version=2, base_version=1)
+    spec = flat.spec
+    odd = torch.empty(flat.positions.numel() + 1, dtype=torch.uint8)[1:]  # a view off every alignment
+    odd.copy_(flat.positions)
+    payload = DeltaPayload(spec, odd, flat.values)
+    positions = validate_payload(payload, None)
+    sparse = [p for p in spec.params if not p.dense]
+    for p in spec.params:
+        got = positions.of(p)
+        assert got is None if p.dense else torch.equal(got, decode_positions(
+            flat.positions[p.pos_start:p.pos_end], p.pos_width, encoding))
+    live = [p for p in sparse if p.nnz]
+    for subset in (live, live[::2], live[1::3]):
+        seen = []
+        for chunk in positions.runs(subset):
+            seen += [(p.name, idx.clone()) for p, idx in chunk]  # a run's tensors hold until the next run
+        assert [n for n, _ in seen] == [p.name for p in subset]
+        for (_, idx), p in zip(seen, subset):
+            assert torch.equal(idx, positions.of(p))
+    assert {2, 4} <= {p.pos_width for p in live} or encoding == "indices"
+    last = spec.params[-1]
+    bad = flat.positions.clone()
+    assert last.pos_width == 4  # its gap is above 65535: 70000 as u32 is a position (or a gap) past its end
+    bad[last.pos_end - 4:last.pos_end] = torch.tensor([70000], dtype=torch.int32).view(torch.uint8)
+    broken = DeltaPayload(spec, bad, flat.values).seal()
+    with pytest.raises(DeltaError, match=f"param 'last': position {70000 if encoding == 'indices' else 70006} out of "
+                                         "range for 70000 elements"):
+        validate_payload(broken, None)

@@ -64,6 +64,7 @@ from sglang.srt.weight_sync.delta.wire import (
     DeltaPayload,
     DeltaSpec,
     DeltaStatus,
+    Positions,
     Refusal,
     dtype_from_str,
     gc_paused,
@@ -87,10 +88,10 @@ DEFAULT_CHUNK_BYTES = 512 << 20
 # ---------------------------------------------------------------- the shared apply path
 
 
-def _decode_delta_one_param(p: DeltaParam, idx: Optional[torch.Tensor], values: torch.Tensor,
-                            device) -> torch.Tensor:
+def _decode_delta_one_param(p: DeltaParam, positions: Positions, values: torch.Tensor, device) -> torch.Tensor:
     """Full-shape source tensor for the loader: NaN where unchanged, the trainer's bytes elsewhere."""
     vals = values[p.val_start:p.val_end]
+    idx = positions.of(p)
     if idx is None:
         return vals.to(device).view(p.shape)
     flat = torch.full((p.numel,), float("nan"), dtype=vals.dtype, device=device)
@@ -220,38 +221,49 @@ def _apply_request(self, payloads: Sequence[DeltaPayload], weight_version: Optio
         _kill_point()
 
     direct = {} if head.full else (state.direct or {})
-    via_views, via_loader = [], []  # (param, positions, its values) / (param, positions or None, the flush's values)
-    for payload, idxs in zip(payloads, decoded):
-        values, viewed = payload.values, []
-        for p, idx in zip(payload.spec.params, idxs):
+    via_views, via_loader = [], []  # (the flush's positions, values, its params) / (param, positions, values)
+    for payload, positions in zip(payloads, decoded):
+        viewed = []
+        for p in payload.spec.params:
             if head.full:
                 state.pending_manifest[p.name] = (list(p.shape), p.dtype)
-            if idx is not None and not idx.numel():
+            if not p.dense and not p.nnz:
                 continue  # nothing of this param changed: no write at all
-            if idx is not None and p.name in direct:
-                viewed.append((p, idx))
+            if not p.dense and p.name in direct:
+                viewed.append(p)
             else:
-                via_loader.append((p, idx, values))
-        via_views += [(p, idx, part) for (p, idx), part in zip(viewed, _values_of(values, [p for p, _ in viewed]))]
+                via_loader.append((p, positions, payload.values))
+        if viewed:
+            via_views.append((positions, payload.values, viewed))
     try:
         with torch.no_grad():
+            batch = []  # one write for the request where positions are kept; else one per run, before the next
+            for positions, values, viewed in via_views:
+                for run in positions.runs(viewed):
+                    batch += [(direct[p.name], idx, part, p.numel)
+                              for (p, idx), part in zip(run, _values_of(values, [p for p, _ in run]))]
+                    if not positions.kept:
+                        write_direct(batch)
+                        batch = []
+            if batch:
+                write_direct(batch)
             if via_views:
-                write_direct([(direct[p.name], idx, part, p.numel) for p, idx, part in via_views])
                 _kill_point()
-            _post_process(model, state, [p.name for p, _, _ in via_views], complete)
+            _post_process(model, state, [p.name for _, _, viewed in via_views for p in viewed], complete)
         if via_loader:
             # a full sync's sources are views of the received blobs: made before the watch, which sees every op
-            ready = [(p.name, _decode_delta_one_param(p, idx, values, device)) for p, idx, values in via_loader] \
+            ready = [(p.name, _decode_delta_one_param(p, positions, values, device))
+                     for p, positions, values in via_loader] \
                 if head.full else None
             with torch.no_grad(), (full_sync_context(model, state.recorder) if head.full else
                                    delta_apply_context(model)):
                 chunk, chunk_bytes = ready or [], 0
-                for p, idx, values in [] if head.full else via_loader:
+                for p, positions, values in [] if head.full else via_loader:
                     size = p.numel * values.element_size()
                     if chunk and chunk_bytes + size > chunk_cap:
                         load(chunk)
                         chunk, chunk_bytes = [], 0
-                    chunk.append((p.name, _decode_delta_one_param(p, idx, values, device)))
+                    chunk.append((p.name, _decode_delta_one_param(p, positions, values, device)))
                     chunk_bytes += size
                 if chunk:
                     load(chunk)

@@ -41,7 +41,7 @@ import math
 import operator
 import struct
 import warnings
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import safetensors
@@ -468,7 +468,7 @@ class DeltaPayload:
     sums: Optional[Tuple[int, int]] = None  # blob_sums of the two blobs, once computed
     base: Optional[torch.Tensor] = None  # sender, xor_zstd: base_version's bytes beside ``values`` (the file XORs them)
     xored: bool = False  # receiver, xor_zstd: ``values`` still hold new XOR base (see :func:`unxor`)
-    decoded: Optional[tuple] = None  # (manifest, positions by name, fault flags): unxor's structure check and decode
+    decoded: Optional[tuple] = None  # (manifest, Positions, fault flags): unxor's structure check and decode
 
     def seal(self, spec_only: bool = False) -> "DeltaPayload":
         """Set the spec's checksum; ``spec_only``: only spec fields changed since the last seal (reuses the blob sums)."""
@@ -551,18 +551,14 @@ def to_device(values: Sequence, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
-def repeat_counts(values: torch.Tensor, counts: Sequence[int], scratch: Optional[torch.Tensor] = None) -> torch.Tensor:
+def repeat_counts(values: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
     """``torch.repeat_interleave(values, counts)`` for int64 ``values`` and host-known ``counts``: each value's step
     from the one before added where its run starts, then one cumsum — a third of the time of torch's CPU kernel
-    (measured), and like it without a host read. ``scratch``: int64 memory to build it in, when it has room (a
-    caller that repeats run after run touches fresh pages once, not per run)."""
+    (measured), and like it without a host read."""
     total = sum(counts)
     if not counts:
         return values.new_empty(0)
-    if scratch is not None and scratch.numel() > total:
-        out = scratch[:total + 1].zero_()
-    else:
-        out = torch.zeros(total + 1, dtype=torch.int64, device=values.device)  # empty runs at the end land past it
+    out = torch.zeros(total + 1, dtype=torch.int64, device=values.device)  # empty runs at the end land past it
     starts = to_device(itertools.accumulate(counts[:-1], initial=0), values.device)
     out.index_add_(0, starts, torch.diff(values, prepend=values.new_zeros(1)))  # an empty run's step adds to the next
     return out[:total].cumsum_(0)
@@ -679,35 +675,20 @@ def validate_payload(payload: DeltaPayload, manifest: Optional[Dict[str, Tuple[L
         raise DeltaError(f"checksum mismatch{where}: expected {spec.checksum or '<none>'}, got {actual} "
                          f"(positions, values or the spec corrupted)", Refusal.CHECKSUM)
     if payload.decoded is not None and payload.decoded[0] is manifest:  # unxor checked it against this manifest
-        found, flags = payload.decoded[1:]
+        positions, flags = payload.decoded[1:]
     else:
-        found, flags = _decode_all(pos, _check_structure(payload, manifest, where), spec.encoding)
+        positions, flags = _decode_all(payload, _check_structure(payload, manifest, where))
     flags = list(flags)  # one bool per check, read together: the flush's one synchronization after the checksum
     if nan is not None:
         flags.append(nan)
     if flags and any(host_values(torch.stack(flags))):
         _check_one_by_one(payload, where)
-    empty = pos.new_empty(0, dtype=torch.int64)
-    return [None if p.dense else found.get(p.name, empty) for p in spec.params]
+    return positions
 
 
-def _decode_all(pos: torch.Tensor, sparse: Dict[int, List[DeltaParam]], encoding: str, clamp: bool = False):
-    """Every sparse param's positions by name, and the fault flags of their decode (unread); ``clamp``: positions
-    past a param's end are clamped to its last element after the flags saw them (safe to gather with; equal to
-    the decoded positions whenever the flags pass)."""
-    found: Dict[str, torch.Tensor] = {}
-    flags = []
-    for width, params in sparse.items():
-        idx, bad = _decode_group(pos, [p for p in params if p.nnz], width, encoding != DeltaEncoding.INDICES.value,
-                                 clamp)
-        flags += bad
-        found.update(idx)
-    return found, flags
-
-
-def check_structure(payload: DeltaPayload, manifest=None) -> Dict[int, List[DeltaParam]]:
+def check_structure(payload: DeltaPayload, manifest=None) -> List[DeltaParam]:
     """The checks that need no checksum: blob shapes, the spec's own rules and its fit to the blobs, names, shapes
-    and dtypes against ``manifest``; returns the sparse params by position width."""
+    and dtypes against ``manifest``; returns the sparse params in spec order."""
     where = f" in {payload.source}" if payload.source else ""
     _check_blobs(payload, where)
     return _check_structure(payload, manifest, where)
@@ -721,8 +702,8 @@ def _check_blobs(payload: DeltaPayload, where: str) -> None:
         raise DeltaError(f"{VALUES}{where} must be 1-D, got shape {list(val.shape)}")
 
 
-def _check_structure(payload: DeltaPayload, manifest, where: str) -> Dict[int, List[DeltaParam]]:
-    """The spec's own rules and its fit to the blobs; returns sparse params by position width. A flush the
+def _check_structure(payload: DeltaPayload, manifest, where: str) -> List[DeltaParam]:
+    """The spec's own rules and its fit to the blobs; returns the sparse params in spec order. A flush the
     column-wise check accepts is done; any other goes through the loop, which names what is wrong (or accepts what
     the column check could not tell, e.g. a manifest shape held as a tuple)."""
     sparse = _structure_by_columns(payload, manifest)
@@ -732,9 +713,9 @@ def _check_structure(payload: DeltaPayload, manifest, where: str) -> Dict[int, L
 _OFFSETS = operator.attrgetter("pos_start", "pos_end", "pos_width", "val_start", "val_end")
 
 
-def _structure_by_columns(payload: DeltaPayload, manifest) -> Optional[Dict[int, List[DeltaParam]]]:
+def _structure_by_columns(payload: DeltaPayload, manifest) -> Optional[List[DeltaParam]]:
     """:func:`_structure_one_by_one`'s rules on whole columns (numpy over the offsets, C-level maps over names and
-    shapes): the sparse params by width, or None where any rule may fail. Never accepts what the loop refuses."""
+    shapes): the sparse params in spec order, or None where any rule may fail. Never accepts what the loop refuses."""
     spec, val = payload.spec, payload.values
     params = spec.params
     names = list(map(operator.attrgetter("name"), params))
@@ -764,16 +745,16 @@ def _structure_by_columns(payload: DeltaPayload, manifest) -> Optional[Dict[int,
             return None
         if not all(map(operator.eq, map(operator.itemgetter(0), entries), map(operator.attrgetter("shape"), params))):
             return None
-    return {width: [params[k] for k in np.flatnonzero(w == width).tolist()] for width in (2, 4)}
+    return [params[k] for k in np.flatnonzero(sparse).tolist()]
 
 
-def _structure_one_by_one(payload: DeltaPayload, manifest, where: str) -> Dict[int, List[DeltaParam]]:
+def _structure_one_by_one(payload: DeltaPayload, manifest, where: str) -> List[DeltaParam]:
     """The spec's own rules and its fit to the blobs, param by param: the first param at fault is named."""
     spec, pos, val = payload.spec, payload.positions, payload.values
     pos_at = val_at = 0
     pos_n, val_n = pos.numel(), val.numel()
     seen = set()
-    sparse: Dict[int, List[DeltaParam]] = {2: [], 4: []}  # by position width: each group decodes in one pass
+    sparse: List[DeltaParam] = []
     widths = (4,) if DeltaEncoding(spec.encoding) is DeltaEncoding.INDICES else (2, 4)  # gaps: 2, or 4 as fallback
     dtypes: Dict[str, torch.dtype] = {}  # per-param work is host arithmetic only: each dtype name is parsed once
     for p in spec.params:
@@ -820,7 +801,7 @@ def _structure_one_by_one(payload: DeltaPayload, manifest, where: str) -> Dict[i
                                  f"of width {width}")
             if nnz > numel:
                 raise DeltaError(f"param {name!r}{where}: {nnz} positions for {numel} elements")
-            sparse[width].append(p)
+            sparse.append(p)
     if (pos_at, val_at) != (pos.numel(), val.numel()):
         raise DeltaError(f"offsets{where} cover {pos_at} of {pos.numel()} position bytes and {val_at} of "
                          f"{val.numel()} values: blobs must be tiled exactly")
@@ -840,16 +821,14 @@ def unxor(payload: DeltaPayload, manifest, read_base) -> DeltaPayload:
     where = f" in {payload.source}" if payload.source else ""
     if DeltaEncoding(spec.encoding) is not DeltaEncoding.XOR_ZSTD or not payload.xored:
         raise DeltaError(f"unxor needs xor_zstd values{where}, got a {spec.encoding} flush")
-    found, flags = _decode_all(pos, check_structure(payload, manifest), spec.encoding, clamp=True)  # validate reuses it
-    empty = pos.new_empty(0, dtype=torch.int64)
-    idxs = [None if p.dense else found.get(p.name, empty) for p in spec.params]
-    base = read_base(spec.params, idxs)
+    positions, flags = _decode_all(payload, check_structure(payload, manifest), clamp=True)  # validate reuses it
+    base = read_base(spec.params, [positions.of(p) for p in spec.params])
     if base.dtype != val.dtype or base.shape != val.shape:
         raise DeltaError(f"base values{where}: {base.dtype} {list(base.shape)} do not match the flush's "
                          f"{val.dtype} {list(val.shape)}", Refusal.NO_BASE)
     iv = INT_VIEW[val.element_size()]
     rebuilt = torch.bitwise_xor(val.view(iv), base.to(val.device).view(iv)).view(val.dtype)
-    return dataclasses.replace(payload, values=rebuilt, xored=False, sums=None, decoded=(manifest, found, flags))
+    return dataclasses.replace(payload, values=rebuilt, xored=False, sums=None, decoded=(manifest, positions, flags))
 
 
 @contextlib.contextmanager
@@ -872,63 +851,164 @@ def host_values(t: torch.Tensor) -> list:
     return t.to("cpu", copy=True).tolist()
 
 
-_DECODE_CHUNK = 1 << 20  # positions decoded per pass: bounds the int64 scratch and keeps it in cache
+_DECODE_RUN = 1 << 20  # positions per decode pass: bounds the int64 buffer a run decodes into, and keeps it in cache
 
 
-def _decode_group(pos: torch.Tensor, params: List[DeltaParam], width: int, gaps: bool, clamp: bool = False):
-    """Decode every (non-empty) param of one position width: ``({name: int64 positions}, [fault flags])``.
+class Positions:
+    """A checked flush's int64 positions, per sparse param.
 
-    Params are taken in runs of about ``_DECODE_CHUNK`` positions; per run the tensor ops (a cat, a
-    cumsum, two small gathers, a repeat_interleave of known size) have no host synchronization, and
-    the per-param work is slicing and host arithmetic. Each param's positions must come out strictly
-    increasing (gaps do by construction; ``indices`` are flagged when not — unsorted but valid
-    positions are then checked one param at a time, see :func:`_check_one_by_one`).
+    Kept from the checking pass where a flush is one run, on a GPU (whose caching allocator reuses memory at no
+    cost) and for ``xor_zstd`` (the base is read at them); otherwise decoded again, a run at a time into one reused
+    buffer, as the writes take them: int64 positions are 4x the bytes of bf16 values, and on CPU faulting fresh
+    pages in costs more than the decode itself (measured, 14M positions: 56 ms into new memory, 14 ms run by run).
     """
-    out: Dict[str, torch.Tensor] = {}
-    flags = []
+
+    def __init__(self, payload: DeltaPayload, kept: Optional[Dict[str, torch.Tensor]], tops: Optional[torch.Tensor],
+                 order: Dict[str, int], buffer: Optional["_RunBuffer"]):
+        self._pos, self._gaps = payload.positions, _gaps(payload.spec.encoding)
+        self._kept, self._tops, self._order, self._buffer = kept, tops, order, buffer
+
+    @property
+    def kept(self) -> bool:
+        """Whether every param's positions are held (else a run's tensors hold only until the next run)."""
+        return self._kept is not None
+
+    def of(self, p: DeltaParam) -> Optional[torch.Tensor]:
+        """``p``'s positions in a tensor of their own (None: a dense param)."""
+        if p.dense:
+            return None
+        if not p.nnz:
+            return self._pos.new_empty(0, dtype=torch.int64)
+        if self._kept is not None:
+            return self._kept[p.name]
+        return _decode_run(self._pos, [p], self._gaps, torch.empty(p.nnz, dtype=torch.int64, device=self._pos.device),
+                           self._tops[self._order[p.name]:self._order[p.name] + 1])
+
+    def runs(self, params: Sequence[DeltaParam]) -> Iterator[List[Tuple[DeltaParam, torch.Tensor]]]:
+        """``params`` (sparse, none empty, in spec order) with their positions, about ``_DECODE_RUN`` positions at a
+        time; a run's tensors hold until the next run is asked for."""
+        if self._kept is not None:
+            yield [(p, self._kept[p.name]) for p in params]
+            return
+        for run in _runs(params):
+            tops = self._tops[to_device([self._order[p.name] for p in run], self._pos.device)] if self._gaps else None
+            x = _decode_run(self._pos, run, self._gaps, self._buffer.take(_run_size(run)), tops)
+            yield list(zip(run, x.split([p.nnz for p in run])))
+
+
+class _RunBuffer:
+    """One int64 buffer, grown to the largest run, that every run of a flush decodes into."""
+
+    def __init__(self, device: torch.device):
+        self._t = torch.empty(0, dtype=torch.int64, device=device)
+
+    def take(self, n: int) -> torch.Tensor:
+        if self._t.numel() < n:
+            self._t = torch.empty(n, dtype=torch.int64, device=self._t.device)
+        return self._t[:n]
+
+
+def _gaps(encoding: str) -> bool:
+    return DeltaEncoding(encoding) is not DeltaEncoding.INDICES
+
+
+def _run_size(run: Sequence[DeltaParam]) -> int:
+    return sum(map(operator.attrgetter("nnz"), run))
+
+
+def _runs(params: Sequence[DeltaParam]) -> Iterator[List[DeltaParam]]:
+    """Consecutive params in runs of about ``_DECODE_RUN`` positions (a run ends with the param that reaches it)."""
     run: List[DeltaParam] = []
     size = 0
-    scratch = torch.empty(0, dtype=torch.int64, device=pos.device)
-    for k, p in enumerate(params):
+    for p in params:
         run.append(p)
         size += p.nnz
-        if size >= _DECODE_CHUNK or k == len(params) - 1:
-            if gaps and scratch.numel() <= size:  # one buffer for the runs' repeats: a run is about _DECODE_CHUNK
-                scratch = torch.empty(size + 1, dtype=torch.int64, device=pos.device)
-            out.update(_decode_run(pos, run, width, gaps, flags, clamp, scratch))
+        if size >= _DECODE_RUN:
+            yield run
             run, size = [], 0
-    return out, flags
+    if run:
+        yield run
 
 
-def _decode_run(pos: torch.Tensor, params: List[DeltaParam], width: int, gaps: bool, flags: list, clamp: bool,
-                scratch: torch.Tensor):
+def _decode_all(payload: DeltaPayload, sparse: List[DeltaParam], clamp: bool = False) -> Tuple[Positions, list]:
+    """Check every sparse param's positions: a :class:`Positions`, and the fault flags (unread).
+
+    Per run of about ``_DECODE_RUN`` positions the tensor ops have no host synchronization and do not grow with
+    its params (a copy per stretch of one width, a cumsum, small gathers); the per-param work is host arithmetic.
+    Each param's positions must come out strictly increasing (gaps do by construction; ``indices`` are flagged
+    when not — unsorted but valid positions are then checked one param at a time, see :func:`_check_one_by_one`).
+    ``clamp``: kept positions past a param's end are clamped to its last element after the flags saw them (safe
+    to gather with; equal to the decoded positions whenever the flags pass)."""
+    pos = payload.positions
+    gaps = _gaps(payload.spec.encoding)
+    live = [p for p in sparse if p.nnz]
+    keep = clamp or pos.device.type != "cpu" or _run_size(live) <= _DECODE_RUN
+    runs = list(_runs(live))
+    buffer = _RunBuffer(pos.device)
+    buffer.take(max(map(_run_size, runs), default=0))  # once: runs differ in size, and each growth is fresh pages
+    flags, tops, kept = [], [], {} if keep else None
+    for run in runs:
+        counts = [p.nnz for p in run]
+        top = _scan_run(pos, run, gaps, buffer.take(sum(counts)), flags)
+        tops.append(top)
+        if keep:
+            x = _decode_run(pos, run, gaps, torch.empty(sum(counts), dtype=torch.int64, device=pos.device), top)
+            if clamp:  # one op for the run, not one per param
+                x = torch.minimum(x, repeat_counts(to_device([p.numel - 1 for p in run], pos.device), counts))
+            kept.update(zip(map(operator.attrgetter("name"), run), x.split(counts)))  # views made in one call
+    order = {} if keep else {p.name: k for k, p in enumerate(live)}
+    top = None if keep or not tops else tops[0] if len(tops) == 1 else torch.cat(tops)
+    return Positions(payload, kept, top, order, None if keep else buffer), flags
+
+
+def _load_run(pos: torch.Tensor, run: Sequence[DeltaParam], out: torch.Tensor) -> torch.Tensor:
+    """A run's wire ints (u16 or u32, in any mix) as int64 in ``out``: one copy per stretch of one width."""
+    at = 0
+    for width, part in itertools.groupby(run, key=operator.attrgetter("pos_width")):
+        part = list(part)
+        a, b, n = part[0].pos_start, part[-1].pos_end, _run_size(part)
+        raw = pos[a:b] if b - a == n * width else torch.cat([pos[p.pos_start:p.pos_end] for p in part])
+        if raw.storage_offset() % width:  # a dtype view needs an aligned offset
+            raw = raw.clone()
+        out[at:at + n].copy_(raw.view(torch.uint16 if width == 2 else torch.uint32))  # little-endian, as encoded
+        at += n
+    return out[:at]
+
+
+def _scan_run(pos: torch.Tensor, run: Sequence[DeltaParam], gaps: bool, out: torch.Tensor, flags: list) -> torch.Tensor:
+    """Check one run's positions (decoded into ``out``), appending its fault flags; return each param's largest
+    position (its last: positions increase), which :func:`_decode_run` needs to decode the run in one pass."""
     device = pos.device
-    counts = [p.val_end - p.val_start for p in params]
-    a, b = params[0].pos_start, params[-1].pos_end
-    if b - a == sum(counts) * width:  # the run's bytes are adjacent (tiling is checked): one aligned copy
-        raw = pos[a:b].clone()
-    else:
-        raw = torch.cat([pos[p.pos_start:p.pos_end] for p in params])
-    idx = raw.view(torch.uint16 if width == 2 else torch.uint32).to(torch.int64)
-    ends = list(itertools.accumulate(counts, initial=0))
-    first = to_device(ends[:-1], device)
-    last = to_device([e - 1 for e in ends[1:]], device)
-    if gaps:  # idx = cumsum(gap + 1) - 1 within each param: the running sum less its value where the param starts
-        idx += 1
-        before = idx[first]
-        idx.cumsum_(0)  # in place (:func:`decode_positions`)
-        before = idx[first] - before
-        idx -= repeat_counts(before + 1, counts, scratch)
+    ends = list(itertools.accumulate([p.nnz for p in run], initial=0))
+    first, last = to_device(ends[:-1], device), to_device([e - 1 for e in ends[1:]], device)
+    x = _load_run(pos, run, out)
+    if gaps:  # a param's last position: the running sum of (gap + 1) at its end, less the one before it starts, less 1
+        x += 1
+        before = x[first]
+        x.cumsum_(0)  # in place: torch's CPU cumsum into a new tensor is 2-6x slower
+        top = x[last] - x[first] + before - 1
     else:  # absolute: strictly increasing within each param (a param's start may be below the last one's end)
-        rising = idx[1:] > idx[:-1]
-        if len(params) > 1:
+        rising = x[1:] > x[:-1]
+        if len(run) > 1:
             rising[first[1:] - 1] = True
         flags.append(~rising.all())
-    numel = to_device([p.numel for p in params], device)
-    flags.append((idx[last] >= numel).any())  # increasing: each param's last position is its largest
-    if clamp:  # one op for the run, not one per param
-        idx = torch.minimum(idx, repeat_counts(numel - 1, counts))
-    return dict(zip(map(operator.attrgetter("name"), params), idx.split(counts)))  # views made in one call
+        top = x[last]
+    flags.append((top >= to_device([p.numel for p in run], device)).any())
+    return top
+
+
+def _decode_run(pos: torch.Tensor, run: Sequence[DeltaParam], gaps: bool, out: torch.Tensor,
+                top: Optional[torch.Tensor]) -> torch.Tensor:
+    """One run's positions, in ``out``. Gaps: each param's first (gap + 1) less the last position of the param
+    before it in the run, plus 1 (from :func:`_scan_run`'s ``top``), so that one running sum over the whole run
+    restarts at every param's start: no per-param pass, no repeat."""
+    x = _load_run(pos, run, out)
+    if gaps:
+        x += 1
+        first = to_device(itertools.accumulate([p.nnz for p in run[:-1]], initial=0), pos.device)
+        x.index_add_(0, first, torch.cat([top.new_zeros(1), top[:-1]]).add_(1).neg_())
+        x.cumsum_(0)
+    return x
 
 
 def _check_one_by_one(payload: DeltaPayload, where: str) -> None:
