@@ -191,9 +191,9 @@ def apply(base_dir: str, delta_dir: str, out: str) -> None:
         [state[p.name].reshape(-1) if i is None else state[p.name].reshape(-1)[i] for p, i in zip(ps, ix)]
         or [pl.values[:0]])) if pl.xored else pl for pl in payloads]
     decoded = [validate_payload(pl, shapes) for pl in payloads]  # everything checked before any write
-    for pl, idxs in zip(payloads, decoded):
-        for p, idx in zip(pl.spec.params, idxs):
-            vals = pl.values[p.val_start:p.val_end]
+    for pl, positions in zip(payloads, decoded):
+        for p in pl.spec.params:
+            idx, vals = positions.of(p), pl.values[p.val_start:p.val_end]
             flat = state[p.name].view(-1)
             if idx is None:
                 flat.copy_(vals)
