@@ -54,8 +54,10 @@ class Direct:
     dims: List[Tuple[int, int, int]]  # (size, src stride, dst stride), outer to inner; [] = one contiguous block
 
     @classmethod
-    def of(cls, c) -> Optional["Direct"]:
-        """None when the source view cannot be inverted by division (overlapping or interleaved strides)."""
+    def of(cls, c, flats: Dict[int, torch.Tensor]) -> Optional["Direct"]:
+        """None when the source view cannot be inverted by division (overlapping or interleaved strides).
+        ``flats``: each param's whole storage as one flat tensor, made once per param (a fused MoE weight holds
+        every expert's copies)."""
         (_, dstr, doff), (ssz, sstr, soff) = c.dst, c.src
         if c.param.data_ptr() != c.ptr:
             return None  # the param's tensor was replaced after this copy: the recorded offsets are stale
@@ -69,8 +71,10 @@ class Direct:
             if stride < span:
                 return None
             span += stride * (size - 1)
-        storage = c.param.untyped_storage().nbytes() // c.param.element_size()
-        flat = torch.as_strided(c.param.detach(), (storage,), (1,), 0)
+        flat = flats.get(id(c.param))
+        if flat is None:
+            storage = c.param.untyped_storage().nbytes() // c.param.element_size()
+            flat = flats[id(c.param)] = torch.as_strided(c.param.detach(), (storage,), (1,), 0)
         return cls(flat, soff, doff, numel, [] if block else dims)
 
     def targets(self, idx: torch.Tensor, whole: bool) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
@@ -99,9 +103,9 @@ def direct_plan(model: torch.nn.Module, recorder: fingerprint.FingerprintRecorde
         logger.info("delta: the loader wrote %s outside a view copy; deltas go through its loader",
                     recorder.unexplained)
         return {}
-    plan = {}
+    plan, flats = {}, {}
     for name, copies in recorder.copies.items():
-        targets = [Direct.of(c) for c in copies]
+        targets = [Direct.of(c, flats) for c in copies]
         if all(t is not None for t in targets):
             plan[name] = targets
     return plan

@@ -90,14 +90,19 @@ def _storages(model: torch.nn.Module) -> set:
 _WRITES: Dict[object, tuple] = {}  # aten op -> its written arguments: (position, name, keyword-only)
 
 
-def _model_write(func, args, kwargs, storages: set) -> Optional[torch.Tensor]:
-    """The model tensor an aten op writes (by its schema's write annotations), else None. A loader runs several
-    ops per param, most of which write nothing: each op's schema is read once."""
+def _writes(func) -> tuple:
+    """The arguments an aten op writes, by its schema's write annotations (read once per op): most ops a loader
+    runs (views, casts) write none."""
     writes = _WRITES.get(func)
     if writes is None:
         writes = _WRITES[func] = tuple((i, a.name, a.kwarg_only) for i, a in enumerate(func._schema.arguments)
                                        if a.alias_info is not None and a.alias_info.is_write)
-    for i, name, kwarg_only in writes:
+    return writes
+
+
+def _model_write(func, args, kwargs, storages: set) -> Optional[torch.Tensor]:
+    """The model tensor an aten op writes, else None."""
+    for i, name, kwarg_only in _writes(func):
         v = args[i] if i < len(args) and not kwarg_only else kwargs.get(name)
         for t in (v if isinstance(v, (list, tuple)) else [v]):
             if isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage().data_ptr() in storages:
@@ -207,7 +212,16 @@ _COPY, _ZERO, _FILL, _CAT = _aten.copy_, _aten.zero_, _aten.fill_.Scalar, _aten.
 _FILLS, _INDEX_PUT, _INDEX = _aten.fill_, _aten.index_put_, _aten.index.Tensor
 
 
-class WriteGuard(TorchDispatchMode):
+class _Watch(TorchDispatchMode):
+    """A dispatch mode that runs in Python on every aten op of a loader (~4-5 per HF tensor): kept out of torch's
+    per-call dynamo guard, which would cost more than its body (this body calls nothing torch.compile traces)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+
+class WriteGuard(_Watch):
     """Sees every aten op of a delta apply (in one thread); masks or refuses writes into model storage that
     bypass ``copy_``.
 
@@ -223,6 +237,8 @@ class WriteGuard(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if not _writes(func):
+            return func(*args, **kwargs)
         sh = self.shared
         dst = None if sh.masked() or _current() is not sh.scope else _model_write(func, args, kwargs, sh.storages)
         if dst is None:
@@ -326,7 +342,7 @@ def delta_apply_context(model: torch.nn.Module):
 # ---------------------------------------------------------------- full sync
 
 
-class FullSyncWatch(TorchDispatchMode):
+class FullSyncWatch(_Watch):
     """During a full sync (one per thread of its scope): any write into model storage that a recorded view
     copy does not explain (a transformed or deferred copy, in-place arithmetic, an index-assignment, a fill
     with a value) keeps the whole model off the direct path — which name it derives from is unknowable here.
@@ -338,6 +354,8 @@ class FullSyncWatch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is not _CAT and (not _writes(func) or self.recorder.unexplained is not None):
+            return func(*args, **kwargs)
         op = func.overloadpacket
         explained = (op is _COPY and self.recorder.in_copy()) or op is _ZERO or (func is _FILL and args[1] == 0)
         if not explained and self.recorder.unexplained is None and _current() is self.scope:
