@@ -7,6 +7,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from sglang.srt.weight_sync.delta.wire import (
+    POSITIONS,
+    VALUES,
     DeltaError,
     DeltaPayload,
     DeltaSpec,
@@ -250,6 +252,42 @@ def test_header_length_overflow_and_truncation():
         read_safetensors(forged, "f")
     with pytest.raises(DeltaError, match="do not fit the .*truncated"):
         read_safetensors(data[:-10], "f")
+
+
+def _forged_file(header: dict, body: bytes, pad: int = 0) -> bytes:
+    """A safetensors file as another writer may lay it out: ``pad`` spaces after the header JSON move the body."""
+    import json
+
+    text = json.dumps(header).encode() + b" " * pad
+    return len(text).to_bytes(8, "little") + text + body
+
+
+def test_a_file_whose_tensors_do_not_tile_its_body_is_refused_and_any_tiling_reads_bit_exact():
+    """The blobs are views of the file's bytes: a hole, an overlap or trailing bytes between them is refused as
+    the safetensors library refuses it; tensors in either order, at any alignment, read back bit for bit."""
+    payload = _flush()
+    pos, val = payload.positions.numpy().tobytes(), payload.values.view(torch.uint8).numpy().tobytes()
+    md = payload.spec.to_metadata()
+    nv = payload.values.numel()
+
+    def entry(dtype, start, n):
+        return {"dtype": dtype, "shape": [n], "data_offsets": [start, start + n * (2 if dtype == "BF16" else 1)]}
+
+    for values_first in (False, True):
+        for pad in (0, 1, 3):
+            header = {"__metadata__": md, POSITIONS: entry("U8", len(val) if values_first else 0, len(pos)),
+                      VALUES: entry("BF16", 0 if values_first else len(pos), nv)}
+            got = read_safetensors(_forged_file(header, val + pos if values_first else pos + val, pad), "f")
+            assert torch.equal(got.positions, payload.positions)
+            assert torch.equal(got.values.view(torch.int16), payload.values.view(torch.int16))
+            validate_payload(got, None)
+    for what, header, body in [
+        ("a hole", {POSITIONS: entry("U8", 0, len(pos)), VALUES: entry("BF16", len(pos) + 2, nv)}, pos + b"xx" + val),
+        ("an overlap", {POSITIONS: entry("U8", 0, len(pos)), VALUES: entry("BF16", len(pos) - 2, nv)}, pos + val[2:]),
+        ("trailing bytes", {POSITIONS: entry("U8", 0, len(pos)), VALUES: entry("BF16", len(pos), nv)}, pos + val + b"zz"),
+    ]:
+        with pytest.raises(DeltaError, match="not a valid safetensors file .*hole, overlap or do not end"):
+            read_safetensors(_forged_file({"__metadata__": md, **header}, body), "f")
 
 
 def test_no_pickle_on_the_delta_path():
@@ -520,3 +558,16 @@ def test_positions_checked_in_one_pass_and_decoded_again_run_by_run(monkeypatch,
     with pytest.raises(DeltaError, match=f"param 'last': position {70000 if encoding == 'indices' else 70006} out of "
                                          "range for 70000 elements"):
         validate_payload(broken, None)
+
+
+@pytest.mark.parametrize("n_changed", [201, 202])
+def test_positions_off_their_alignment_in_a_file_decode_through_an_aligned_buffer(n_changed):
+    """Our writer puts bf16 values first: an odd count of them leaves the u32 positions 2 bytes off alignment."""
+    old = torch.zeros(5000, dtype=torch.bfloat16)
+    new = old.clone()
+    idx = torch.arange(0, 5000, 5000 // n_changed)[:n_changed]
+    new[idx] = 1
+    payload = _roundtrip(encode_flush([("w", new, changed_positions(old, new))], "indices"), "indices")
+    assert (payload.positions.storage_offset() % 4 != 0) == (n_changed % 2 == 1)
+    got = validate_payload(payload, None).of(payload.spec.params[0])
+    assert torch.equal(got, idx)

@@ -44,7 +44,6 @@ import warnings
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
-import safetensors
 import safetensors.torch
 import torch
 from torch._utils import _flatten_dense_tensors
@@ -881,8 +880,9 @@ class Positions:
             return self._pos.new_empty(0, dtype=torch.int64)
         if self._kept is not None:
             return self._kept[p.name]
-        return _decode_run(self._pos, [p], self._gaps, torch.empty(p.nnz, dtype=torch.int64, device=self._pos.device),
-                           self._tops[self._order[p.name]:self._order[p.name] + 1])
+        k = self._order[p.name]
+        out = torch.empty(p.nnz, dtype=torch.int64, device=self._pos.device)
+        return _decode_run(self._pos, [p], self._gaps, out, self._tops[k:k + 1], self._buffer)
 
     def runs(self, params: Sequence[DeltaParam]) -> Iterator[List[Tuple[DeltaParam, torch.Tensor]]]:
         """``params`` (sparse, none empty, in spec order) with their positions, about ``_DECODE_RUN`` positions at a
@@ -892,20 +892,28 @@ class Positions:
             return
         for run in _runs(params):
             tops = self._tops[to_device([self._order[p.name] for p in run], self._pos.device)] if self._gaps else None
-            x = _decode_run(self._pos, run, self._gaps, self._buffer.take(_run_size(run)), tops)
+            x = _decode_run(self._pos, run, self._gaps, self._buffer.take(_run_size(run)), tops, self._buffer)
             yield list(zip(run, x.split([p.nnz for p in run])))
 
 
 class _RunBuffer:
-    """One int64 buffer, grown to the largest run, that every run of a flush decodes into."""
+    """The memory every run of a flush decodes in, grown to the largest run (its pages are touched once, not per
+    run): the int64 positions, and aligned room for wire ints that sit off their alignment (a blob read from a
+    file is a view of its bytes, wherever its writer put it; a u32 param may follow an odd number of u16 ones)."""
 
     def __init__(self, device: torch.device):
-        self._t = torch.empty(0, dtype=torch.int64, device=device)
+        self._ints = torch.empty(0, dtype=torch.int64, device=device)
+        self._bytes = torch.empty(0, dtype=torch.uint8, device=device)
 
     def take(self, n: int) -> torch.Tensor:
-        if self._t.numel() < n:
-            self._t = torch.empty(n, dtype=torch.int64, device=self._t.device)
-        return self._t[:n]
+        if self._ints.numel() < n:
+            self._ints = torch.empty(n, dtype=torch.int64, device=self._ints.device)
+        return self._ints[:n]
+
+    def aligned(self, raw: torch.Tensor) -> torch.Tensor:
+        if self._bytes.numel() < raw.numel():
+            self._bytes = torch.empty(raw.numel(), dtype=torch.uint8, device=self._bytes.device)
+        return self._bytes[:raw.numel()].copy_(raw)
 
 
 def _gaps(encoding: str) -> bool:
@@ -949,10 +957,11 @@ def _decode_all(payload: DeltaPayload, sparse: List[DeltaParam], clamp: bool = F
     flags, tops, kept = [], [], {} if keep else None
     for run in runs:
         counts = [p.nnz for p in run]
-        top = _scan_run(pos, run, gaps, buffer.take(sum(counts)), flags)
+        top = _scan_run(pos, run, gaps, buffer, flags)
         tops.append(top)
         if keep:
-            x = _decode_run(pos, run, gaps, torch.empty(sum(counts), dtype=torch.int64, device=pos.device), top)
+            x = _decode_run(pos, run, gaps, torch.empty(sum(counts), dtype=torch.int64, device=pos.device), top,
+                            buffer)
             if clamp:  # one op for the run, not one per param
                 x = torch.minimum(x, repeat_counts(to_device([p.numel - 1 for p in run], pos.device), counts))
             kept.update(zip(map(operator.attrgetter("name"), run), x.split(counts)))  # views made in one call
@@ -961,7 +970,7 @@ def _decode_all(payload: DeltaPayload, sparse: List[DeltaParam], clamp: bool = F
     return Positions(payload, kept, top, order, None if keep else buffer), flags
 
 
-def _load_run(pos: torch.Tensor, run: Sequence[DeltaParam], out: torch.Tensor) -> torch.Tensor:
+def _load_run(pos: torch.Tensor, run: Sequence[DeltaParam], out: torch.Tensor, buffer: _RunBuffer) -> torch.Tensor:
     """A run's wire ints (u16 or u32, in any mix) as int64 in ``out``: one copy per stretch of one width."""
     at = 0
     for width, part in itertools.groupby(run, key=operator.attrgetter("pos_width")):
@@ -969,19 +978,20 @@ def _load_run(pos: torch.Tensor, run: Sequence[DeltaParam], out: torch.Tensor) -
         a, b, n = part[0].pos_start, part[-1].pos_end, _run_size(part)
         raw = pos[a:b] if b - a == n * width else torch.cat([pos[p.pos_start:p.pos_end] for p in part])
         if raw.storage_offset() % width:  # a dtype view needs an aligned offset
-            raw = raw.clone()
+            raw = buffer.aligned(raw)
         out[at:at + n].copy_(raw.view(torch.uint16 if width == 2 else torch.uint32))  # little-endian, as encoded
         at += n
     return out[:at]
 
 
-def _scan_run(pos: torch.Tensor, run: Sequence[DeltaParam], gaps: bool, out: torch.Tensor, flags: list) -> torch.Tensor:
-    """Check one run's positions (decoded into ``out``), appending its fault flags; return each param's largest
+def _scan_run(pos: torch.Tensor, run: Sequence[DeltaParam], gaps: bool, buffer: _RunBuffer,
+              flags: list) -> torch.Tensor:
+    """Check one run's positions (loaded into ``buffer``), appending its fault flags; return each param's largest
     position (its last: positions increase), which :func:`_decode_run` needs to decode the run in one pass."""
     device = pos.device
     counts = [p.nnz for p in run]
     ends = list(itertools.accumulate(counts, initial=0))
-    x = _load_run(pos, run, out)
+    x = _load_run(pos, run, buffer.take(ends[-1]), buffer)
     if gaps:  # a param's last position: the sum of its (gap + 1), less 1
         top = _segment_sums(x, ends).add_(to_device(counts, device)).sub_(1)
     else:  # absolute: strictly increasing within each param (a param's start may be below the last one's end)
@@ -1007,11 +1017,11 @@ def _segment_sums(x: torch.Tensor, ends: List[int]) -> torch.Tensor:
 
 
 def _decode_run(pos: torch.Tensor, run: Sequence[DeltaParam], gaps: bool, out: torch.Tensor,
-                top: Optional[torch.Tensor]) -> torch.Tensor:
+                top: Optional[torch.Tensor], buffer: _RunBuffer) -> torch.Tensor:
     """One run's positions, in ``out``. Gaps: each param's first (gap + 1) less the last position of the param
     before it in the run, plus 1 (from :func:`_scan_run`'s ``top``), so that one running sum over the whole run
     restarts at every param's start: no per-param pass, no repeat."""
-    x = _load_run(pos, run, out)
+    x = _load_run(pos, run, out, buffer)
     if gaps:
         x += 1
         first = to_device(itertools.accumulate([p.nnz for p in run[:-1]], initial=0), pos.device)
@@ -1230,9 +1240,9 @@ def _raw_bytes(data: bytes) -> torch.Tensor:
 
 
 def read_safetensors(data: bytes, name: str = "") -> DeltaPayload:
-    """Parse one (already decompressed) flush file: our bounds and layout checks first (header cap, exactly the
-    two tensors, offsets inside the body), then the ``safetensors`` library reads the tensors (it checks the
-    offsets again and hands out each tensor's bytes once)."""
+    """Parse one (already decompressed) flush file: header cap, exactly the two tensors, and their bytes tiling the
+    body (what the ``safetensors`` library checks too); the two blobs are views of ``data``, not copies (the
+    library's reader copies each tensor into fresh memory: ~40% of a read on CPU, most of it page faults)."""
     tag = f"file {name!r}"
     if len(data) < 8:
         raise DeltaError(f"{tag}: truncated ({len(data)} bytes, no safetensors header)")
@@ -1260,16 +1270,19 @@ def read_safetensors(data: bytes, name: str = "") -> DeltaPayload:
                 or not (0 <= start <= end <= body_len) or (end - start) != shape[0] * torch.empty((), dtype=dtype).element_size()):
             raise DeltaError(f"{tag}: {key} offsets [{start},{end}) / shape {shape} do not fit the "
                              f"{body_len}-byte body (truncated file?)")
-        tensors[key] = dtype
-    try:
-        views = dict(safetensors.deserialize(bytes(data)))
-    except Exception as e:  # SafetensorError: holes or overlaps between the tensors, a body of the wrong size
-        raise DeltaError(f"{tag}: not a valid safetensors file ({e})") from None
-    pos, val = (_raw_bytes(views[k]["data"]) for k in (POSITIONS, VALUES))
-    val_dtype = tensors[VALUES]
+        tensors[key] = (dtype, start, end)
+    (a, b), (c, d) = sorted(v[1:] for v in tensors.values())
+    if a != 0 or b != c or d != body_len:
+        raise DeltaError(f"{tag}: not a valid safetensors file (its tensors leave a hole, overlap or do not end "
+                         f"the {body_len}-byte body)")
+    raw = _raw_bytes(data)
+    pos, val = (raw[8 + n + tensors[k][1]:8 + n + tensors[k][2]] for k in (POSITIONS, VALUES))
+    val_dtype = tensors[VALUES][0]
+    size = torch.empty((), dtype=val_dtype).element_size()
+    if val.storage_offset() % size:  # a dtype view needs an aligned offset (the library's writer aligns it)
+        val = val.clone()
     enc = DeltaEncoding(spec.encoding)
     if enc.plane_major:
-        size = torch.empty((), dtype=val_dtype).element_size()
         try:
             pos_seg, val_seg = plane_segments(spec, pos.numel(), val.numel() // size, size)
         except DeltaError as e:
