@@ -499,9 +499,10 @@ def flip_a_value_bit(version_dir: str, prefix: str) -> str:
     path = sorted(glob.glob(os.path.join(version_dir, "**", prefix + "*.safetensors"), recursive=True))[0]
     with open(path, "rb") as f:
         pl = read_safetensors(maybe_zstd_decompress(f.read(), 1 << 30, path), path)
-    pl.values.view(torch.uint8)[pl.values.element_size() - 1] ^= 0x80
+    values = pl.values.clone()  # a view of the file's bytes: flip a bit in a copy
+    values.view(torch.uint8)[values.element_size() - 1] ^= 0x80
     with open(path, "wb") as f:
-        f.write(write_safetensors(pl.spec, pl.positions, pl.values))
+        f.write(write_safetensors(pl.spec, pl.positions, values))
     return path
 
 

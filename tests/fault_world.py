@@ -138,6 +138,7 @@ def resigned(edit):
     def hook(vdir):
         path = first_file(vdir)
         pl = read_safetensors(open(path, "rb").read(), os.path.basename(path))
+        pl.positions, pl.values = pl.positions.clone(), pl.values.clone()  # views of the file's bytes: edit copies
         edit(pl)
         pl.seal()
         open(path, "wb").write(write_safetensors(pl.spec, pl.positions, pl.values))
