@@ -816,7 +816,7 @@ def unxor(payload: DeltaPayload, manifest, read_base) -> DeltaPayload:
     checksum over the rebuilt values, in :func:`validate_payload`, then decides: a wrong base, a
     corrupted blob or a lying spec is a mismatch, never a wrong weight.
     """
-    spec, pos, val = payload.spec, payload.positions, payload.values
+    spec, val = payload.spec, payload.values
     where = f" in {payload.source}" if payload.source else ""
     if DeltaEncoding(spec.encoding) is not DeltaEncoding.XOR_ZSTD or not payload.xored:
         raise DeltaError(f"unxor needs xor_zstd values{where}, got a {spec.encoding} flush")
