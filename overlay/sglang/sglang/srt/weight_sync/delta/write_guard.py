@@ -354,18 +354,18 @@ class FullSyncWatch(_Watch):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is not _CAT and (not _writes(func) or self.recorder.unexplained is not None):
-            return func(*args, **kwargs)
-        op = func.overloadpacket
-        explained = (op is _COPY and self.recorder.in_copy()) or op is _ZERO or (func is _FILL and args[1] == 0)
-        if not explained and self.recorder.unexplained is None and _current() is self.scope:
-            dst = _model_write(func, args, kwargs, self.storages)
+        if func is _CAT:
+            out = func(*args, **kwargs)
+            if _current() is self.scope:
+                self.recorder.joined(out, args[0], args[1] if len(args) > 1 else kwargs.get("dim", 0))
+            return out
+        if _writes(func) and self.recorder.unexplained is None and _current() is self.scope:
+            op = func.overloadpacket
+            explained = (op is _COPY and self.recorder.in_copy()) or op is _ZERO or (func is _FILL and args[1] == 0)
+            dst = None if explained else _model_write(func, args, kwargs, self.storages)
             if dst is not None:
                 self.recorder.unexplained = f"{func} into {tuple(dst.shape)}"
-        out = func(*args, **kwargs)
-        if func is _CAT and _current() is self.scope:
-            self.recorder.joined(out, args[0], args[1] if len(args) > 1 else kwargs.get("dim", 0))
-        return out
+        return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
