@@ -179,28 +179,29 @@ def sender_sync(snapshot, new, encoding: str, version: int, raw=()):
 
 def _sender_sync(snapshot, new, encoding: str, version: int, raw):
     from sglang.srt.weight_sync.delta.sender import DeltaBucket, DeltaState
-    from sglang.srt.weight_sync.delta.wire import as_parts, gather
+    from sglang.srt.weight_sync.delta.wire import as_parts
 
     state = DeltaState(torch.device("cpu"))
     state.snapshot = snapshot
     bucket, payloads = DeltaBucket(encoding, BUFFER_BYTES), []
     items = list(new.items())
-    found = []
+    xor = encoding == "xor_zstd"
     for at in range(0, len(items), CHUNK_PARAMS):  # the chunks a trainer hands over: one diff per chunk
         chunk = items[at:at + CHUNK_PARAMS]
-        found += state.changes(chunk, [snapshot[name] for name, _ in chunk])
-    sent = []
-    for (name, t), (idx, values) in zip(items, found):
-        if bucket.should_flush(name):
-            payloads += bucket.take(version=version, base_version=version - 1)
-        base = None
-        if encoding == "xor_zstd":
-            base = torch.zeros(idx.numel(), dtype=t.dtype) if name in raw else snapshot[name].reshape(-1)[idx]
-        if values is None:  # once, for the record and the bucket (as DeltaSender does)
-            values = gather(t.reshape(-1), idx)
-        sent.append((name, t, idx, values))
-        bucket.add(name, t, idx, base, values)
-    state.record(sent)
+        found = state.changes(chunk, [snapshot[name] for name, _ in chunk], olds=xor)
+        member = {k: (f, j) for f in found for j, k in enumerate(f.ks)}
+        for k, (name, t) in enumerate(chunk):  # as DeltaSender does: unchanged params are left out
+            f, j = member[k]
+            if bucket.should_flush(name):
+                payloads += bucket.take(version=version, base_version=version - 1)
+            if not f.counts[j]:
+                continue
+            if xor and name in raw:
+                idx, values, _ = f.share(j)
+                bucket.add(name, t, idx, torch.zeros(idx.numel(), dtype=t.dtype), values)
+            else:
+                bucket.add_found(f, j, name, list(t.shape))
+        state.record(chunk, found)
     payloads += bucket.take(version=version, base_version=version - 1)
     state.commit(version)
     return as_parts(payloads)  # the bench applies them as one request (flush 0, final)

@@ -34,6 +34,17 @@ def copy_from_a_temporary(host, name: str = "model.norm.weight"):
     return host
 
 
+def per_param(found, n: int) -> list:
+    """``wire.changes_many``'s runs cut back per pair: ``[(positions, values, olds)]`` in pair order (None where no
+    run covers a pair)."""
+    out = [None] * n
+    for f in found:
+        for j, k in enumerate(f.ks):
+            assert out[k] is None, f"pair {k} is in two runs"
+            out[k] = f.share(j)
+    return out
+
+
 def assert_params_equal(model, reference) -> None:
     got, want = dict(model.named_parameters()), dict(reference.named_parameters())
     assert got.keys() == want.keys()

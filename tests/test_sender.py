@@ -21,7 +21,7 @@ from delta_helpers import assert_params_equal
 from sglang.srt.weight_sync.delta.receiver import delta_status
 from sglang.srt.weight_sync.delta.sender import DeltaSender
 from sglang.srt.weight_sync.delta.transport import DiskTransport, HttpEngine, NcclTransport
-from sglang.srt.weight_sync.delta.wire import DeltaError, DeltaStatus, Refusal, zstd_level
+from sglang.srt.weight_sync.delta.wire import DeltaError, DeltaStatus, Refusal, encode_gathered, zstd_level
 
 
 class LocalEngine(InProcessEngine):
@@ -434,12 +434,72 @@ def test_the_snapshot_fold_lands_every_change_joined_or_alone(monkeypatch, below
     for v in new.values():
         v[::3] += 1
     state = DeltaState(torch.device("cpu"))
-    state.record([(k, v, None, None) for k, v in old.items()])  # the first sync: whole copies, cut from one slab
+    state.record(list(old.items()), [])  # the first sync: whole copies, cut from one slab
     state.commit(1)
     assert len({t.untyped_storage().data_ptr() for t in state.snapshot.values()}) == 1
     chunk = list(new.items())
-    changes = state.changes(chunk, [state.snapshot[k] for k, _ in chunk])
-    state.record([(k, t, idx, values) for (k, t), (idx, values) in zip(chunk, changes)])
+    state.record(chunk, state.changes(chunk, [state.snapshot[k] for k, _ in chunk]))
     state.commit(2)
     for k, v in new.items():
         assert torch.equal(state.snapshot[k].view(torch.int16), v.view(torch.int16)), k
+
+
+@pytest.mark.parametrize("encoding", ["deltas", "xor_zstd"])
+def test_a_diff_run_stays_one_bucket_entry_from_diff_to_flush(monkeypatch, encoding):
+    """Params one diff found together stay joined in the bucket (views of the run, not one entry per param): a flush
+    takes one entry per stretch of the run, cut only at flush boundaries and where a param of its dtype goes
+    another way (here one sent dense); unchanged params inside it are left out without cutting it. Every flush
+    decodes, param by param, to the new tensors' bytes (``xor_zstd``: its bases are the snapshot's bytes there)."""
+    from sglang.srt.weight_sync.delta import sender
+    from sglang.srt.weight_sync.delta.sender import DeltaBucket, DeltaState
+    from sglang.srt.weight_sync.delta.wire import INT_VIEW, validate_payload
+
+    entries = []
+    monkeypatch.setattr(sender, "encode_gathered", lambda items, *a, **k: (
+        entries.append([len(g.names) for g in items]), encode_gathered(items, *a, **k))[1])
+    g = torch.Generator().manual_seed(7)
+    old = {f"m{k}.w": torch.randn(40 + k, generator=g).to(torch.float32 if k == 10 else torch.bfloat16)
+           for k in range(30)}
+    new = {n: t.clone() for n, t in old.items()}
+    for k, (n, t) in enumerate(new.items()):
+        if k not in (3, 4, 20):  # unchanged
+            t[k % 5::6] += 1
+    state = DeltaState(torch.device("cpu"))
+    state.record(list(old.items()), [])
+    state.commit(1)
+    chunk = list(new.items())
+    xor = encoding == "xor_zstd"
+    found = state.changes(chunk, [state.snapshot[n] for n, _ in chunk], olds=xor)
+    member = {k: (f, j) for f in found for j, k in enumerate(f.ks)}
+    bucket, payloads = DeltaBucket(encoding, 10 * 8 * 6), []
+    for k, (name, t) in enumerate(chunk):
+        if bucket.should_flush(name):
+            payloads += bucket.take(version=2, base_version=1)
+        f, j = member[k]
+        if not f.counts[j]:
+            continue
+        if k == 7:
+            bucket.add(name, t, None, state.snapshot[name] if xor else None)
+        else:
+            bucket.add_found(f, j, name, list(t.shape))
+    payloads += bucket.take(version=2, base_version=1)
+    assert len(payloads) > 4 and [n for p in payloads for n in map(lambda q: q.name, p.spec.params)] == \
+        [n for k, n in enumerate(new) if k not in (3, 4, 20)]
+    assert sum(map(len, entries)) < len(new) // 2  # stretches of runs, not params
+    assert [1] in entries, entries  # the dense param: an entry of its own
+    for p in payloads:
+        positions = validate_payload(p.seal(spec_only=True), None)
+        for q in p.spec.params:
+            t, iv = new[q.name], INT_VIEW[new[q.name].element_size()]
+            got = old[q.name].clone().view(-1)
+            values = p.values[q.val_start:q.val_end]
+            if q.dense:
+                assert q.name == "m7.w"
+                got = values
+            else:
+                got[positions.of(q)] = values
+            assert torch.equal(got.view(iv), t.view(-1).view(iv)), q.name
+            if xor:
+                base = p.base[q.val_start:q.val_end]
+                want = old[q.name].view(-1) if q.dense else old[q.name].view(-1)[positions.of(q)]
+                assert torch.equal(base.view(iv), want.view(iv)), q.name

@@ -4,8 +4,8 @@ import random
 import numpy as np
 import pytest
 import torch
+from delta_helpers import per_param
 from hypothesis import given, settings, strategies as st
-
 from sglang.srt.weight_sync.delta.wire import (
     POSITIONS,
     VALUES,
@@ -313,17 +313,18 @@ def test_changed_positions_of_many_params_unite_the_staged_positions(monkeypatch
     new = [o.clone() for o in old]
     new[0][[5, 17]] = 1.0
     new[2][999] = -0.0
-    got = [idx for idx, _ in wire.changes_many(list(zip(old, new)), [torch.tensor([3, 17]), None, torch.tensor([0])])]
+    found = wire.changes_many(list(zip(old, new)), [torch.tensor([3, 17]), None, torch.tensor([0])])
+    got = [idx for idx, _, _ in per_param(found, 3)]
     assert [g.tolist() for g in got] == [[3, 5, 17], [], [0, 999]]
 
 
 @pytest.mark.parametrize("numpy_diff", [True, False])
 def test_the_joined_diff_hands_over_the_new_values_bit_for_bit(monkeypatch, numpy_diff):
     """Small CPU params are diffed joined per dtype and their new values come out of that pass: each param's
-    positions and values equal its own diff and gather — across dtypes of one width (bf16 beside fp16), fp8, a
-    transposed (non-contiguous) tensor, one that requires grad, NaN payloads, an unchanged param, a large one
-    (diffed alone on CPU) and one with staged positions (values left to the caller on CPU). The device path
-    (``numpy_diff=False``, in batches small enough here to split the params) hands over every param's values."""
+    positions, values and old values (``xor_zstd``'s bases) equal its own diff and gathers — across dtypes of one
+    width (bf16 beside fp16), fp8, a transposed (non-contiguous) tensor, one that requires grad, NaN payloads, an
+    unchanged param, a large one and one with staged positions (both diffed alone on CPU). The device path
+    (``numpy_diff=False``, in batches small enough here to split the params) joins per dtype and batch."""
     from sglang.srt.weight_sync.delta import wire
 
     monkeypatch.setattr(wire, "_NUMPY_DIFF", numpy_diff)
@@ -347,21 +348,19 @@ def test_the_joined_diff_hands_over_the_new_values_bit_for_bit(monkeypatch, nump
     news[1].requires_grad_(True)
     staged = [None] * len(olds)
     staged[3] = torch.tensor([0, 7])
-    got = wire.changes_many(list(zip(olds, news)), staged)
-    joined = 0
-    for k, (old, new, (idx, values)) in enumerate(zip(olds, news, got)):
+    found = wire.changes_many(list(zip(olds, news)), staged, want_olds=True)
+    got = per_param(found, len(olds))
+    for k, (old, new, (idx, values, at_old)) in enumerate(zip(olds, news, got)):
         want = wire.changed_positions(old, new)
         if staged[k] is not None:
             want = torch.unique(torch.cat([want, staged[k]]))
         assert torch.equal(idx, want), k
-        if values is None:
-            continue
-        joined += 1
-        flat = new.detach().reshape(-1)
-        assert values.dtype == new.dtype and torch.equal(values.view(wire.INT_VIEW[new.element_size()]),
-                                                         wire.gather(flat, idx).view(wire.INT_VIEW[new.element_size()]))
+        iv = wire.INT_VIEW[new.element_size()]
+        for t, of in ((values, new), (at_old, old)):
+            assert t.dtype == new.dtype and torch.equal(t.view(iv), wire.gather(of.detach().reshape(-1), idx).view(iv))
     assert got[2][0].numel() == 0
-    assert (joined == 7 and got[8][1] is None and got[3][1] is None) if numpy_diff else joined == len(olds)
+    if numpy_diff:  # bf16 [0, 2, 5], fp16 [1, 6], fp8 [4, 7] joined; the staged fp32 and the large bf16 alone
+        assert sorted(f.ks for f in found) == [[0, 2, 5], [1, 6], [3], [4, 7], [8]]
 
 
 def test_no_garbage_collection_while_a_sync_runs():

@@ -28,6 +28,7 @@ synchronously.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 import time
@@ -45,17 +46,17 @@ from sglang.srt.weight_sync.delta.wire import (
     DeltaStatus,
     Refusal,
     WIRE_FORMAT,
-    Change,
+    Found,
     Gathered,
     batched,
     changes_many,
     encode_flush,
     encode_gathered,
-    gather,
     gc_paused,
     nan_sentinel,
-    shifted_cat,
+    repeat_counts,
     sparse_allowed,
+    to_device,
 )
 
 logger = logging.getLogger(__name__)
@@ -204,7 +205,8 @@ class DeltaState:
         self.snapshot: Dict[str, torch.Tensor] = {}
         self.version = 0  # committed: every engine acknowledged it (0 = nothing synced yet)
         self.staged: Dict[str, torch.Tensor] = {}  # positions sent by unacknowledged syncs (sorted int64)
-        self._sent: Dict[str, Tuple[Optional[torch.Tensor], torch.Tensor]] = {}
+        self._copies: Dict[str, torch.Tensor] = {}  # this sync's new params, whole
+        self._sent: List[Tuple[List[str], List[int], torch.Tensor, torch.Tensor]] = []  # (names, counts, idx, values)
 
     def host_bytes(self) -> int:
         """Host memory the snapshot holds (pinned on CUDA): each slab or own allocation once. Torch's pinned
@@ -212,55 +214,47 @@ class DeltaState:
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.snapshot.values()}
         return sum(storages.values())
 
-    def changes(self, chunk: Chunk, bases: Sequence[Optional[torch.Tensor]],
-                olds: Optional[list] = None) -> List[Optional[Change]]:
-        """Per param of a chunk, the positions this sync must carry (changed since the snapshot, plus those staged
-        by an unacknowledged sync) and, where the diff got them, the new values there (``wire.changes_many``);
-        None where a param has no snapshot yet. One diff for the whole chunk. ``olds``: filled per param with
-        the snapshot's values at those positions where the diff got them, else None."""
+    def changes(self, chunk: Chunk, bases: Sequence[Optional[torch.Tensor]], olds: bool = False) -> List[Found]:
+        """What this sync must carry of a chunk's params (changed since the snapshot, plus positions staged by an
+        unacknowledged sync) with the new values there, and with ``olds`` the snapshot's (``xor_zstd``), as
+        ``wire.changes_many`` finds them: runs, ``ks`` indexing ``chunk``. A param without a snapshot (or one of
+        another shape or dtype) is in none. One diff for the whole chunk."""
         diffable = [k for k, ((_, t), b) in enumerate(zip(chunk, bases))
                     if b is not None and b.shape == t.shape and b.dtype == t.dtype]
-        got: Optional[list] = [] if olds is not None else None
         found = changes_many([(bases[k], chunk[k][1]) for k in diffable],
-                             [self.staged.get(chunk[k][0]) for k in diffable], got)
-        out: List[Optional[Change]] = [None] * len(chunk)
-        if olds is not None:
-            olds[:] = [None] * len(chunk)
-        for j, (k, change) in enumerate(zip(diffable, found)):
-            out[k] = change
-            if olds is not None:
-                olds[k] = got[j]
-        return out
+                             [self.staged.get(chunk[k][0]) for k in diffable] if self.staged else None, olds)
+        for f in found:
+            f.ks = [diffable[j] for j in f.ks]
+        return found
 
-    def record(self, entries: Sequence[Tuple[str, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]]
-               ) -> None:
-        """Keep what this sync sent, for a chunk's ``(name, tensor, idx, values)``: the changed values only
-        (``values``: ``tensor`` at ``idx``, or None to gather them here), or a full copy for a new param (``idx``
-        None). Positions and values go to the host off the default stream, one copy per dtype for the chunk: no
-        synchronization and no copy per param. ``idx`` and ``values`` are the caller's own, never changed."""
-        sparse = []
-        for name, tensor, idx, values in entries:
-            if idx is None:
-                self._sent[name] = (None, self.link.host_copy(tensor))
-            else:
-                sparse.append((name, idx, gather(tensor.reshape(-1), idx) if values is None else values))
-        idxs = self.link.to_host_many([idx for _, idx, _ in sparse])
-        kept = self.link.to_host_many([values for _, _, values in sparse])
-        for (name, _, _), idx, values in zip(sparse, idxs, kept):
-            self._sent[name] = (idx, values)
+    def record(self, chunk: Chunk, found: Sequence[Found]) -> None:
+        """Keep what this sync sent of a chunk: the changed positions and values of each run in ``found`` (as
+        :meth:`changes` returned it), and a full copy of every param in none (new). Positions and values go to the
+        host off the default stream, one copy per dtype for the chunk: no synchronization and no copy per param.
+        ``found``'s tensors are kept as they are (never changed)."""
+        covered = set(itertools.chain.from_iterable(f.ks for f in found))
+        for k, (name, tensor) in enumerate(chunk):
+            if k not in covered:
+                self._copies[name] = self.link.host_copy(tensor)
+        idxs = self.link.to_host_many([f.idx for f in found])
+        kept = self.link.to_host_many([f.values for f in found])
+        for f, idx, values in zip(found, idxs, kept):
+            self._sent.append(([chunk[k][0] for k in f.ks], f.counts, idx, values))
 
     def commit(self, version: int) -> None:
         """Every engine acknowledged ``version``: fold what it sent into the snapshot, one scatter per slab."""
         self.link.synchronize()
+        self.snapshot.update(self._copies)
         folds: Dict[Tuple[int, torch.dtype], list] = {}
-        for name, (idx, values) in self._sent.items():
-            if idx is None:
-                self.snapshot[name] = values
-            elif idx.numel():
-                snap = self.snapshot[name]
-                folds.setdefault((snap.untyped_storage().data_ptr(), snap.dtype), []).append((snap, idx, values))
-        for entries in folds.values():
-            _fold(entries)
+        for names, counts, idx, values in self._sent:
+            if not idx.numel():
+                continue
+            snaps = [self.snapshot[n] for n in names]
+            for run in _by_storage(snaps, counts, idx, values):
+                folds.setdefault((run[0][0].untyped_storage().data_ptr(), values.dtype), []).append(run)
+        for runs in folds.values():
+            _fold(runs)
+        self._copies.clear()
         self._sent.clear()
         self.staged.clear()
         self.version = version
@@ -268,29 +262,51 @@ class DeltaState:
     def stage(self) -> None:
         """Some engine did not acknowledge: the next sync re-sends these positions with current values."""
         self.link.synchronize()
-        for name, (idx, _) in self._sent.items():
-            if idx is not None:
-                self.staged[name] = idx
+        for names, counts, idx, _ in self._sent:
+            for name, part in zip(names, idx.split(counts)):
+                self.staged[name] = part
+        self._copies.clear()
         self._sent.clear()
 
 
-def _fold(entries) -> None:
-    """``snap.view(-1)[idx] = values`` for snapshot tensors of one storage and dtype, as one ``index_copy_`` into
-    the storage (as integers of the same width: index kernels lack fp8 on some devices); on CPU large ones alone
-    (:func:`wire.batched`)."""
-    snap = entries[0][0]
+def _by_storage(snaps: List[torch.Tensor], counts: List[int], idx: torch.Tensor, values: torch.Tensor) -> list:
+    """A recorded run cut where its snapshot tensors change storage (a slab boundary; usually none): runs of
+    ``(snapshot tensors, counts, positions, values)`` whose tensors share one storage."""
+    if len(snaps) == 1:
+        return [(snaps, counts, idx, values)]
+    ptrs = [s.untyped_storage().data_ptr() for s in snaps]
+    out, at = [], 0
+    for _, group in itertools.groupby(range(len(snaps)), key=ptrs.__getitem__):
+        ks = list(group)
+        n = sum(counts[k] for k in ks)
+        out.append(([snaps[k] for k in ks], [counts[k] for k in ks], idx[at:at + n], values[at:at + n]))
+        at += n
+    return out
+
+
+def _fold(runs) -> None:
+    """``snap.view(-1)[idx] = values`` for the recorded runs of snapshot tensors of one storage and dtype, as one
+    ``index_copy_`` into the storage (as integers of the same width: index kernels lack fp8 on some devices); on CPU
+    large runs alone (:func:`wire.batched`), a lone tensor's through its own view (its positions need no shift)."""
+    snap = runs[0][0][0]
     iv = INT_VIEW[snap.element_size()]
-    entries, alone = batched(entries, snap.device) if all(s.is_contiguous() for s, _, _ in entries) else ([], entries)
-    if len(entries) == 1:
-        entries, alone = [], entries + alone
-    for s, idx, values in alone:
-        s.view(-1).view(iv).index_copy_(0, idx, values.view(iv))
-    if not entries:
-        return
+    if all(s.is_contiguous() for r in runs for s in r[0]):
+        small, large = batched([(r, r[2]) for r in runs], snap.device)
+        groups = ([[r for r, _ in small]] if small else []) + [[r] for r, _ in large]
+    else:  # a storage offset would not be an element's
+        groups = [[([s], [n], i, v)] for snaps, counts, idx, values in runs
+                  for s, n, i, v in zip(snaps, counts, idx.split(counts), values.split(counts))]
     storage = snap.untyped_storage()
     flat = torch.empty(0, dtype=iv).set_(storage, 0, (storage.nbytes() // snap.element_size(),))
-    offsets = shifted_cat([idx for _, idx, _ in entries], [s.storage_offset() for s, _, _ in entries], flat.device)
-    flat.index_copy_(0, offsets, torch.cat([values.view(iv) for _, _, values in entries]))
+    for group in groups:
+        if len(group) == 1 and len(group[0][0]) == 1:
+            (s,), _, idx, values = group[0]
+            s.view(-1).view(iv).index_copy_(0, idx, values.view(iv))
+            continue
+        shifts = [s.storage_offset() for snaps, _, _, _ in group for s in snaps]
+        counts = [n for _, ns, _, _ in group for n in ns]
+        offsets = torch.cat([r[2] for r in group]).add_(repeat_counts(to_device(shifts, flat.device), counts))
+        flat.index_copy_(0, offsets, torch.cat([r[3].view(iv) for r in group]))
 
 
 # ---------------------------------------------------------------- bucket
@@ -299,30 +315,51 @@ def _fold(entries) -> None:
 class DeltaBucket:
     """Encoded params waiting for a flush, grouped by values dtype; bounded by encoded bytes plus one module.
 
-    A sparse param's changed values are gathered when it is added (``wire.Gathered``): the bucket never pins the
-    caller's whole tensors, so its memory is what it will send (plus one module, below). A flush never
-    separates params of one module (``model.layers.1.self_attn.*``, one expert): loaders fuse siblings only when
-    they arrive in one ``load_weights`` call (DeepSeek's ``q_a_proj`` + ``kv_a_proj_with_mqa`` are dropped
-    otherwise, silently, on SGLang's own update path too).
+    A sparse param's changed values are gathered before it is added (``wire.Gathered``): the bucket never pins the
+    caller's whole tensors, so its memory is what it will send (plus one module, below). Consecutive params of one
+    diff's run (:meth:`add_found`) stay one entry, views of the run. A flush never separates params of one module
+    (``model.layers.1.self_attn.*``, one expert): loaders fuse siblings only when they arrive in one
+    ``load_weights`` call (DeepSeek's ``q_a_proj`` + ``kv_a_proj_with_mqa`` are dropped otherwise, silently, on
+    SGLang's own update path too).
     """
 
     def __init__(self, encoding: str, max_bytes: int):
         self.encoding, self.max_bytes = encoding, max_bytes
         self.module = ""  # of the last param added
         self.entries: Dict[torch.dtype, List[Gathered]] = {}
-        self.bases: Dict[torch.dtype, List[torch.Tensor]] = {}  # xor_zstd: base_version's values per entry
+        self._open: Dict[torch.dtype, _Span] = {}  # per dtype, the run being extended by add_found
         self.nbytes = 0
 
     def add(self, name: str, tensor: torch.Tensor, idx: Optional[torch.Tensor],
             base: Optional[torch.Tensor] = None, values: Optional[torch.Tensor] = None) -> None:
-        """``values``: ``tensor`` at ``idx`` when the caller already gathered them."""
-        nnz = tensor.numel() if idx is None else idx.numel()
-        width = 0 if idx is None else 4  # upper bound; the wire picks 2 where gaps fit
-        self.nbytes += nnz * (width + tensor.element_size())
-        self.entries.setdefault(tensor.dtype, []).append(Gathered.of(name, tensor, idx, values))
-        if base is not None:
-            self.bases.setdefault(tensor.dtype, []).append(base)
+        """One param; ``values``: ``tensor`` at ``idx`` when the caller already gathered them."""
+        self._close(tensor.dtype)
+        g = Gathered.of(name, tensor, idx, values, base)
+        self.entries.setdefault(tensor.dtype, []).append(g)
+        self.nbytes += g.counts[0] * ((0 if idx is None else 4) + tensor.element_size())  # 4: the wire may pick 2
         self.module = _module(name)
+
+    def add_found(self, found: Found, j: int, name: str, shape: List[int]) -> None:
+        """The ``j``-th param of ``found`` (changed: a non-zero count), sparse, ``xor_zstd`` bases from its olds.
+        It extends the open span of ``found`` when no values lie between them (unchanged params are left out)."""
+        dtype = found.values.dtype
+        span = self._open.get(dtype)
+        starts = found.starts
+        if span is None or span.found is not found or starts[span.end] != starts[j]:
+            self._close(dtype)
+            span = self._open[dtype] = _Span(found, j)
+        span.end = j + 1
+        span.names.append(name)
+        span.shapes.append(shape)
+        n = found.counts[j]
+        span.counts.append(n)
+        self.nbytes += n * (4 + dtype.itemsize)
+        self.module = _module(name)
+
+    def _close(self, dtype: torch.dtype) -> None:
+        span = self._open.pop(dtype, None)
+        if span is not None:
+            self.entries.setdefault(dtype, []).append(span.gathered())
 
     def should_flush(self, next_name: str) -> bool:
         """Before adding ``next_name``: full, and that param starts another module."""
@@ -330,13 +367,32 @@ class DeltaBucket:
 
     def take(self, **spec_fields) -> List[DeltaPayload]:
         """The bucket's flushes, one per dtype, not yet sealed: every caller numbers them first, then seals."""
-        out = [encode_gathered(self.entries[dt], self.encoding, bases=self.bases.get(dt), sealed=False, **spec_fields)
+        for dtype in list(self._open):
+            self._close(dtype)
+        out = [encode_gathered(self.entries[dt], self.encoding, sealed=False, **spec_fields)
                for dt in sorted(self.entries, key=str)]
-        self.entries, self.bases, self.nbytes = {}, {}, 0
+        self.entries, self.nbytes = {}, 0
         return out
 
     def __len__(self) -> int:
-        return sum(len(v) for v in self.entries.values())
+        return sum(len(g.names) for v in self.entries.values() for g in v) + \
+            sum(len(s.names) for s in self._open.values())
+
+
+class _Span:
+    """Consecutive params ``[start, end)`` of one :class:`Found` in a bucket (its changed ones named)."""
+
+    def __init__(self, found: Found, start: int):
+        self.found, self.start, self.end = found, start, start
+        self.names: List[str] = []
+        self.shapes: List[List[int]] = []
+        self.counts: List[int] = []
+
+    def gathered(self) -> Gathered:
+        f = self.found
+        a, b = f.starts[self.start], f.starts[self.end]
+        return Gathered(self.names, self.shapes, self.counts, f.values[a:b], f.idx[a:b],
+                        None if f.olds is None else f.olds[a:b])
 
 
 def _module(name: str) -> str:
@@ -634,50 +690,53 @@ class _SyncRun:
             self._process(*prev)
 
     def _process(self, chunk: Chunk, handles) -> None:
+        """One chunk: one diff, then per param only host bookkeeping (which bucket entry it extends, flush
+        boundaries); tensors are cut per diff run, not per param."""
         state = self.s.state
         chunk = list(chunk)
         bases = state.link.ready(handles)
-        olds: Optional[list] = [] if self.encodings.get("delta") == DeltaEncoding.XOR_ZSTD.value else None
-        changes = state.changes(chunk, bases, olds)
-        sent = []
-        for k, ((name, tensor), base, change) in enumerate(zip(chunk, bases, changes)):
-            idx, values = change if change is not None else (None, None)
+        xor = self.encodings.get("delta") == DeltaEncoding.XOR_ZSTD.value
+        found = state.changes(chunk, bases, olds=xor)
+        member: Dict[int, Tuple[Found, int]] = {k: (f, j) for f in found for j, k in enumerate(f.ks)}
+        delta, full = self.buckets.get("delta"), self.buckets.get("full")
+        sparse_dtypes: Dict[torch.dtype, Tuple[bool, bool]] = {}
+        for k, (name, tensor) in enumerate(chunk):
+            f, j = member.get(k, (None, 0))
+            n = tensor.numel() if f is None else f.counts[j]
             self.elements += tensor.numel()
-            self.nnz += tensor.numel() if idx is None else idx.numel()
+            self.nnz += n
             for kind, bucket in self.buckets.items():
                 if bucket.should_flush(name):
                     self._flush(kind)
-            if idx is not None and values is None:  # once, for the bucket and the record
-                values = gather(tensor.reshape(-1), idx)
-            if "delta" in self.buckets:
-                sparse = idx is not None and sparse_allowed(tensor.dtype) and \
-                    (nan_sentinel(tensor.dtype) or name not in self.dense)
-                if idx is None or idx.numel():  # an unchanged param is left out of the spec
-                    self.buckets["delta"].add(name, tensor, idx if sparse else None,
-                                              self._xor_base(name, tensor, base, idx if sparse else None,
-                                                             olds[k] if olds else None),
-                                              values if sparse else None)
-            if "full" in self.buckets:
-                self.buckets["full"].add(name, tensor, None)
-            sent.append((name, tensor, idx, values))
-        state.record(sent)
+            if delta is not None and n:  # an unchanged param is left out of the spec
+                dtype = tensor.dtype
+                if dtype not in sparse_dtypes:
+                    sparse_dtypes[dtype] = (sparse_allowed(dtype), nan_sentinel(dtype))
+                allowed, sentinel = sparse_dtypes[dtype]
+                sparse = f is not None and allowed and (sentinel or name not in self.dense)
+                if sparse and not (xor and name in self.xor_raw):
+                    delta.add_found(f, j, name, list(tensor.shape))
+                else:
+                    idx, values, old = f.share(j) if sparse else (None, None, None)
+                    delta.add(name, tensor, idx, self._xor_base(name, tensor, bases[k], idx, old), values)
+            if full is not None:
+                full.add(name, tensor, None)
+        state.record(chunk, found)
         if self.fingerprints is not None:  # hashed where the tensors live (on the GPU during training), per chunk
             t0 = time.perf_counter()
             self.fingerprints.update(fingerprint.tensor_shares(chunk))
             self.fingerprint_s += time.perf_counter() - t0
 
     def _xor_base(self, name: str, tensor: torch.Tensor, base: Optional[torch.Tensor],
-                  idx: Optional[torch.Tensor], at_idx: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+                  idx: Optional[torch.Tensor], at_idx: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """xor_zstd: base_version's values where this delta sends values (zero for a name the engines never store
         or one without a snapshot, which the engines' manifest refuses anyway); ``at_idx``: the snapshot's values
-        at ``idx`` when the diff already gathered them."""
+        at ``idx``, as the diff gathered them."""
         if self.encodings.get("delta") != DeltaEncoding.XOR_ZSTD.value:
             return None
         if base is None or name in self.xor_raw:
             return torch.zeros(tensor.numel() if idx is None else idx.numel(), dtype=tensor.dtype, device=tensor.device)
-        if idx is None:
-            return base.reshape(-1)
-        return at_idx if at_idx is not None else gather(base.reshape(-1), idx)
+        return base.reshape(-1) if idx is None else at_idx
 
     def _spec_fields(self, kind: str, final: bool) -> dict:
         full = kind == "full"

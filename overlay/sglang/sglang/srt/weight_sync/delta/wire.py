@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import functools
 import gc
 import hashlib
 import itertools
@@ -582,18 +583,24 @@ def shifted_cat(idxs: Sequence[torch.Tensor], shifts: Sequence[int], device: tor
     return torch.cat(list(idxs)).add_(repeat_counts(to_device(shifts, device), [i.numel() for i in idxs]))
 
 
-def encode_positions_many(idxs: Sequence[torch.Tensor], encoding: str,
-                          device: Optional[torch.device] = None) -> Tuple[torch.Tensor, List[Tuple[int, int, int]]]:
+def encode_positions_many(idxs: Sequence[torch.Tensor], encoding: str, device: Optional[torch.device] = None,
+                          counts: Optional[Sequence[Sequence[int]]] = None
+                          ) -> Tuple[torch.Tensor, List[Tuple[int, int, int]]]:
     """Several params' sorted positions -> (one uint8 blob, their bytes in order; per param (byte start, byte end,
-    pos_width)). A constant number of tensor ops and one host read (the widths) for all of them, whatever their
-    count: gaps over the joined positions, each param's first one from -1, each param's largest in one reduction."""
+    pos_width)). ``idxs`` are pieces: each the positions of one param, or with ``counts`` the joined positions of
+    ``counts[i]`` params one after the other (a diff's run: joined once, not cut per param). A constant number of
+    tensor ops and one host read (the widths) for all of them, whatever their count: gaps over the joined positions,
+    each param's first one from -1, each param's largest in one reduction."""
     enc = DeltaEncoding(encoding)
-    lengths = [i.numel() for i in idxs]
+    if counts is None:
+        counts = [[i.numel()] for i in idxs]
+    lengths = list(itertools.chain.from_iterable(counts))
     device = idxs[0].device if idxs else (device or torch.device("cpu"))
+    pieces = [i.reshape(-1) for i in idxs if i.numel()]
     live = [k for k, n in enumerate(lengths) if n]
-    tops = [0] * len(idxs)
+    tops = [0] * len(lengths)
     if live:
-        flat = torch.cat([idxs[k] if idxs[k].dim() == 1 else idxs[k].reshape(-1) for k in live]).to(torch.int64)
+        flat = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).to(torch.int64)
         firsts = list(itertools.accumulate([lengths[k] for k in live], initial=0))
         if enc is DeltaEncoding.INDICES:
             ints = flat
@@ -619,7 +626,7 @@ def encode_positions_many(idxs: Sequence[torch.Tensor], encoding: str,
     # Narrowing keeps the low bytes (values fit unsigned width), and tensors are little-endian on every platform torch
     # runs on: the int16/int32 bytes are the wire's u16/u32. One conversion per run of params of one width.
     parts, ranges, at, elem = [], [], 0, 0
-    for width, run in itertools.groupby(range(len(idxs)), key=lambda k: widths[k]):
+    for width, run in itertools.groupby(range(len(lengths)), key=lambda k: widths[k]):
         run = list(run)
         n = sum(lengths[k] for k in run)
         if n:
@@ -1314,6 +1321,12 @@ def any_nan(t: torch.Tensor) -> torch.Tensor:
     return nan_mask(t).any()
 
 
+def _cat(ts: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.cat`` that takes no tensor too; always new memory (a flush's blobs never alias what the sender keeps
+    or the caller's tensors)."""
+    return torch.cat(list(ts)) if ts else torch.empty(0, dtype=dtype, device=device)
+
+
 def gather(flat: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """``flat[idx]`` through an integer view: the same bits, and index kernels that lack fp8 on some devices."""
     return flat.view(INT_VIEW[flat.element_size()])[idx].view(flat.dtype)
@@ -1362,31 +1375,50 @@ def _joined_ints(ts: Sequence[torch.Tensor]) -> np.ndarray:
     return joined.view(INT_VIEW[joined.element_size()]).numpy()
 
 
-Change = Tuple[torch.Tensor, Optional[torch.Tensor]]  # (changed positions, the new values there, where known)
+@dataclasses.dataclass
+class Found:
+    """What one diff found for params it compared together (``ks``: their indices among the pairs): each param's
+    changed positions (from 0) and ``new``'s values there, joined in ``ks`` order, ``counts`` per param; ``olds``:
+    ``old``'s values at the same positions (``xor_zstd``'s bases), when asked for. The sender keeps a run joined from
+    diff to flush (:class:`Gathered`): cutting it per param costs a view each, and joining again a copy each."""
+
+    ks: List[int]
+    counts: List[int]
+    idx: torch.Tensor
+    values: torch.Tensor
+    olds: Optional[torch.Tensor] = None
+
+    @functools.cached_property
+    def starts(self) -> List[int]:
+        """Where each param's share begins in ``idx``/``values`` (one past the last at the end)."""
+        return list(itertools.accumulate(self.counts, initial=0))
+
+    def share(self, j: int) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """The ``j``-th param's (positions, values, olds): views."""
+        a, b = self.starts[j], self.starts[j + 1]
+        return self.idx[a:b], self.values[a:b], None if self.olds is None else self.olds[a:b]
 
 
-def _small_cpu_diffs(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> List[Optional[Change]]:
-    """The changes of the small CPU params among ``pairs`` (None for the others): per dtype, their old and new bytes
-    joined, one compare, one flatnonzero, one gather of the new values; each param's share is two slices (views of
-    the group's changed elements only, which the sender keeps until commit anyway)."""
-    out: List[Optional[Change]] = [None] * len(pairs)
+def _small_cpu_diffs(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], extra: Sequence[Optional[torch.Tensor]],
+                     want_olds: bool) -> List[Found]:
+    """The small CPU params among ``pairs`` without staged positions, per dtype: their old and new bytes joined, one
+    compare, one flatnonzero, one gather of the new values (and the old ones): one :class:`Found` per dtype."""
+    out: List[Found] = []
     groups: Dict[torch.dtype, List[int]] = {}
-    for k, (old, new) in enumerate(pairs):
-        if new.numel() <= _SMALL_DIFF and old.shape == new.shape and old.dtype == new.dtype:
+    for k, ((old, new), more) in enumerate(zip(pairs, extra)):
+        if new.numel() <= _SMALL_DIFF and old.shape == new.shape and old.dtype == new.dtype and \
+                (more is None or not more.numel()):
             groups.setdefault(new.dtype, []).append(k)
     for dtype, ks in groups.items():
         if len(ks) < 2:
             continue
         a, b = _joined_ints([pairs[k][0] for k in ks]), _joined_ints([pairs[k][1] for k in ks])
         hits = np.flatnonzero(a != b)
-        sizes = [pairs[k][1].numel() for k in ks]
-        starts = np.cumsum([0] + sizes)
+        starts = np.cumsum([0] + [pairs[k][1].numel() for k in ks])
         counts = np.diff(np.searchsorted(hits, starts))
-        values = torch.from_numpy(b[hits]).view(dtype)
         local = torch.from_numpy(hits - np.repeat(starts[:-1], counts))
-        counts = counts.tolist()  # each param's share as views made in one call each (a slice costs ~2 us)
-        for k, idx, vals in zip(ks, local.split(counts), values.split(counts)):
-            out[k] = (idx, vals)
+        olds = torch.from_numpy(a[hits]).view(dtype) if want_olds else None
+        out.append(Found(ks, counts.tolist(), local, torch.from_numpy(b[hits]).view(dtype), olds))
     return out
 
 
@@ -1394,41 +1426,39 @@ _JOIN_BYTES = 64 << 20  # device diff: params are compared joined in batches of 
 
 
 def changes_many(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]],
-                 extra: Optional[Sequence[Optional[torch.Tensor]]] = None,
-                 olds: Optional[List[Optional[torch.Tensor]]] = None) -> List[Change]:
-    """Per ``(old, new)`` pair: the positions whose bytes differ, united with its ``extra`` positions (sorted,
-    unique), and ``new``'s values there where the diff got them for free (small CPU params and every param on a
-    device; None elsewhere: the caller gathers). ``olds``: a list to fill with ``old``'s values at the same
-    positions where the diff got them (device; None elsewhere), for ``xor_zstd``. On a device, per batch of params
+                 extra: Optional[Sequence[Optional[torch.Tensor]]] = None, want_olds: bool = False) -> List[Found]:
+    """What changed in each ``(old, new)`` pair: the positions whose bytes differ, united with its ``extra``
+    positions (sorted, unique), ``new``'s values there, and with ``want_olds`` ``old``'s (for ``xor_zstd``) — as
+    :class:`Found` runs that cover every pair once, in no particular order. On a device, per batch of params
     (:func:`_joined_diff`): a constant number of ops and two host reads, whatever the params' count — a per-param
-    op is a kernel launch each, a per-param ``nonzero`` a host synchronization each."""
+    op is a kernel launch each, a per-param ``nonzero`` a host synchronization each. On CPU small params are
+    joined per dtype, large ones diffed alone (numpy, on all cores)."""
     extra = list(extra) if extra is not None else [None] * len(pairs)
-    if olds is not None:
-        olds[:] = [None] * len(pairs)
     if not pairs:
         return []
     if _NUMPY_DIFF and all(new.device.type == "cpu" for _, new in pairs):
-        out = _small_cpu_diffs(pairs)
+        out = _small_cpu_diffs(pairs, extra, want_olds)
+        joined = set(itertools.chain.from_iterable(f.ks for f in out))
         for k, ((old, new), more) in enumerate(zip(pairs, extra)):
-            change = out[k] if out[k] is not None else (changed_positions(old, new), None)
+            if k in joined:
+                continue
+            idx = changed_positions(old, new)
             if more is not None and more.numel():  # staged positions: the values are gathered at the union
-                change = (torch.from_numpy(np.union1d(change[0].numpy(), more.cpu().numpy())), None)
-            out[k] = change
+                idx = torch.from_numpy(np.union1d(idx.numpy(), more.cpu().numpy()))
+            olds = gather(old.detach().reshape(-1), idx) if want_olds else None
+            out.append(Found([k], [idx.numel()], idx, gather(new.detach().reshape(-1), idx), olds))
         return out
     for old, new in pairs:
         if old.shape != new.shape or old.dtype != new.dtype:
             raise DeltaError(f"cannot diff {old.dtype} {list(old.shape)} against {new.dtype} {list(new.shape)}")
-    out: List[Change] = []
+    out: List[Found] = []
     batch: List[int] = []
     size = 0
     for k, (_, new) in enumerate(pairs):  # batches bound the joined copies' memory (a large param goes alone)
         batch.append(k)
         size += new.numel() * new.element_size()
         if size >= _JOIN_BYTES or k == len(pairs) - 1:
-            changes, bases = _joined_diff([pairs[j] for j in batch], [extra[j] for j in batch], olds is not None)
-            out += changes
-            if olds is not None:
-                olds[k + 1 - len(batch):k + 1] = bases
+            out += _joined_diff(pairs, batch, extra, want_olds)
             batch, size = [], 0
     return out
 
@@ -1439,16 +1469,16 @@ def _joined(ts: Sequence[torch.Tensor], iv: torch.dtype) -> torch.Tensor:
     return flat[0] if len(flat) == 1 else torch.cat(flat)
 
 
-def _joined_diff(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], extra: Sequence[Optional[torch.Tensor]],
-                 want_olds: bool) -> Tuple[List[Change], list]:
-    """One batch of :func:`changes_many` on a device. Per values dtype: the olds and the news joined, one compare,
+def _joined_diff(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], batch: List[int],
+                 extra: Sequence[Optional[torch.Tensor]], want_olds: bool) -> List[Found]:
+    """The ``batch`` of :func:`changes_many` on a device. Per values dtype: the olds and the news joined, one compare,
     one gather of the new values at the hits (and of the old ones, ``want_olds``); for the batch: staged positions
-    filled in with one scatter, one ``nonzero``, one host read of where each param's hits start. Each param's
-    positions and values are views cut from those (``split``), so no op runs per param."""
-    device = pairs[0][1].device
+    filled in with one scatter, one ``nonzero``, one host read of where each param's hits start. One :class:`Found`
+    per dtype, cut from those, so no op runs per param."""
+    device = pairs[batch[0]][1].device
     groups: Dict[torch.dtype, List[int]] = {}
-    for k, (_, new) in enumerate(pairs):
-        groups.setdefault(new.dtype, []).append(k)
+    for k in batch:
+        groups.setdefault(pairs[k][1].dtype, []).append(k)
     order = [k for ks in groups.values() for k in ks]  # params in the joined order
     masks, joined, starts = [], [], [0]
     for dtype, ks in groups.items():
@@ -1467,58 +1497,62 @@ def _joined_diff(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], extra: Sequ
     hits = mask.nonzero().reshape(-1)
     bounds = host_values(torch.searchsorted(hits, to_device(starts, device)))
     counts = [b - a for a, b in zip(bounds, bounds[1:])]
-    local = (hits - repeat_counts(to_device(starts[:-1], device), counts)).split(counts)
-    out: List[Optional[Change]] = [None] * len(pairs)
-    bases: list = [None] * len(pairs)
+    local = hits - repeat_counts(to_device(starts[:-1], device), counts)
+    out: List[Found] = []
     j = 0
     for (dtype, ks), (old, new) in zip(groups.items(), joined):
-        at, cut = hits[bounds[j]:bounds[j + len(ks)]] - starts[j], counts[j:j + len(ks)]
-        for k, idx, values in zip(ks, local[j:j + len(ks)], new[at].view(dtype).split(cut)):
-            out[k] = (idx, values)
-        if want_olds:
-            for k, base in zip(ks, old[at].view(dtype).split(cut)):
-                bases[k] = base
+        lo, hi = bounds[j], bounds[j + len(ks)]
+        at = hits[lo:hi] - starts[j]
+        out.append(Found(ks, counts[j:j + len(ks)], local[lo:hi], new[at].view(dtype),
+                         old[at].view(dtype) if want_olds else None))
         j += len(ks)
-    return out, bases
+    return out
 
 
 @dataclasses.dataclass
 class Gathered:
-    """One param as a sender holds it until its flush: the changed positions and their values only (``idx`` None:
-    dense, ``values`` the whole tensor) — never a reference to the whole tensor of a sparse param."""
+    """Params of one dtype as a sender holds them until their flush: their changed positions and values only, joined
+    (``idx`` None: dense, ``values`` the whole tensors) — never a reference to the whole tensor of a sparse param.
+    A run of one diff's params stays one entry (views of its :class:`Found`), so a flush joins runs, not params."""
 
-    name: str
-    shape: List[int]
-    values: torch.Tensor  # flat, in the param's dtype
-    idx: Optional[torch.Tensor]
+    names: List[str]
+    shapes: List[List[int]]
+    counts: List[int]  # values per param
+    values: torch.Tensor  # flat, joined, in the params' dtype
+    idx: Optional[torch.Tensor]  # joined, each param's own positions (from 0)
+    base: Optional[torch.Tensor] = None  # xor_zstd: base_version's values beside ``values``
 
     @classmethod
     def of(cls, name: str, tensor: torch.Tensor, idx: Optional[torch.Tensor],
-           values: Optional[torch.Tensor] = None) -> "Gathered":
-        """``values``: ``tensor`` at ``idx``, when the caller already gathered them."""
+           values: Optional[torch.Tensor] = None, base: Optional[torch.Tensor] = None) -> "Gathered":
+        """One param; ``values``: ``tensor`` at ``idx``, when the caller already gathered them."""
         if idx is None or values is None:
             flat = tensor.detach().reshape(-1)
             values = flat if idx is None else gather(flat, idx)
-        return cls(name, list(tensor.shape), values, idx)
+        return cls([name], [list(tensor.shape)], [values.numel()], values, idx,
+                   None if base is None else base.reshape(-1))
 
 
 def encode_flush(entries: Sequence[Tuple[str, torch.Tensor, Optional[torch.Tensor]]], encoding: str,
                  bases: Optional[Sequence[torch.Tensor]] = None, **spec_fields) -> DeltaPayload:
-    """``[(hf_name, new_tensor, changed_positions or None for dense)]`` -> one flush (see :func:`encode_gathered`)."""
-    return encode_gathered([Gathered.of(*e) for e in entries], encoding, bases, **spec_fields)
+    """``[(hf_name, new_tensor, changed_positions or None for dense)]`` -> one flush (see :func:`encode_gathered`);
+    ``bases``: per entry, for ``xor_zstd``."""
+    if bases is not None and len(bases) != len(entries):
+        raise DeltaError("xor_zstd needs base_version's values of every param (bases)")
+    bases = bases if bases is not None else [None] * len(entries)
+    return encode_gathered([Gathered.of(*e, base=b) for e, b in zip(entries, bases)], encoding, **spec_fields)
 
 
-def encode_gathered(items: Sequence[Gathered], encoding: str, bases: Optional[Sequence[torch.Tensor]] = None,
-                    sealed: bool = True, **spec_fields) -> DeltaPayload:
-    """Params gathered by :meth:`Gathered.of` -> one flush.
+def encode_gathered(items: Sequence[Gathered], encoding: str, sealed: bool = True, **spec_fields) -> DeltaPayload:
+    """Params gathered as :class:`Gathered` -> one flush.
 
     All values must share one dtype (the sender groups by dtype); they are the tensors' own bytes, raw, so the
-    receiver writes the trainer's exact bytes. ``xor_zstd`` needs ``bases``: per param, base_version's values at
+    receiver writes the trainer's exact bytes. ``xor_zstd`` needs every item's ``base``: base_version's values at
     its positions (gathered like the values). ``sealed=False``: only the blob sums, for a caller that sets more
     spec fields and then seals (``seal(spec_only=True)``) — the spec is serialized for the checksum once, not twice.
     """
     xor = DeltaEncoding(encoding) is DeltaEncoding.XOR_ZSTD
-    if xor and (bases is None or len(bases) != len(items)):
+    if xor and any(g.base is None for g in items):
         raise DeltaError("xor_zstd needs base_version's values of every param (bases)")
     dtypes = {g.values.dtype for g in items}
     if len(dtypes) > 1:
@@ -1526,22 +1560,22 @@ def encode_gathered(items: Sequence[Gathered], encoding: str, bases: Optional[Se
     dtype = dtypes.pop() if dtypes else torch.bfloat16
     device = items[0].values.device if items else torch.device("cpu")
     name = dtype_to_str(dtype)
-    sparse = [g.idx for g in items if g.idx is not None]
+    sparse = [g for g in items if g.idx is not None]
     if sparse and not sparse_allowed(dtype):
-        raise DeltaError(f"param {next(g.name for g in items if g.idx is not None)!r}: {name} params travel dense")
-    positions, ranges = encode_positions_many(sparse, encoding, device)
+        raise DeltaError(f"param {sparse[0].names[0]!r}: {name} params travel dense")
+    positions, ranges = encode_positions_many([g.idx for g in sparse], encoding, device, [g.counts for g in sparse])
     encoded = iter(ranges)  # the sparse params' bytes in item order: dense params have none
     params, pos_at, val_at = [], 0, 0
     for g in items:
-        start, end, width = (pos_at, pos_at, 0) if g.idx is None else next(encoded)
-        n = g.values.numel()
-        params.append(DeltaParam(g.name, name, g.shape, start, end, width, val_at, val_at + n))
-        pos_at = end
-        val_at += n
-    values = torch.cat([g.values for g in items]) if items else torch.empty(0, dtype=dtype, device=device)
+        for pname, shape, n in zip(g.names, g.shapes, g.counts):
+            start, end, width = (pos_at, pos_at, 0) if g.idx is None else next(encoded)
+            params.append(DeltaParam(pname, name, shape, start, end, width, val_at, val_at + n))
+            pos_at = end
+            val_at += n
+    values = _cat([g.values for g in items], dtype, device)
     base = None
     if xor:
-        base = torch.cat([b.reshape(-1).to(device) for b in bases]) if bases else values.clone()
+        base = _cat([g.base.to(device) for g in items], dtype, device)
         if base.shape != values.shape or base.dtype != values.dtype:
             raise DeltaError(f"xor_zstd bases: {base.dtype} {list(base.shape)} do not pair with the values "
                              f"{values.dtype} {list(values.shape)}")
