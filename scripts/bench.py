@@ -208,10 +208,13 @@ def _sender_sync(snapshot, new, encoding: str, version: int, raw):
 
 
 def serialize(payloads, encoding: str):
-    """The file bytes of each flush, as the disk transport's writer produces them (the encoding's zstd level)."""
-    from sglang.srt.weight_sync.delta.wire import flush_file, zstd_level
+    """The file bytes of each flush, as the disk transport's writer produces them (the encoding's zstd level), with
+    the cyclic collector paused as it is while the writer runs inside ``DeltaSender.update``: the plane layouts build
+    a tuple per param, and a collection they set off here would scan the engine's whole heap."""
+    from sglang.srt.weight_sync.delta.wire import flush_file, gc_paused, zstd_level
 
-    return [flush_file(p, zstd_level(encoding)) for p in payloads]
+    with gc_paused():
+        return [flush_file(p, zstd_level(encoding)) for p in payloads]
 
 
 def whole_tensor_xor_bytes(old, new) -> int:

@@ -1436,7 +1436,7 @@ def changes_many(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]],
     extra = list(extra) if extra is not None else [None] * len(pairs)
     if not pairs:
         return []
-    if _NUMPY_DIFF and all(new.device.type == "cpu" for _, new in pairs):
+    if _NUMPY_DIFF and all(new.is_cpu for _, new in pairs):
         out = _small_cpu_diffs(pairs, extra, want_olds)
         joined = set(itertools.chain.from_iterable(f.ks for f in out))
         for k, ((old, new), more) in enumerate(zip(pairs, extra)):
