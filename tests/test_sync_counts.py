@@ -186,6 +186,21 @@ def test_the_device_diff_launches_a_constant_number_of_ops_per_batch(monkeypatch
     assert counts[0] == counts[1], counts
 
 
+def _synced_sender(tmp_path, layers: int, encoding: str):
+    """A disk sender whose engine (a real Qwen3-MoE of ``layers`` layers, in process) took step 0 as its full sync;
+    and the two states."""
+    from cpu_harness import InProcessEngine
+    from sglang.srt.weight_sync.delta.sender import DeltaSender
+    from sglang.srt.weight_sync.delta.transport import DiskTransport
+
+    cfg = hf_config("qwen3-moe", layers=layers)
+    states = rl_states(cfg, 1, seed=0)
+    engine = InProcessEngine(Host(sglang_model(cfg)))
+    sender = DeltaSender(DiskTransport(str(tmp_path / str(layers)), [engine]), [engine], encoding=encoding)
+    assert sender.update([lambda: [list(states[0].items())]])[0][0]
+    return sender, states
+
+
 class AllOps(TorchDispatchMode):
     """Counts every op, views included, apart: host work per call even where no kernel runs."""
 
@@ -206,17 +221,9 @@ def test_a_cpu_senders_tensor_ops_do_not_follow_the_params(tmp_path, encoding):
     """The sender on CPU (numpy's diff) over a real Qwen3-MoE at 2 and 6 layers (~3x the tensors): the same count
     of computing ops, and views only from joining the chunk for its diff (two per param, inside one C++ call). A
     diff's params stay joined through bucket, encode and snapshot fold: nothing is cut, viewed or copied per param."""
-    from cpu_harness import InProcessEngine
-    from sglang.srt.weight_sync.delta.sender import DeltaSender
-    from sglang.srt.weight_sync.delta.transport import DiskTransport
-
     counts = []
     for layers in (2, 6):
-        cfg = hf_config("qwen3-moe", layers=layers)
-        states = rl_states(cfg, 1, seed=0)
-        engine = InProcessEngine(Host(sglang_model(cfg)))
-        sender = DeltaSender(DiskTransport(str(tmp_path / str(layers)), [engine]), [engine], encoding=encoding)
-        assert sender.update([lambda: [list(states[0].items())]])[0][0]
+        sender, states = _synced_sender(tmp_path, layers, encoding)
         with AllOps() as ops:
             assert sender.update([lambda: [list(states[1].items())]])[0][0]
         counts.append((len(states[1]), ops.compute, ops.views))
@@ -231,19 +238,12 @@ def test_the_sender_synchronizes_a_constant_number_of_times_per_chunk_and_flush(
     layers (5x the tensors), one chunk and one flush per dtype: the same count of host synchronizations and of
     computing ops (a launch each on a GPU; ``xor_zstd``'s base values come out of the diff too). The diff runs its
     device path (the CPU's numpy fast path has nothing to synchronize, so it would count nothing)."""
-    from cpu_harness import InProcessEngine
     from sglang.srt.weight_sync.delta import wire
-    from sglang.srt.weight_sync.delta.sender import DeltaSender
-    from sglang.srt.weight_sync.delta.transport import DiskTransport
 
     monkeypatch.setattr(wire, "_NUMPY_DIFF", False)  # DiskTransport calls the engine on its threads (not counted)
     counts = []
     for layers in (2, 6):
-        cfg = hf_config("qwen3-moe", layers=layers)
-        states = rl_states(cfg, 1, seed=0)
-        engine = InProcessEngine(Host(sglang_model(cfg)))
-        sender = DeltaSender(DiskTransport(str(tmp_path / str(layers)), [engine]), [engine], encoding=encoding)
-        assert sender.update([lambda: [list(states[0].items())]])[0][0]
+        sender, states = _synced_sender(tmp_path, layers, encoding)
         with OpCounter() as launches:
             ops = _count(lambda: sender.update([lambda: [list(states[1].items())]]))
         m = sender.pop_metrics()
