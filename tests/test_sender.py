@@ -456,7 +456,7 @@ def test_a_diff_run_stays_one_bucket_entry_from_diff_to_flush(monkeypatch, encod
 
     entries = []
     monkeypatch.setattr(sender, "encode_gathered", lambda items, *a, **k: (
-        entries.append([len(g.names) for g in items]), encode_gathered(items, *a, **k))[1])
+        entries.append([g.names for g in items]), encode_gathered(items, *a, **k))[1])
     g = torch.Generator().manual_seed(7)
     old = {f"m{k}.w": torch.randn(40 + k, generator=g).to(torch.float32 if k == 10 else torch.bfloat16)
            for k in range(30)}
@@ -485,8 +485,9 @@ def test_a_diff_run_stays_one_bucket_entry_from_diff_to_flush(monkeypatch, encod
     payloads += bucket.take(version=2, base_version=1)
     assert len(payloads) > 4 and [n for p in payloads for n in map(lambda q: q.name, p.spec.params)] == \
         [n for k, n in enumerate(new) if k not in (3, 4, 20)]
-    assert sum(map(len, entries)) < len(new) // 2  # stretches of runs, not params
-    assert [1] in entries, entries  # the dense param: an entry of its own
+    stretches = [names for flush in entries for names in flush]
+    assert len(stretches) < len(new) // 2, entries  # stretches of runs, not params
+    assert ["m0.w", "m1.w", "m2.w", "m5.w", "m6.w"] in stretches and ["m7.w"] in stretches, entries  # m3, m4: no cut
     for p in payloads:
         positions = validate_payload(p.seal(spec_only=True), None)
         for q in p.spec.params:
