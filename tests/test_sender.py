@@ -449,7 +449,8 @@ def test_a_diff_run_stays_one_bucket_entry_from_diff_to_flush(monkeypatch, encod
     """Params one diff found together stay joined in the bucket (views of the run, not one entry per param): a flush
     takes one entry per stretch of the run, cut only at flush boundaries and where a param of its dtype goes
     another way (here one sent dense); unchanged params inside it are left out without cutting it. Every flush
-    decodes, param by param, to the new tensors' bytes (``xor_zstd``: its bases are the snapshot's bytes there)."""
+    decodes, param by param, to the new tensors' bytes (``xor_zstd``: its bases are the snapshot's bytes there), and
+    the recorded runs fold into the snapshot bit for bit."""
     from sglang.srt.weight_sync.delta import sender
     from sglang.srt.weight_sync.delta.sender import DeltaBucket, DeltaState
     from sglang.srt.weight_sync.delta.wire import INT_VIEW, validate_payload
@@ -504,3 +505,7 @@ def test_a_diff_run_stays_one_bucket_entry_from_diff_to_flush(monkeypatch, encod
                 base = p.base[q.val_start:q.val_end]
                 want = old[q.name].view(-1) if q.dense else old[q.name].view(-1)[positions.of(q)]
                 assert torch.equal(base.view(iv), want.view(iv)), q.name
+    state.record(chunk, found)  # the runs, unchanged members included, fold into the snapshot in one scatter each
+    state.commit(2)
+    for name, t in new.items():
+        assert torch.equal(state.snapshot[name].view(torch.uint8), t.view(torch.uint8)), name
