@@ -119,7 +119,11 @@ def update_group(host, backend: str, name: str):
 
     def create(rank):
         """A group name is registered once per process: each rank, once created, moves its registration aside."""
-        pg = init_custom_process_group(backend=backend, init_method=init, world_size=2, rank=rank, group_name=name)
+        try:
+            pg = init_custom_process_group(backend=backend, init_method=init, world_size=2, rank=rank, group_name=name)
+        except Exception as e:  # the peer thread's failure is reported by the caller, not lost with the thread
+            box[rank] = e
+            raise
         with lock:
             _unregister_process_group(name)
             _world.pg_names[pg] = f"{name}:rank{rank}"
@@ -131,6 +135,8 @@ def update_group(host, backend: str, name: str):
     peer.join(5)  # gloo connects lazily, so the peer may be done before rank 0 starts; NCCL waits for it
     create(0)
     peer.join(120)
+    if box.get(1) is None or isinstance(box[1], Exception):
+        raise RuntimeError(f"update group {name!r} ({backend}, {init}): the engine rank's side failed: {box.get(1)!r}")
     host._model_update_group[name] = box[1]
     return box[0]
 
