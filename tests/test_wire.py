@@ -570,3 +570,26 @@ def test_positions_off_their_alignment_in_a_file_decode_through_an_aligned_buffe
     assert (payload.positions.storage_offset() % 4 != 0) == (n_changed % 2 == 1)
     got = validate_payload(payload, None).of(payload.spec.params[0])
     assert torch.equal(got, idx)
+
+
+def test_a_flush_whose_counts_or_bases_do_not_pair_with_its_blobs_is_not_encoded():
+    """The spec is made from each entry's counts and then signed by the checksum, so a count off its own positions,
+    values or bases would be a consistent lie: refused per entry, also when two entries' errors cancel in total (one
+    base a value long, the next one short)."""
+    from sglang.srt.weight_sync.delta.wire import Gathered, encode_gathered
+
+    v, i = torch.arange(6, dtype=torch.bfloat16), torch.arange(6)
+
+    def entry(counts, values=v, idx=i, base=None):
+        return Gathered(["a", "b"], [[4], [4]], counts, values, idx, base)
+
+    good = encode_gathered([entry([3, 3])], "deltas")
+    assert [p.nnz for p in good.spec.params] == [3, 3]
+    with pytest.raises(DeltaError, match=r"params \['a', 'b'\]: counts 5, values 6, positions 6 and bases None do "
+                                         r"not pair"):
+        encode_gathered([entry([3, 2])], "deltas")
+    with pytest.raises(DeltaError, match="counts 6, values 6, positions 5 and bases None"):
+        encode_gathered([entry([3, 3], idx=i[:5])], "deltas")
+    with pytest.raises(DeltaError, match="counts 6, values 6, positions 6 and bases 7"):
+        encode_gathered([entry([3, 3], base=torch.zeros(7, dtype=torch.bfloat16)),
+                         entry([3, 3], base=torch.zeros(5, dtype=torch.bfloat16))], "xor_zstd")

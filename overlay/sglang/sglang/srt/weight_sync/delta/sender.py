@@ -54,9 +54,8 @@ from sglang.srt.weight_sync.delta.wire import (
     encode_gathered,
     gc_paused,
     nan_sentinel,
-    repeat_counts,
+    shifted_cat,
     sparse_allowed,
-    to_device,
 )
 
 logger = logging.getLogger(__name__)
@@ -303,9 +302,8 @@ def _fold(runs) -> None:
             (s,), _, idx, values = group[0]
             s.view(-1).view(iv).index_copy_(0, idx, values.view(iv))
             continue
-        shifts = [s.storage_offset() for snaps, _, _, _ in group for s in snaps]
-        counts = [n for _, ns, _, _ in group for n in ns]
-        offsets = torch.cat([r[2] for r in group]).add_(repeat_counts(to_device(shifts, flat.device), counts))
+        offsets = shifted_cat([r[2] for r in group], [s.storage_offset() for r in group for s in r[0]], flat.device,
+                              [n for r in group for n in r[1]])
         flat.index_copy_(0, offsets, torch.cat([r[3].view(iv) for r in group]))
 
 

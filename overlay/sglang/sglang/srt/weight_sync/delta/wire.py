@@ -577,10 +577,14 @@ def batched(entries: list, device: torch.device) -> Tuple[list, list]:
             [e for e in entries if e[1].numel() >= CPU_BATCH_BELOW])
 
 
-def shifted_cat(idxs: Sequence[torch.Tensor], shifts: Sequence[int], device: torch.device) -> torch.Tensor:
+def shifted_cat(idxs: Sequence[torch.Tensor], shifts: Sequence[int], device: torch.device,
+                counts: Optional[Sequence[int]] = None) -> torch.Tensor:
     """``cat([idx + shift ...])`` for host-known shifts, with no host read: how both sides turn many tensors' offsets
-    into one storage's, for one scatter or gather per storage instead of one per tensor."""
-    return torch.cat(list(idxs)).add_(repeat_counts(to_device(shifts, device), [i.numel() for i in idxs]))
+    into one storage's, for one scatter or gather per storage instead of one per tensor. ``counts``: how many of the
+    joined positions each shift applies to, in order (a run of several params' positions per tensor); default one
+    shift per tensor."""
+    counts = [i.numel() for i in idxs] if counts is None else counts
+    return torch.cat(list(idxs)).add_(repeat_counts(to_device(shifts, device), counts))
 
 
 def encode_positions_many(idxs: Sequence[torch.Tensor], encoding: str, device: Optional[torch.device] = None,
@@ -1554,6 +1558,12 @@ def encode_gathered(items: Sequence[Gathered], encoding: str, sealed: bool = Tru
     xor = DeltaEncoding(encoding) is DeltaEncoding.XOR_ZSTD
     if xor and any(g.base is None for g in items):
         raise DeltaError("xor_zstd needs base_version's values of every param (bases)")
+    for g in items:  # the spec is made from counts the checksum then signs: a count off its blobs is caught here
+        n = g.values.numel()
+        if sum(g.counts) != n or any(t is not None and t.numel() != n for t in (g.idx, g.base)):
+            raise DeltaError(f"params {g.names[:3]}: counts {sum(g.counts)}, values {n}, positions "
+                             f"{None if g.idx is None else g.idx.numel()} and bases "
+                             f"{None if g.base is None else g.base.numel()} do not pair")
     dtypes = {g.values.dtype for g in items}
     if len(dtypes) > 1:
         raise DeltaError(f"one flush holds one values dtype, got {sorted(map(dtype_to_str, dtypes))}")
@@ -1576,9 +1586,8 @@ def encode_gathered(items: Sequence[Gathered], encoding: str, sealed: bool = Tru
     base = None
     if xor:
         base = _cat([g.base.to(device) for g in items], dtype, device)
-        if base.shape != values.shape or base.dtype != values.dtype:
-            raise DeltaError(f"xor_zstd bases: {base.dtype} {list(base.shape)} do not pair with the values "
-                             f"{values.dtype} {list(values.shape)}")
+        if base.dtype != values.dtype:
+            raise DeltaError(f"xor_zstd bases: {base.dtype} do not pair with the values {values.dtype}")
     spec = DeltaSpec(encoding=DeltaEncoding(encoding).value, params=params, **spec_fields)
     payload = DeltaPayload(spec, positions, values, base=base)
     if not sealed:
