@@ -261,10 +261,11 @@ def measure(paths: list, shape: str, out_json: str, check: bool) -> None:
     res["full_load_s"] = statistics.median(t for _, t, _ in full)
     res["full_load_mem"] = max(m for _, _, m in full)
     items = list(states[0].items())
-    _, res["fingerprint_engine_s"], res["fingerprint_engine_mem"] = measured(
-        fingerprint.engine_shares, receiver_state(model).copies)
-    _, res["fingerprint_trainer_s"], res["fingerprint_trainer_mem"] = measured(
-        lambda: fingerprint.read_shares(fingerprint.tensor_shares(items)))  # as the sender does (per chunk there)
+    with gc_paused():  # as the engine's checker action and the sender's update run
+        _, res["fingerprint_engine_s"], res["fingerprint_engine_mem"] = measured(
+            fingerprint.engine_shares, receiver_state(model).copies)
+        _, res["fingerprint_trainer_s"], res["fingerprint_trainer_mem"] = measured(
+            lambda: fingerprint.read_shares(fingerprint.tensor_shares(items)))  # as the sender does (per chunk there)
     version, wire_dir = 2, os.path.join(os.path.dirname(out_json), "wire")
     os.makedirs(wire_dir, exist_ok=True)
 

@@ -9,6 +9,7 @@ import torch
 from cpu_harness import SyncCounter
 from sglang.srt.weight_sync.delta import fingerprint, kernels, mix64
 from test_checksum import C1, C2, C3, M, ref_mix  # the mix, as docs/wire-format.md defines it
+from test_sync_counts import AllOps
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.int64]
 
@@ -103,6 +104,42 @@ def test_a_fingerprint_reads_the_host_once_whatever_the_param_count(kernel, para
     assert fingerprint.compare_shares(mine, theirs, hf) == ([], [])
 
 
+def test_a_fingerprints_calls_follow_the_bytes_not_the_tensor_count(monkeypatch):
+    """Both sides, 3 and 300 small tensors (whole rows, and less than one row) stored the way a fused MoE weight holds
+    its experts: small tensors of one kind are joined, so the compiled kernel runs as often for 300 as for 3, and the
+    computing ops are as many. Views: the trainer's one per tensor inside the C++ call that joins them, the engine's
+    one per recorded copy (its rows in the param's bits)."""
+    runs, ops = {}, {}
+    for width in (torch.int16, mix64.PAIRS):
+        kernels.warm("cpu", mix64.FINGERPRINT[width])
+        key = (mix64.FINGERPRINT[width].name, "cpu")
+        monkeypatch.setitem(kernels.KERNELS.runner, key, lambda *a, run=kernels.KERNELS.runner[key], w=width: (
+            runs.__setitem__(w, runs.get(w, 0) + 1), run(*a))[1])
+    monkeypatch.setenv(kernels.MODE_ENV, "compiled")
+    for params in (3, 300):
+        hf = {f"layers.{k}.w{j}": sample(torch.bfloat16, n, k * 2 + j).reshape(-1, 16)
+              for k in range(params) for j, n in enumerate((2 * 1024, 16))}
+        store = torch.zeros(sum(t.numel() for t in hf.values()), dtype=torch.bfloat16)
+        rec = fingerprint.FingerprintRecorder([store])
+        rec.sources(list(hf.items()))
+        at = 0
+        for t in hf.values():
+            dst = store[at:at + t.numel()].view(t.shape)
+            assert rec.observe(dst, t)
+            dst.copy_(t)
+            at += t.numel()
+        runs.clear()
+        with AllOps() as trainer_ops:
+            mine = fingerprint.tensor_shares(list(hf.items()))
+        with AllOps() as engine_ops:
+            theirs = fingerprint.engine_shares(rec.copies)
+        assert fingerprint.compare_shares(fingerprint.read_shares(mine), theirs, hf) == ([], [])
+        ops[params] = (dict(runs), trainer_ops.compute, trainer_ops.views - len(hf), engine_ops.compute,
+                       engine_ops.views - len(hf))
+    assert ops[3] == ops[300], ops
+    assert ops[3][0] == {mix64.PAIRS: 4}  # rows of 1024 and rows of 16, one call each per side
+
+
 def test_the_coverage_closed_form_equals_the_sum():
     rng = random.Random(11)
     for _ in range(300):
@@ -118,20 +155,23 @@ def test_the_coverage_closed_form_equals_the_sum():
 @pytest.mark.parametrize("width", [torch.int16, mix64.PAIRS], ids=str)
 @pytest.mark.parametrize("threads", [1, 2, 5])
 def test_the_fingerprint_kernel_gives_one_sum_whatever_the_thread_count(threads, width):
-    """As the checksum kernel: each thread hashes a share of the rows, and the shares add up to the eager sum."""
+    """As the checksum kernel: each thread hashes a share of the rows, and every row's sum is the eager one."""
     kernel = mix64.FINGERPRINT[width]
     kernels.warm("cpu", kernel)
     runner = kernels.KERNELS.runner[(kernel.name, "cpu")]
     bits = sample(torch.bfloat16, (1 << 21) + 1024, threads).view(torch.int16).reshape(-1, 1024)
     (ka, kb), key0 = mix64.fingerprint_keys((1024, 1), 5, 77)
-    row = torch.tensor([ka, kb, key0, 0xFFFF])
+    row_keys = torch.arange(bits.shape[0]) * ka + key0
     was = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = int(mix64.run_fingerprint(runner, bits if width == torch.int16 else mix64.as_pairs(bits), row))
+        got = mix64.run_rows(runner, bits if width == torch.int16 else mix64.as_pairs(bits), row_keys,
+                             torch.tensor([kb, 0xFFFF]))
     finally:
         torch.set_num_threads(was)
-    assert got == int(mix64.eager_fingerprint(bits.to(torch.int64).reshape(-1), bits.shape, (ka, kb), key0, 0xFFFF))
+    assert torch.equal(got, mix64.eager_rows(bits, row_keys, kb, 0xFFFF))
+    assert int(got.sum()) == int(mix64.eager_fingerprint(bits.to(torch.int64).reshape(-1), bits.shape, (ka, kb), key0,
+                                                         0xFFFF))
 
 
 @pytest.mark.parametrize("width", [torch.int16, mix64.PAIRS], ids=str)
@@ -140,16 +180,20 @@ def test_a_fingerprint_kernel_that_differs_is_never_used(width):
     kernels.warm("cpu", kernel)
     runner = kernels.KERNELS.runner[(kernel.name, "cpu")]
 
-    def wrong(bits, k, g):  # the last column's key off by one: what an overflowing index product does
-        return runner(bits, k, g) + (bits.shape[1] > 2)
+    def wrong(bits, k, rk, g):  # the last row's sum off by one: a row key that a jump between tensors got wrong
+        out = runner(bits, k, rk, g)
+        if out.numel() > 2:
+            out[-1] += 1
+        return out
 
     with pytest.raises(RuntimeError, match="compiled fingerprint differs from eager on cpu"):
         kernel.self_test(wrong, torch.device("cpu"))
 
 
 def test_16_bit_rows_of_an_even_length_are_hashed_in_pairs(kernel, monkeypatch):
-    """bf16 rows of an even length go two elements per int32 word; a row of an odd length, and rows whose memory
-    starts off a 4-byte boundary, go through the int16 kernel. Every split gives the documented numbers."""
+    """bf16 rows of an even length go two elements per int32 word; rows of an odd length, and a large tensor whose
+    memory starts off a 4-byte boundary (hashed where it lies), go through the int16 kernel; small tensors are joined
+    into new memory (in pairs whatever their alignment). Every split gives the documented numbers."""
     calls = {}
     if kernel == "compiled":
         for width in (torch.int16, mix64.PAIRS):
@@ -157,13 +201,16 @@ def test_16_bit_rows_of_an_even_length_are_hashed_in_pairs(kernel, monkeypatch):
             run = kernels.KERNELS.runner[key]
             monkeypatch.setitem(kernels.KERNELS.runner, key, lambda *a, run=run, w=width: (
                 calls.__setitem__(w, calls.get(w, 0) + 1), run(*a))[1])
-    whole = sample(torch.bfloat16, 5 * 1024 + 7, 3)  # five rows of 1024 in pairs, a rest of 7 alone
-    shifted = sample(torch.bfloat16, 2 * 1024 + 1, 4)[1:]  # two rows starting 2 bytes into the storage
+    whole = sample(torch.bfloat16, 5 * 1024 + 7, 3)  # five rows of 1024 in pairs, a rest of 7 in int16
+    shifted = sample(torch.bfloat16, 2 * 1024 + 1, 4)[1:]  # two rows starting 2 bytes into the storage, joined with
+    row = sample(torch.bfloat16, 1024, 6)  # this one into new memory: in pairs
+    large = sample(torch.bfloat16, (fingerprint._JOIN // 1024 + 1) * 1024 + 1, 5)[1:]  # off a boundary, alone
     assert mix64.as_pairs(shifted[:1024].view(torch.int16).reshape(1, -1)) is None
-    got = fingerprint.read_shares(fingerprint.tensor_shares([("a", whole), ("b", shifted)]))
-    for name, t in (("a", whole), ("b", shifted)):
+    items = [("a", whole), ("b", shifted), ("c", large), ("d", row)]
+    got = fingerprint.read_shares(fingerprint.tensor_shares(items))
+    for name, t in items:
         assert (got[name].total, got[name].coverage) == ref_fingerprint(name, t)
-    assert calls == ({torch.int16: 2, mix64.PAIRS: 1} if kernel == "compiled" else {})
+    assert calls == ({torch.int16: 2, mix64.PAIRS: 2} if kernel == "compiled" else {})
 
 
 def test_a_chunk_hashed_together_gives_each_tensor_its_own_numbers(kernel):

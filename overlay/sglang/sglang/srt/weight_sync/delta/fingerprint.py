@@ -18,18 +18,21 @@ rank also reports an additive signature of the indices it covers, and :func:`mer
 counts every distinct coverage once (the signature is ``sum_i i * (i + C3)``, additive as well).
 
 The hashes run as :mod:`mix64`'s compiled fingerprint kernels (:mod:`kernels`) once they are ready (the keys are made
-in the kernel from each view's 2-D geometry), else as eager ops; either way they stay on the device until one host
-read per fingerprint (:func:`read_shares`); the coverage signature is a closed form of each view's geometry.
+in the kernel from a key per row, so one call hashes the rows of many small tensors), else as eager ops; either way
+they stay on the device until one host read per fingerprint (:func:`read_shares`); the coverage signature is a closed
+form of each view's geometry.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 import threading
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
+from torch._utils import _flatten_dense_tensors
 
 from sglang.srt.weight_sync.delta import kernels, mix64
 from sglang.srt.weight_sync.delta.mix64 import i64
@@ -41,14 +44,20 @@ _BLOCK = 1 << 22  # elements hashed at once: bounds the int64 temporaries to a f
 _COLS = 1 << 10  # a contiguous tensor is hashed as rows of this many elements: many rows keep every core busy
 
 
+@functools.lru_cache(maxsize=1 << 18)  # a model's names come back every fingerprint
 def name_seed(name: str) -> int:
     return i64(int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little"))
+
+
+def _bits(values: torch.Tensor) -> torch.Tensor:
+    """The raw bits of ``values``: a view of the same shape and strides."""
+    return values.view(INT_VIEW[values.element_size()])
 
 
 def _block(values: torch.Tensor, shape) -> torch.Tensor:
     """A view's raw bits as a 2-D block in the view's element order (a view where the strides allow, else one copy
     at the values' own width)."""
-    return values.view(INT_VIEW[values.element_size()]).reshape(shape)
+    return _bits(values).reshape(shape)
 
 
 def _mask(values: torch.Tensor) -> int:
@@ -92,33 +101,79 @@ def read_shares(pending: Dict[str, Pending]) -> Dict[str, "NameSum"]:
     return out
 
 
+_JOIN = 1 << 16  # tensors and pieces of up to this many elements are joined with others of their kind into one call
+
+
+def _batches(group: list, numel: Callable) -> Iterable[list]:
+    """``group`` in order, as runs of small items of up to :data:`_BLOCK` elements in all and each large one alone."""
+    batch, size = [], 0
+    for item in group:
+        n = numel(item)
+        if n > _JOIN:
+            yield [item]
+            continue
+        if batch and size + n > _BLOCK:
+            yield batch
+            batch, size = [], 0
+        batch.append(item)
+        size += n
+    if batch:
+        yield batch
+
+
 def _hash(pieces: List[Tuple[Pending, torch.Tensor, int, Tuple[int, int], int]]) -> None:
-    """Each 2-D block's element hashes into its name's share: the compiled kernel of its bit width where it is ready
-    (one table of keys per width; 16-bit rows of an even length in pairs, :func:`mix64.as_pairs`), else the eager
-    ops. A piece: (share, block of value bits, name seed, (row stride, column stride), offset) in HF flat indices."""
-    by_width: Dict[Tuple[object, torch.device], list] = {}  # a chunk may hold tensors on several devices
+    """Each 2-D block's element hashes into its name's share. A piece: (share, block of value bits, name seed, (row
+    stride, column stride), offset) in HF flat indices. Blocks of one bit width, device, row length and column stride
+    are hashed together (:func:`_hash_rows`): the small ones joined, each large one alone (no copy)."""
+    kinds: Dict[tuple, list] = {}
     for piece in pieces:
-        pairs = mix64.as_pairs(piece[1])  # 16-bit rows of an even length: two elements per word
-        key = (mix64.PAIRS, piece[1].device) if pairs is not None else (piece[1].dtype, piece[1].device)
-        by_width.setdefault(key, []).append((piece, piece[1] if pairs is None else pairs))
-    for (width, device), group in by_width.items():
-        kernel = mix64.FINGERPRINT[width]
-        items = [piece for piece, _ in group]
-        mask = _mask(items[0][1])
-        keys = [mix64.fingerprint_keys(strides, offset, seed) for _, _, seed, strides, offset in items]
-        runner = kernels.KERNELS.ready(kernel, device, sum(b.numel() for _, b, *_ in items))
-        totals = None
-        if runner is not None:
-            try:
-                table = to_device([[*ks, k0, mask] for ks, k0 in keys], device)
-                totals = [mix64.run_fingerprint(runner, bits, table[k]) for k, (_, bits) in enumerate(group)]
-            except Exception as e:  # noqa: BLE001 - the eager path stays, never a wrong sum
-                kernels.KERNELS.failed(kernel, device, e)
-        if totals is None:
-            totals = [mix64.eager_fingerprint(block.to(torch.int64).reshape(-1), block.shape, ks, k0, mask)
-                      for (_, block, *_), (ks, k0) in zip(items, keys)]
-        for (acc, block, _, strides, offset), total in zip(items, totals):
-            acc.add(total, block.shape, strides, offset)
+        block, strides = piece[1], piece[3]
+        kinds.setdefault((block.dtype, block.device, block.shape[1], strides[1]), []).append(piece)
+    for group in kinds.values():
+        for batch in _batches(group, lambda piece: piece[1].numel()):
+            bits = batch[0][1] if len(batch) == 1 else torch.cat([b for _, b, *_ in batch])
+            _hash_rows(bits, [(acc, b.shape, seed, strides, offset) for acc, b, seed, strides, offset in batch])
+
+
+def _hash_rows(bits: torch.Tensor, blocks: list) -> None:
+    """One call for the rows of ``blocks`` joined in ``bits`` (one bit width and column stride; a block: (share, its
+    2-D shape, name seed, (row stride, column stride), offset)): a key per row tells their tensors apart, so the calls
+    follow the bytes, not the tensor count. The compiled kernel of their bit width where it is ready (16-bit rows of
+    an even length in pairs, :func:`mix64.as_pairs`), else the eager ops; row sums added up per block on the device."""
+    device, mask = bits.device, _mask(bits)
+    col_key = mix64.fingerprint_keys((0, blocks[0][3][1]), 0, 0)[0][1]
+    table, start = [], 0  # per block: the key its row 0 would have at row 0 of ``bits``, its key per row, its rows
+    for _, shape, seed, strides, offset in blocks:
+        (row_key, _), key0 = mix64.fingerprint_keys(strides, offset, seed)
+        table.append((mix64.i64(key0 - start * row_key), row_key, shape[0]))
+        start += shape[0]
+    if len(blocks) == 1:
+        base, row_key, rows = table[0]
+        row_keys = torch.arange(rows, dtype=torch.int64, device=device) * row_key + base
+    else:
+        cols = to_device(table, device).T
+        counts = cols[2]
+        row_keys = torch.repeat_interleave(cols[0], counts, output_size=start) + torch.arange(
+            start, dtype=torch.int64, device=device) * torch.repeat_interleave(cols[1], counts, output_size=start)
+    pairs = mix64.as_pairs(bits)
+    kernel = mix64.FINGERPRINT[mix64.PAIRS if pairs is not None else bits.dtype]
+    runner = kernels.KERNELS.ready(kernel, device, bits.numel())
+    sums = None
+    if runner is not None:
+        try:
+            sums = mix64.run_rows(runner, bits if pairs is None else pairs, row_keys,
+                                  to_device([col_key, mask], device))
+        except Exception as e:  # noqa: BLE001 - the eager path stays, never a wrong sum
+            kernels.KERNELS.failed(kernel, device, e)
+    if sums is None:
+        sums = mix64.eager_rows(bits, row_keys, col_key, mask)
+    if len(blocks) == 1:
+        totals = [sums.sum()]
+    else:
+        ids = torch.repeat_interleave(torch.arange(len(blocks), device=device), counts, output_size=start)
+        totals = torch.zeros(len(blocks), dtype=torch.int64, device=device).index_add_(0, ids, sums).unbind(0)
+    for (acc, shape, _, strides, offset), total in zip(blocks, totals):
+        acc.add(total, shape, strides, offset)
 
 
 @dataclasses.dataclass
@@ -150,31 +205,49 @@ def tensor_share(name: str, tensor: torch.Tensor, dtype: Optional[torch.dtype] =
 
 
 def tensor_shares(items: Sequence[Tuple[str, torch.Tensor]], dtype: Optional[torch.dtype] = None) -> Dict[str, Pending]:
-    """:func:`tensor_share` of many tensors (a trainer's chunk), hashed together: one table of keys per bit width for
-    all of them, not one per tensor. A name given twice keeps its last tensor, and only that one is hashed."""
+    """:func:`tensor_share` of many tensors (a trainer's chunk), hashed together: the small ones of whole rows (or less
+    than one) joined by one C++ call per kind and hashed by one kernel call (:func:`_hash_rows`), no tensor op of
+    their own. A name given twice keeps its last tensor, and only that one is hashed."""
     out: Dict[str, Pending] = {}
     pieces = []
-    for name, tensor in dict(items).items():
-        t = tensor.detach().reshape(-1)
-        if dtype is not None and dtype != t.dtype:
-            t = t.to(dtype)
-        seed, share = name_seed(name), Pending(dtype_to_str(t.dtype))
-        out[name] = share
-        for start in range(0, t.numel(), _BLOCK):
-            pieces += _rows(share, t[start:start + _BLOCK], seed, 1, start)
-    _hash(pieces)
+    small: Dict[tuple, list] = {}  # (dtype, device, row length) -> [(share, tensor, seed, rows)]
+    with torch.no_grad():
+        for name, tensor in dict(items).items():
+            n = tensor.numel()
+            seed, share = name_seed(name), Pending(dtype_to_str(dtype or tensor.dtype))
+            out[name] = share
+            cols = _COLS if n % _COLS == 0 else n
+            if 0 < n <= _JOIN and cols <= _COLS:
+                small.setdefault((tensor.dtype, tensor.device, cols), []).append((share, tensor, seed, n // cols))
+                continue
+            t = tensor.reshape(-1)
+            if dtype is not None and dtype != t.dtype:
+                t = t.to(dtype)
+            bits = _bits(t)
+            for start in range(0, n, _BLOCK):
+                pieces += _rows(share, bits, bits.storage_offset() + start, min(_BLOCK, n - start), seed, 1, start)
+        for (_, _, cols), group in small.items():
+            for batch in _batches(group, lambda item: item[1].numel()):
+                flat = _flatten_dense_tensors([t for _, t, _, _ in batch])
+                if dtype is not None and dtype != flat.dtype:
+                    flat = flat.to(dtype)
+                _hash_rows(_block(flat, (-1, cols)),
+                           [(share, (rows, cols), seed, (cols, 1), 0) for share, _, seed, rows in batch])
+        _hash(pieces)
     return out
 
 
-def _rows(share: "Pending", flat: torch.Tensor, seed: int, step: int, offset: int) -> list:
-    """A run of values at HF flat indices ``offset + i * step`` as :func:`_hash` pieces: rows of _COLS (many rows keep
-    every thread of the kernel busy), then the rest as one row."""
-    rows, rest = divmod(flat.numel(), _COLS)
+def _rows(share: "Pending", bits: torch.Tensor, at: int, n: int, seed: int, step: int, offset: int) -> list:
+    """``n`` values that lie in one run of memory from storage offset ``at`` of ``bits`` (their raw bits), at HF flat
+    indices ``offset + i * step``, as :func:`_hash` pieces: rows of _COLS (many rows keep every thread of the kernel
+    busy), then the rest as one row; one ``as_strided`` each."""
+    rows, rest = divmod(n, _COLS)
     out = []
     if rows:
-        out.append((share, _block(flat[:rows * _COLS], (rows, _COLS)), seed, (_COLS * step, step), offset))
+        out.append((share, bits.as_strided((rows, _COLS), (_COLS, 1), at), seed, (_COLS * step, step), offset))
     if rest:
-        out.append((share, _block(flat[rows * _COLS:], (1, rest)), seed, (0, step), offset + rows * _COLS * step))
+        out.append((share, bits.as_strided((1, rest), (rest, 1), at + rows * _COLS), seed, (0, step),
+                    offset + rows * _COLS * step))
     return out
 
 
@@ -286,31 +359,54 @@ def _pieces(sizes, dst_strides, src_strides):
 
 
 def engine_shares(copies: Dict[str, List[_Copy]]) -> Dict[str, NameSum]:
-    """This rank's share of every recorded name, read through the recorded views (one host read in all)."""
+    """This rank's share of every recorded name, read through the recorded views (one host read in all). A view that
+    is one run of its param's memory (a whole expert of a fused MoE weight, a row shard) is cut into rows by one
+    ``as_strided`` of the param's bits, made once per param; the others are copied into blocks."""
     pending: Dict[str, Pending] = {}
-    pieces: Dict[torch.device, list] = {}
+    pieces: list = []
+    ints: Dict[int, torch.Tensor] = {}  # id(param) -> its bits
     for name, entries in copies.items():
         seed = name_seed(name)
         acc = pending[name] = Pending(dtype_to_str(entries[0].param.dtype))
         for c in entries:
             (dsz, dst, doff), (_, sst, soff) = c.dst, c.src  # equal sizes (observe checks)
             for sizes, dshift, sshift in _pieces(dsz, dst, sst):
-                d = c.param.as_strided(sizes, dst, doff + dshift)
                 geometry = mix64.as_2d(sizes, sst, soff + sshift)
+                if geometry is not None and _dense(sizes, dst):
+                    (rows, cols), s0, s1, off = geometry
+                    bits = ints.get(id(c.param))
+                    if bits is None:
+                        bits = ints[id(c.param)] = _bits(c.param.detach())
+                    if rows > 1:
+                        pieces.append((acc, bits.as_strided((rows, cols), (cols, 1), doff + dshift), seed, (s0, s1), off))
+                    else:  # one long row: as the trainer's side cuts it
+                        pieces += _rows(acc, bits, doff + dshift, cols, seed, s1, off)
+                    continue
+                d = c.param.as_strided(sizes, dst, doff + dshift)
                 if geometry is None:  # more than two dims that do not merge: hashed alone, eagerly
                     ks, k0 = mix64.fingerprint_keys(sst, soff + sshift, seed)
                     bits = _block(d, (1, -1)).to(torch.int64).reshape(-1)
                     acc.add(mix64.eager_fingerprint(bits, sizes, ks, k0, _mask(d)), sizes, sst, soff + sshift)
                 elif d.numel():
                     shape, s0, s1, off = geometry
-                    block, out = _block(d, shape), pieces.setdefault(d.device, [])
+                    block = _block(d, shape)
                     if shape[0] > 1:
-                        out.append((acc, block, seed, (s0, s1), off))
-                    else:  # one long row: as the trainer's side cuts it
-                        out += _rows(acc, block.reshape(-1), seed, s1, off)
-    for items in pieces.values():
-        _hash(items)
+                        pieces.append((acc, block, seed, (s0, s1), off))
+                    else:
+                        flat = block.reshape(-1)
+                        pieces += _rows(acc, flat, flat.storage_offset(), flat.numel(), seed, s1, off)
+    _hash(pieces)
     return read_shares(pending)
+
+
+def _dense(sizes, strides) -> bool:
+    """Whether a view of these sizes and strides is one run of memory in its element order."""
+    step = 1
+    for n, st in zip(reversed(sizes), reversed(strides)):
+        if n > 1 and st != step:
+            return False
+        step *= n
+    return True
 
 
 VERSION_KEY = "__delta_version__"  # rides in SGLang's per-rank checksum map beside the names

@@ -22,7 +22,7 @@ import logging
 import os
 import threading
 import time
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -37,8 +37,18 @@ AUTO_WORDS = 1 << 26  # 512 MiB hashed eagerly (~0.5 s on a CPU core pair) befor
 class Kernel:
     name: str
     module: type
-    example: Tuple[torch.Tensor, ...]  # CPU tensors of the argument dtypes and ranks (the first one's dims are dynamic)
+    example: Tuple[torch.Tensor, ...]  # CPU tensors of the argument dtypes and ranks
     self_test: Callable
+    # per argument, a name for each dynamic dim (None: static); dims of one name are one size. Default: the first
+    # argument's dims
+    dynamic: Optional[Tuple[Optional[Tuple[str, ...]], ...]] = None
+
+    def dynamic_shapes(self) -> tuple:
+        """``torch.export``'s ``dynamic_shapes`` for :attr:`dynamic`."""
+        spec = self.dynamic or (tuple(f"n{d}" for d in range(self.example[0].dim())),)
+        dims: Dict[str, object] = {}
+        return tuple({d: dims.setdefault(n, torch.export.Dim(n, min=1, max=1 << 40)) for d, n in enumerate(names)}
+                     if names else None for names in spec + (None,) * (len(self.example) - len(spec)))
 
 
 def _device_key(device: torch.device) -> str:
@@ -97,8 +107,7 @@ def _build_locked(kernel: Kernel, device: torch.device):
     with filelock.FileLock(path + ".lock"):
         if not os.path.exists(path):
             args = tuple(t.to(device) for t in kernel.example)
-            dims = {d: torch.export.Dim(f"n{d}", min=1, max=1 << 40) for d in range(args[0].dim())}
-            program = torch.export.export(kernel.module(), args, dynamic_shapes=(dims,) + (None,) * (len(args) - 1))
+            program = torch.export.export(kernel.module(), args, dynamic_shapes=kernel.dynamic_shapes())
             tmp = f"{path[:-4]}-{os.getpid()}.tmp.pt2"  # a package name must end in .pt2
             with torch._inductor.config.patch(_options(device)):
                 torch._inductor.aoti_compile_and_package(program, package_path=tmp)

@@ -124,6 +124,11 @@ def eager_fingerprint(bits: torch.Tensor, shape, key_strides, key0: int, mask: i
 def coverage(shape, strides, offset: int) -> int:
     """``sum idx * (idx + C3) mod 2**64`` over a view's flat indices ``idx = offset + sum_d r_d * strides[d]``, in
     closed form on the host (sums of powers of each coordinate): no pass over memory."""
+    return _coverage(tuple(shape), tuple(strides), offset)
+
+
+@functools.lru_cache(maxsize=1 << 16)  # a model's tensors share a few geometries (every expert's, every layer's)
+def _coverage(shape: Tuple[int, ...], strides: Tuple[int, ...], offset: int) -> int:
     n = math.prod(shape)
     if not n:
         return 0
@@ -186,33 +191,42 @@ class _Mix64Sum(torch.nn.Module):
         return _mix(z, k).sum(), (((words & k[4]) + k[5]) & k[6]).ne(0).any()
 
 
-class _Fingerprint(torch.nn.Module):
-    """:func:`eager_fingerprint` of a 2-D block of raw value bits (any int width, widened in registers), with the
-    keys made in the kernel from the block's geometry (``g`` = key per row, key per column, first key, mask) instead
-    of read from memory; constants as tensors, as in :class:`_Mix64Sum`. Summed row by row, then over rows: one sum
-    over both dims made inductor store every element's pre-mix word (an int64 buffer 4x a bf16 block, faulted in
-    afresh by a process's first calls) and hash it in a second pass, 5x slower."""
+class _FingerprintRows(torch.nn.Module):
+    """:func:`eager_rows` of a 2-D block of raw value bits (any int width, widened in registers): one sum per row, the
+    keys made in the kernel (``rk``: each row's first key; ``g`` = key per column, mask) instead of read from memory;
+    constants as tensors, as in :class:`_Mix64Sum`. A key per row lets one call hash the rows of many tensors (the
+    caller sums each one's rows), and summing along rows only keeps inductor to one pass (one sum over both dims made
+    it store every element's pre-mix word, an int64 buffer 4x a bf16 block, and hash it in a second pass: 5x slower)."""
 
-    def forward(self, bits, k, g):
-        rows = torch.arange(bits.shape[0], dtype=torch.int64, device=bits.device)
+    def forward(self, bits, k, rk, g):
         cols = torch.arange(bits.shape[1], dtype=torch.int64, device=bits.device)
-        z = (g[2] + rows[:, None] * g[0] + cols[None, :] * g[1]) ^ ((bits.to(torch.int64) & g[3]) * k[1])
-        return _mix(z, k).sum(1).sum()
+        z = (rk[:, None] + cols[None, :] * g[0]) ^ ((bits.to(torch.int64) & g[1]) * k[1])
+        return _mix(z, k).sum(1)
 
 
-class _FingerprintPairs(torch.nn.Module):
-    """:class:`_Fingerprint` of a 2-D block of 16-bit value bits given as int32 words of two elements each (rows of
-    an even length): the same sum, element by element. Inductor vectorizes int32 loads, not int16 ones (measured on
+class _FingerprintRowsPairs(torch.nn.Module):
+    """:class:`_FingerprintRows` of a 2-D block of 16-bit value bits given as int32 words of two elements each (rows of
+    an even length): the same sums, element by element. Inductor vectorizes int32 loads, not int16 ones (measured on
     the bf16 fingerprint: ~3x the throughput). An element's bits are its half of the word, sign-extended as the
     widening of an int16 is: the low half by shifting it to the top and back, the high half by an arithmetic shift."""
 
-    def forward(self, words, k, g):
-        rows = torch.arange(words.shape[0], dtype=torch.int64, device=words.device)
+    def forward(self, words, k, rk, g):
         cols = torch.arange(words.shape[1], dtype=torch.int64, device=words.device)
-        key = g[2] + rows[:, None] * g[0] + cols[None, :] * (g[1] * 2)  # the key of the word's first element
+        key = rk[:, None] + cols[None, :] * (g[0] * 2)  # the key of the word's first element
         w = words.to(torch.int64)
-        return (_mix(key ^ ((((w << 48) >> 48) & g[3]) * k[1]), k)
-                + _mix((key + g[1]) ^ (((w >> 16) & g[3]) * k[1]), k)).sum(1).sum()
+        return (_mix(key ^ ((((w << 48) >> 48) & g[1]) * k[1]), k)
+                + _mix((key + g[0]) ^ (((w >> 16) & g[1]) * k[1]), k)).sum(1)
+
+
+def eager_rows(bits: torch.Tensor, row_keys: torch.Tensor, col_key: int, mask: int) -> torch.Tensor:
+    """``sum_c mix((row_keys[r] + c * col_key) ^ ((bits[r, c] & mask) * C2))`` per row ``r`` of a 2-D block of raw
+    value bits, as an int64 tensor of the rows: :func:`eager_fingerprint` with a key per row."""
+    cols = torch.arange(bits.shape[1], dtype=torch.int64, device=bits.device) * col_key
+    z = row_keys[:, None] + cols[None, :]
+    t = bits.to(torch.int64) & mask
+    t *= i64(C2)
+    z ^= t
+    return mix64_(z, t).sum(1)
 
 
 def as_pairs(bits: torch.Tensor) -> Optional[torch.Tensor]:
@@ -254,26 +268,31 @@ def _test_sum(runner, device: torch.device) -> None:
 
 
 def _test_fingerprint(runner, device: torch.device, dtype: torch.dtype, pairs: bool = False) -> None:
-    """Raise unless ``runner`` matches the eager fingerprint on ``device`` for ``dtype`` bits: one row, one column
-    and 2-D blocks, row and column strides of either order, large offsets, every seed and mask kind, edge words.
-    ``pairs``: a :class:`_FingerprintPairs` kernel, given the blocks :func:`as_pairs` takes (the others skipped)."""
+    """Raise unless ``runner`` matches :func:`eager_rows` on ``device`` for ``dtype`` bits: one row, one column and
+    2-D blocks, row keys that step alike (one tensor's rows) and that jump (rows of several tensors), column keys of
+    either sign, every mask kind, edge words. ``pairs``: a :class:`_FingerprintRowsPairs` kernel, given the blocks
+    :func:`as_pairs` takes (the others skipped)."""
     g = torch.Generator().manual_seed(0xF1)
     per_word = 8 // dtype.itemsize
     for n in _TEST_LENGTHS[::3]:
         bits = _test_words(n, g, device).view(dtype)  # n words: n * per_word elements
         m = n * per_word
-        for rows, s0, s1, off in ((1, 0, 1, 0), (1, 0, 3, 11), (m, 7, 0, 5), (per_word, 1, n, 2), (n, 1 << 20, 1, 1 << 33)):
+        for rows in sorted({1, m, per_word, n}):
             block = bits.reshape(rows, m // rows)
             arg = as_pairs(block) if pairs else block
             if arg is None:
                 continue
-            for seed, mask in ((0, -1), (i64(0xA5A5A5A5DEADBEEF), 0xFFFF), (1, 0xFF), (-1, 0xFFFFFFFF)):
-                (ka, kb), key0 = fingerprint_keys((s0, s1), off, seed)
-                want = int(eager_fingerprint(block.to(torch.int64).reshape(-1), block.shape, (ka, kb), key0, mask))
-                got = int(run_fingerprint(runner, arg, torch.tensor([ka, kb, key0, mask], device=device)))
-                if got != want:
+            for seed, mask, s0, s1 in ((0, -1, 0, 1), (i64(0xA5A5A5A5DEADBEEF), 0xFFFF, 7, 3),
+                                       (1, 0xFF, 1 << 20, 1), (-1, 0xFFFFFFFF, 5, -1 << 33)):
+                (ka, kb), key0 = fingerprint_keys((s0, s1), 11, seed)
+                row_keys = torch.arange(rows, dtype=torch.int64, device=device) * ka + key0
+                if rows > 2:  # rows of different tensors: keys that jump
+                    row_keys[rows // 2:] ^= _test_words(rows - rows // 2, g, device)
+                want = eager_rows(block, row_keys, kb, mask)
+                got = run_rows(runner, arg, row_keys, torch.tensor([kb, mask], device=device))
+                if not torch.equal(got, want):
                     raise RuntimeError(f"compiled fingerprint differs from eager on {device} at {tuple(block.shape)} "
-                                       f"{dtype}, geometry {(s0, s1, off)}: {got} vs {want}")
+                                       f"{dtype}, geometry {(s0, s1)}, mask {mask:#x}")
 
 
 _CONSTS: Dict[Tuple, torch.Tensor] = {}
@@ -291,22 +310,28 @@ def _run_sum(runner, words: torch.Tensor, domain: int, lanes: Tuple[int, int, in
     return runner(words.contiguous(), _consts(words.device, domain, *lanes))
 
 
-def run_fingerprint(runner, bits: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
-    """The element hashes of the 2-D block ``bits`` at the keys and mask of ``row`` (on the device: a row of a table
-    copied there once per fingerprint)."""
-    return runner(bits.contiguous(), _consts(bits.device), row)
+def run_rows(runner, bits: torch.Tensor, row_keys: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """A fingerprint kernel's row sums of the 2-D block ``bits`` (``g``: key per column, mask; on the device)."""
+    return runner(bits.contiguous(), _consts(bits.device), row_keys, g)
 
 
 SUM = Kernel("mix64", _Mix64Sum, (torch.zeros(64, dtype=torch.int64), torch.zeros(7, dtype=torch.int64)), _test_sum)
 # one fingerprint kernel per width of raw bits (fp8, bf16/fp16, fp32, 64-bit), each built when first needed, and
 # one for 16-bit bits in pairs (PAIRS: the rows as_pairs takes)
 PAIRS = "int16-pairs"
-FINGERPRINT = {dt: Kernel(f"fingerprint-{str(dt)[6:]}", _Fingerprint, (torch.zeros(8, 8, dtype=dt), torch.zeros(
-    3, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)), functools.partial(_test_fingerprint, dtype=dt))
-    for dt in (torch.uint8, torch.int16, torch.int32, torch.int64)}
-FINGERPRINT[PAIRS] = Kernel(f"fingerprint-{PAIRS}", _FingerprintPairs, (torch.zeros(8, 8, dtype=torch.int32), torch.zeros(
-    3, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)), functools.partial(_test_fingerprint, dtype=torch.int16,
-                                                                               pairs=True))
+_ROWS = (("rows", "cols"), None, ("rows",), None)
+
+
+def _fingerprint_kernel(name: str, module: type, dtype: torch.dtype, test) -> Kernel:
+    example = (torch.zeros(8, 16, dtype=dtype), torch.zeros(3, dtype=torch.int64), torch.zeros(8, dtype=torch.int64),
+               torch.zeros(2, dtype=torch.int64))
+    return Kernel(f"fingerprint-{name}", module, example, test, _ROWS)
+
+
+FINGERPRINT = {dt: _fingerprint_kernel(str(dt)[6:], _FingerprintRows, dt, functools.partial(_test_fingerprint, dtype=dt))
+               for dt in (torch.uint8, torch.int16, torch.int32, torch.int64)}
+FINGERPRINT[PAIRS] = _fingerprint_kernel(PAIRS, _FingerprintRowsPairs, torch.int32,
+                                         functools.partial(_test_fingerprint, dtype=torch.int16, pairs=True))
 
 
 def words_of(blob: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
