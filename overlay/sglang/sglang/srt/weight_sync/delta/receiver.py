@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 import logging
 import os
 from typing import List, Optional, Sequence, Tuple
@@ -97,6 +98,17 @@ def _decode_delta_one_param(p: DeltaParam, positions: Positions, values: torch.T
     flat = torch.full((p.numel,), float("nan"), dtype=vals.dtype, device=device)
     flat.index_copy_(0, idx.to(device), vals.to(device))
     return flat.view(p.shape)
+
+
+def _dense_sources(via_loader) -> List[Tuple[str, torch.Tensor]]:
+    """A full sync's sources for the loader: each param's values in its shape, cut from its flush's values by one
+    ``split`` per flush (a full sync's params are all dense: checked)."""
+    out = []
+    for _, run in itertools.groupby(via_loader, key=lambda item: id(item[2])):
+        run = list(run)
+        params = [p for p, _, _ in run]
+        out += [(p.name, v.view(p.shape)) for p, v in zip(params, _values_of(run[0][2], params))]
+    return out
 
 
 def _values_of(values: torch.Tensor, params: Sequence[DeltaParam]) -> Sequence[torch.Tensor]:
@@ -252,9 +264,7 @@ def _apply_request(self, payloads: Sequence[DeltaPayload], weight_version: Optio
             _post_process(model, state, [p.name for _, _, viewed in via_views for p in viewed], complete)
         if via_loader:
             # a full sync's sources are views of the received blobs: made before the watch, which sees every op
-            ready = [(p.name, _decode_delta_one_param(p, positions, values, device))
-                     for p, positions, values in via_loader] \
-                if head.full else None
+            ready = _dense_sources(via_loader) if head.full else None
             with torch.no_grad(), (full_sync_context(model, state.recorder) if head.full else
                                    delta_apply_context(model)):
                 chunk, chunk_bytes = ready or [], 0

@@ -9,6 +9,7 @@ flush is relative to (:func:`read_base`, :func:`rebuild_xor`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import math
@@ -61,21 +62,14 @@ class Direct:
         (_, dstr, doff), (ssz, sstr, soff) = c.dst, c.src
         if c.param.data_ptr() != c.ptr:
             return None  # the param's tensor was replaced after this copy: the recorded offsets are stale
-        keep = [d for d in range(len(ssz)) if ssz[d] > 1]
-        numel = math.prod(ssz)
-        dense = _contiguous_strides(ssz)  # sizes are equal on both sides (the recorder checks)
-        block = all(sstr[d] == dense[d] and dstr[d] == dense[d] for d in keep)
-        dims = sorted(((ssz[d], sstr[d], dstr[d]) for d in keep), key=lambda x: -x[1])
-        span = 1
-        for size, stride, _ in reversed(dims):
-            if stride < span:
-                return None
-            span += stride * (size - 1)
+        geometry = _geometry(tuple(ssz), tuple(sstr), tuple(dstr))
+        if geometry is None:
+            return None
         flat = flats.get(id(c.param))
         if flat is None:
             storage = c.param.untyped_storage().nbytes() // c.param.element_size()
             flat = flats[id(c.param)] = torch.as_strided(c.param.detach(), (storage,), (1,), 0)
-        return cls(flat, soff, doff, numel, [] if block else dims)
+        return cls(flat, soff, doff, *geometry)
 
     def targets(self, idx: torch.Tensor, whole: bool) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
         """(a mask of the entries of ``idx`` this view holds, or None for all; every entry's offset in ``flat``,
@@ -92,6 +86,22 @@ class Direct:
             rem -= i * sstride
             out += i * dstride
         return ok & (rem == 0), out
+
+
+@functools.lru_cache(maxsize=1 << 12)  # a model's copies share a few geometries (every expert's, every layer's)
+def _geometry(ssz: Tuple[int, ...], sstr: Tuple[int, ...], dstr: Tuple[int, ...]) -> Optional[Tuple[int, list]]:
+    """(elements, dims) of a :class:`Direct` for a copy of these sizes and source/destination strides; None when the
+    source view cannot be inverted by division. Its dims are shared by every Direct of that geometry (read only)."""
+    keep = [d for d in range(len(ssz)) if ssz[d] > 1]
+    dense = _contiguous_strides(ssz)  # sizes are equal on both sides (the recorder checks)
+    block = all(sstr[d] == dense[d] and dstr[d] == dense[d] for d in keep)
+    dims = sorted(((ssz[d], sstr[d], dstr[d]) for d in keep), key=lambda x: -x[1])
+    span = 1
+    for size, stride, _ in reversed(dims):
+        if stride < span:
+            return None
+        span += stride * (size - 1)
+    return math.prod(ssz), [] if block else dims
 
 
 def direct_plan(model: torch.nn.Module, recorder: fingerprint.FingerprintRecorder) -> Dict[str, List[Direct]]:
