@@ -239,7 +239,7 @@ def check_hashes(report, device) -> None:
     from sglang.srt.weight_sync.delta import fingerprint, kernels, mix64
 
     what = ("mix64 blob sums equal on CPU and device (empty, partial-word, odd and multi-block blobs)",
-            "weight fingerprint equal on CPU and device",
+            "weight fingerprint equal on CPU and device (a large tensor, and 600 small ones hashed together)",
             "the checksum pass's NaN flag on the device (a NaN in the first, a middle and the last value)",
             "compiled mix64 kernel built on the device and equal to the eager sums (its self-test)")
     if device.type == "cpu":
@@ -250,10 +250,16 @@ def check_hashes(report, device) -> None:
     report.check(same, what[0] + ", eager")
     report.check(flags, what[2] + ", eager")
     g = torch.Generator().manual_seed(1)
-    t = torch.randn(3000, 257, generator=g).to(torch.bfloat16)
-    a = fingerprint.tensor_fingerprint("w", t)
-    b = fingerprint.tensor_fingerprint("w", t.to(device))
-    report.check((a.total, a.coverage) == (b.total, b.coverage), what[1])
+    # one large tensor (hashed alone) and many small ones, whole rows and less than one (joined, a key per row)
+    items = [("w", torch.randn(3000, 257, generator=g).to(torch.bfloat16))] + [
+        (f"e{k}.{n}", torch.randn(n, generator=g).to(torch.bfloat16)) for k in range(300) for n in (2048, 16)]
+
+    def shares(device):
+        got = fingerprint.read_shares(fingerprint.tensor_shares([(n, t.to(device)) for n, t in items]))
+        return {n: (s.total, s.coverage) for n, s in got.items()}
+
+    a = shares(torch.device("cpu"))
+    report.check(shares(device) == a, what[1])
     try:
         built = kernels.warm(device, mix64.SUM)
         built_fp = sum(kernels.warm(device, mix64.FINGERPRINT[w]) for w in (torch.int16, mix64.PAIRS))
@@ -262,8 +268,7 @@ def check_hashes(report, device) -> None:
         return
     report.check(kernels.kernel_state(device, mix64.SUM) == "compiled", f"{what[3]} ({built:.1f} s; the bf16 fingerprint "
                  f"kernels {built_fp:.1f} s)")
-    b = fingerprint.tensor_fingerprint("w", t.to(device))
-    report.check((a.total, a.coverage) == (b.total, b.coverage), what[1] + ", compiled kernel")
+    report.check(shares(device) == a, what[1] + ", compiled kernel")
     same, flags = _sums_and_flags(device)
     report.check(same, what[0] + ", compiled kernel")
     report.check(flags, what[2] + ", compiled kernel")
