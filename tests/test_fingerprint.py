@@ -55,19 +55,33 @@ def test_matches_the_documented_definition(kernel, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_strided_tensors_are_hashed_by_their_values(kernel, dtype):
+    """A trainer's tensor that is a strided view (every other element; a transposed matrix), large and small: the
+    numbers of its values, not of the memory around them."""
+    base = sample(dtype, 2 * (3 * 1024 + 21), 7)
+    items = [("every_other", base[::2]), ("every_other_small", base[:2 * 700:2]),
+             ("transposed", base[:96 * 64].reshape(96, 64).t())]
+    got = fingerprint.read_shares(fingerprint.tensor_shares(items))
+    for name, t in items:
+        assert (got[name].total, got[name].coverage) == ref_fingerprint(name, t), name
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_an_engine_reading_through_recorded_views_gets_the_trainers_numbers(kernel, dtype):
     """A param filled through views the way loaders do (a transposed copy, a TP-style column shard, rows of a fused
-    param, a permuted source that no 2-D geometry covers): the recorded views give back every HF tensor's share; a
+    param, a permuted source that no 2-D geometry covers, a 1-D tensor into a column): the recorded views give back every HF tensor's share; a
     flipped bit inside one view changes that name alone, one outside every view changes none."""
     hf = {"t": sample(dtype, 48 * 40, 1).reshape(48, 40), "shard": sample(dtype, 30 * 64, 2).reshape(30, 64),
-          "rows": sample(dtype, 7 * 40, 3).reshape(7, 40), "cube": sample(dtype, 4 * 6 * 10, 4).reshape(4, 6, 10)}
+          "rows": sample(dtype, 7 * 40, 3).reshape(7, 40), "cube": sample(dtype, 4 * 6 * 10, 4).reshape(4, 6, 10),
+          "column": sample(dtype, 1100, 5)}
     param = torch.zeros(200, 40, dtype=dtype)
     other = torch.zeros(30, 128, dtype=dtype)
     cube = torch.zeros(6, 4, 10, dtype=dtype)
-    rec = fingerprint.FingerprintRecorder([param, other, cube])
+    column = torch.zeros(1100, 3, dtype=dtype)  # a strided run longer than a row of the trainer's blocks
+    rec = fingerprint.FingerprintRecorder([param, other, cube, column])
     rec.sources(list(hf.items()))
     copies = [(param[:48].view(40, 48).t(), hf["t"]), (other[:, 64:], hf["shard"]), (param[100:107], hf["rows"]),
-              (cube, hf["cube"].permute(1, 0, 2))]
+              (cube, hf["cube"].permute(1, 0, 2)), (column[:, 1], hf["column"])]
     for dst, src in copies:
         assert rec.observe(dst, src)
         dst.copy_(src)
@@ -83,10 +97,9 @@ def test_an_engine_reading_through_recorded_views_gets_the_trainers_numbers(kern
     assert fingerprint.compare_shares(trainer, fingerprint.engine_shares(rec.copies), hf) == (["shard"], [])
 
 
-@pytest.mark.parametrize("params", [3, 300])
-def test_a_fingerprint_reads_the_host_once_whatever_the_param_count(kernel, params):
-    """Both sides: every name's sum stays on the device until one read (a per-param read is a stall each on a GPU)."""
-    hf = {f"layers.{k}.w": sample(torch.bfloat16, 64 * 8 + k, k).reshape(-1, 1) for k in range(params)}
+def recorded_in_one_store(hf):
+    """A recorder that saw ``hf``'s bf16 tensors copied one after another into one param, as a fused MoE weight holds
+    its experts."""
     store = torch.zeros(sum(t.numel() for t in hf.values()), dtype=torch.bfloat16)
     rec = fingerprint.FingerprintRecorder([store])
     rec.sources(list(hf.items()))
@@ -96,6 +109,14 @@ def test_a_fingerprint_reads_the_host_once_whatever_the_param_count(kernel, para
         assert rec.observe(dst, t)
         dst.copy_(t)
         at += t.numel()
+    return rec
+
+
+@pytest.mark.parametrize("params", [3, 300])
+def test_a_fingerprint_reads_the_host_once_whatever_the_param_count(kernel, params):
+    """Both sides: every name's sum stays on the device until one read (a per-param read is a stall each on a GPU)."""
+    hf = {f"layers.{k}.w": sample(torch.bfloat16, 64 * 8 + k, k).reshape(-1, 1) for k in range(params)}
+    rec = recorded_in_one_store(hf)
     with SyncCounter() as trainer:
         mine = fingerprint.read_shares({n: fingerprint.tensor_share(n, t) for n, t in hf.items()})
     with SyncCounter() as engine:
@@ -105,8 +126,7 @@ def test_a_fingerprint_reads_the_host_once_whatever_the_param_count(kernel, para
 
 
 def test_a_fingerprints_calls_follow_the_bytes_not_the_tensor_count(monkeypatch):
-    """Both sides, 3 and 300 small tensors (whole rows, and less than one row) stored the way a fused MoE weight holds
-    its experts: small tensors of one kind are joined, so the compiled kernel runs as often for 300 as for 3, and the
+    """Both sides, 3 and 300 small tensors (whole rows, and less than one row) in one store: small tensors of one kind are joined, so the compiled kernel runs as often for 300 as for 3, and the
     computing ops are as many. Views: the trainer's one per tensor inside the C++ call that joins them, the engine's
     one per recorded copy (its rows in the param's bits)."""
     runs, ops = {}, {}
@@ -119,15 +139,7 @@ def test_a_fingerprints_calls_follow_the_bytes_not_the_tensor_count(monkeypatch)
     for params in (3, 300):
         hf = {f"layers.{k}.w{j}": sample(torch.bfloat16, n, k * 2 + j).reshape(-1, 16)
               for k in range(params) for j, n in enumerate((2 * 1024, 16))}
-        store = torch.zeros(sum(t.numel() for t in hf.values()), dtype=torch.bfloat16)
-        rec = fingerprint.FingerprintRecorder([store])
-        rec.sources(list(hf.items()))
-        at = 0
-        for t in hf.values():
-            dst = store[at:at + t.numel()].view(t.shape)
-            assert rec.observe(dst, t)
-            dst.copy_(t)
-            at += t.numel()
+        rec = recorded_in_one_store(hf)
         runs.clear()
         with AllOps() as trainer_ops:
             mine = fingerprint.tensor_shares(list(hf.items()))

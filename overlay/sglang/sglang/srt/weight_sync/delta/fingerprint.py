@@ -220,7 +220,7 @@ def tensor_shares(items: Sequence[Tuple[str, torch.Tensor]], dtype: Optional[tor
             if 0 < n <= _JOIN and cols <= _COLS:
                 small.setdefault((tensor.dtype, tensor.device, cols), []).append((share, tensor, seed, n // cols))
                 continue
-            t = tensor.reshape(-1)
+            t = tensor.reshape(-1).contiguous()  # a strided tensor may flatten to a strided view: _rows reads runs
             if dtype is not None and dtype != t.dtype:
                 t = t.to(dtype)
             bits = _bits(t)
@@ -392,8 +392,8 @@ def engine_shares(copies: Dict[str, List[_Copy]]) -> Dict[str, NameSum]:
                     block = _block(d, shape)
                     if shape[0] > 1:
                         pieces.append((acc, block, seed, (s0, s1), off))
-                    else:
-                        flat = block.reshape(-1)
+                    else:  # a strided row (a column of the param): its bits copied into one run first
+                        flat = block.reshape(-1).contiguous()
                         pieces += _rows(acc, flat, flat.storage_offset(), flat.numel(), seed, s1, off)
     _hash(pieces)
     return read_shares(pending)
