@@ -361,7 +361,7 @@ def _pieces(sizes, dst_strides, src_strides):
 def engine_shares(copies: Dict[str, List[_Copy]]) -> Dict[str, NameSum]:
     """This rank's share of every recorded name, read through the recorded views (one host read in all). A view that
     is one run of its param's memory (a whole expert of a fused MoE weight, a row shard) is cut into rows by one
-    ``as_strided`` of the param's bits, made once per param; the others are copied into blocks."""
+    ``as_strided`` of the param's bits, made once per param; the others are copied into one run first."""
     pending: Dict[str, Pending] = {}
     pieces: list = []
     ints: Dict[int, torch.Tensor] = {}  # id(param) -> its bits
@@ -372,29 +372,25 @@ def engine_shares(copies: Dict[str, List[_Copy]]) -> Dict[str, NameSum]:
             (dsz, dst, doff), (_, sst, soff) = c.dst, c.src  # equal sizes (observe checks)
             for sizes, dshift, sshift in _pieces(dsz, dst, sst):
                 geometry = mix64.as_2d(sizes, sst, soff + sshift)
-                if geometry is not None and _dense(sizes, dst):
-                    (rows, cols), s0, s1, off = geometry
+                if geometry is None:  # more than two dims that do not merge: hashed alone, eagerly
+                    d = c.param.as_strided(sizes, dst, doff + dshift)
+                    ks, k0 = mix64.fingerprint_keys(sst, soff + sshift, seed)
+                    acc.add(mix64.eager_fingerprint(_block(d, (1, -1)).to(torch.int64).reshape(-1), sizes, ks, k0,
+                                                    _mask(d)), sizes, sst, soff + sshift)
+                    continue
+                (rows, cols), s0, s1, off = geometry
+                if _dense(sizes, dst):  # its values lie in one run of the param's memory: cut where they lie
                     bits = ints.get(id(c.param))
                     if bits is None:
                         bits = ints[id(c.param)] = _bits(c.param.detach())
-                    if rows > 1:
-                        pieces.append((acc, bits.as_strided((rows, cols), (cols, 1), doff + dshift), seed, (s0, s1), off))
-                    else:  # one long row: as the trainer's side cuts it
-                        pieces += _rows(acc, bits, doff + dshift, cols, seed, s1, off)
-                    continue
-                d = c.param.as_strided(sizes, dst, doff + dshift)
-                if geometry is None:  # more than two dims that do not merge: hashed alone, eagerly
-                    ks, k0 = mix64.fingerprint_keys(sst, soff + sshift, seed)
-                    bits = _block(d, (1, -1)).to(torch.int64).reshape(-1)
-                    acc.add(mix64.eager_fingerprint(bits, sizes, ks, k0, _mask(d)), sizes, sst, soff + sshift)
-                elif d.numel():
-                    shape, s0, s1, off = geometry
-                    block = _block(d, shape)
-                    if shape[0] > 1:
-                        pieces.append((acc, block, seed, (s0, s1), off))
-                    else:  # a strided row (a column of the param): its bits copied into one run first
-                        flat = block.reshape(-1).contiguous()
-                        pieces += _rows(acc, flat, flat.storage_offset(), flat.numel(), seed, s1, off)
+                    at = doff + dshift
+                else:  # a transposed or strided view: its bits copied into one run first
+                    bits = _block(c.param.as_strided(sizes, dst, doff + dshift), (-1,)).contiguous()
+                    at = bits.storage_offset()
+                if rows > 1:
+                    pieces.append((acc, bits.as_strided((rows, cols), (cols, 1), at), seed, (s0, s1), off))
+                else:  # one long row: as the trainer's side cuts it
+                    pieces += _rows(acc, bits, at, cols, seed, s1, off)
     _hash(pieces)
     return read_shares(pending)
 
