@@ -1,18 +1,24 @@
 """The loader is watched per thread: a loader's own worker threads are guarded, every other thread is left alone,
-and a write into the model from another thread during an apply fails it closed.
+and a write into the model from another thread during an apply fails it closed. The watch is handed the ops that can
+write (a private dispatch key the watching threads include), or, where that key is taken, every op (a dispatch mode):
+the ``watch`` fixture runs a test both ways.
 
 Real SGLang Qwen2 through the real receiver. The model's ``load_weights`` is made to load each tensor on a
 thread pool it creates (as the DeepSeek-V2/V3 loader does for host tensors) and copies one tensor from a
 temporary (so deltas go through the loader, not the direct path) — the conditions under which a process-wide,
 save-and-restore patch of ``copy_`` fails.
 """
+import collections
 import concurrent.futures
 import threading
 
+import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from cpu_harness import Host, delta_flushes, full_flushes, hf_config, nan_filled, rl_states, sglang_model
-from delta_helpers import assert_params_equal
+from delta_helpers import assert_params_equal, copy_from_a_temporary
+from sglang.srt.weight_sync.delta import write_guard
 from sglang.srt.weight_sync.delta.receiver import receiver_state
 
 NATIVE_COPY, NATIVE_FILL = torch.Tensor.copy_, torch.Tensor.fill_
@@ -69,8 +75,25 @@ def test_a_loader_on_its_own_thread_pool_is_masked_in_its_workers():
     assert (torch.Tensor.copy_, torch.Tensor.fill_) == (NATIVE_COPY, NATIVE_FILL)  # nothing left installed
 
 
-def test_a_write_that_bypasses_copy_in_a_loader_worker_is_refused():
-    """The aten-level guard runs in the loader's worker threads too (a dispatch mode is per thread)."""
+def key_taken():
+    """The op filter as it stands where another library holds its dispatch key: watches run as dispatch modes."""
+    held = write_guard._OpFilter()
+    held.taken = True
+    return held
+
+
+@pytest.fixture(params=["filter", "mode"])
+def watch(request, monkeypatch):
+    """``filter``: the watch is handed the ops that can write; ``mode``: the filter key is taken, it sees every op."""
+    write_guard._FILTER.sync()
+    assert write_guard._FILTER.key is not None  # nothing in this process holds the key
+    if request.param == "mode":
+        monkeypatch.setattr(write_guard, "_FILTER", key_taken())
+    return request.param
+
+
+def test_a_write_that_bypasses_copy_in_a_loader_worker_is_refused(watch):
+    """The aten-level guard runs in the loader's worker threads too (a watch is per thread)."""
     cfg = hf_config("qwen2")
     states = rl_states(cfg, 1, seed=0)
     armed = [False]
@@ -159,3 +182,157 @@ def test_other_threads_keep_native_ops_during_an_apply():
     assert ok, msg
     assert seen["nan"] is True
     assert_params_equal(host.model, reference(cfg, states[1]))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3-moe", "deepseek-v3"])
+def test_the_watch_is_handed_the_writes_not_the_views(arch):
+    """A full sync's watch is handed only ops whose schema writes (and ``cat``): never the views and ``.data``
+    detaches a loader runs per tensor, nor the copies the recorder explains. It still sees every other write the
+    dispatch mode sees (more: the copies inside a composite op such as ``to``), and the verdict is the same."""
+    cfg = hf_config(arch)
+    state = rl_states(cfg, 0, seed=0)[0]
+    native, seen = write_guard.FullSyncWatch.__torch_dispatch__, {}
+
+    def counted(self, func, types, args=(), kwargs=None):
+        seen[path].append(func)
+        return native(self, func, types, args, kwargs)
+
+    for path in ("filter", "mode"):
+        seen[path] = []
+        host = Host(nan_filled(sglang_model(cfg)))
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(write_guard.FullSyncWatch, "__torch_dispatch__", counted)
+            if path == "mode":
+                mp.setattr(write_guard, "_FILTER", key_taken())
+            assert all(apply(host, [pl])[0] for pl in full_flushes(state, version=1))
+        seen[path + " direct"] = sorted(receiver_state(host.model).direct)
+    writes = {p: collections.Counter(str(f) for f in seen[p] if write_guard._writes(f) or f is torch.ops.aten.cat.default)
+              for p in ("filter", "mode")}
+    assert sum(writes["filter"].values()) == len(seen["filter"])  # nothing else handed over
+    assert writes["filter"]["aten.copy_.default"] < len(state) // 2 < writes["mode"]["aten.copy_.default"]
+    writes["mode"].pop("aten.copy_.default")
+    assert writes["mode"] and not writes["mode"] - writes["filter"]  # the fills and cats
+    assert len(seen["mode"]) >= 5 * len(seen["filter"])  # the views, detaches, reads and copies the mode is handed
+    assert seen["filter direct"] == seen["mode direct"] and seen["filter direct"]
+
+
+def test_a_write_by_an_op_registered_after_the_filter_is_seen(watch):
+    """An op the filter did not know when it was installed (a kernel library loaded later) reaches the watch: a
+    loader that writes a param with it keeps the model off the direct path."""
+
+    @torch.library.custom_op(f"delta_test::scale_{watch}", mutates_args=("x",))
+    def _scale_(x: torch.Tensor) -> None:
+        x.mul_(1.0)
+
+    cfg = hf_config("qwen2")
+    state = rl_states(cfg, 0, seed=0)[0]
+    host = Host(nan_filled(sglang_model(cfg)))
+    native = host.model.load_weights
+
+    def load_weights(weights):
+        native(weights)
+        _scale_(dict(host.model.named_parameters())["model.norm.weight"])
+
+    host.model.load_weights = load_weights
+    assert all(apply(host, [pl])[0] for pl in full_flushes(state, version=1))
+    assert receiver_state(host.model).direct == {}
+    assert_params_equal(host.model, reference(cfg, state))
+
+
+def test_a_write_by_an_op_registered_while_the_loader_runs_is_not_lost(watch):
+    """An op registered while a watch is open (a kernel library the loader imports) is not watched under the filter:
+    the full sync learns of it when its scope closes, and keeps the model off the direct path all the same."""
+    cfg = hf_config("qwen2")
+    state = rl_states(cfg, 0, seed=0)[0]
+    host = Host(nan_filled(sglang_model(cfg)))
+    native = host.model.load_weights
+
+    def load_weights(weights):
+        native(weights)
+
+        @torch.library.custom_op(f"delta_test::late_scale_{watch}", mutates_args=("x",))
+        def late_scale_(x: torch.Tensor) -> None:  # writes as a native kernel does: no aten op inside
+            bits = x.detach().view(torch.int16).numpy()
+            bits[:] = bits
+
+        late_scale_(dict(host.model.named_parameters())["model.norm.weight"])
+
+    host.model.load_weights = load_weights
+    assert all(apply(host, [pl])[0] for pl in full_flushes(state, version=1))
+    assert receiver_state(host.model).direct == {}
+    assert_params_equal(host.model, reference(cfg, state))
+
+
+def test_a_delta_apply_during_which_an_op_that_writes_is_registered_fails_closed():
+    """The delta apply's guard cannot mask what it did not see: the apply fails, the engine is dirty, and the next
+    (full) sync restores it."""
+    cfg = hf_config("qwen2")
+    states = rl_states(cfg, 1, seed=0)
+    host = copy_from_a_temporary(Host(nan_filled(sglang_model(cfg))))
+    assert all(apply(host, [pl])[0] for pl in full_flushes(states[0], version=1))
+    native = host.model.load_weights
+
+    def load_weights(weights):
+        @torch.library.custom_op("delta_test::late_fill_", mutates_args=("x",))
+        def late_fill_(x: torch.Tensor) -> None:
+            pass
+
+        return native(weights)
+
+    host.model.load_weights = load_weights
+    ok, msg = apply(host, delta_flushes(states[0], states[1], "deltas", version=2, base_version=1))
+    assert not ok and "delta_test::late_fill_ can write and was registered while the loader ran, unwatched: a NaN " \
+        "sentinel may have reached the model" in msg, msg
+    assert receiver_state(host.model).dirty
+    host.model.load_weights = native
+    assert all(apply(host, [pl])[0] for pl in full_flushes(states[1], version=3))
+    assert_params_equal(host.model, reference(cfg, states[1]))
+
+
+def test_other_threads_trace_fake_tensors_while_a_loader_is_watched(watch):
+    """The filter's registrations change nothing for a thread that does not watch: fake-tensor tracing and
+    ``torch.compile`` in another thread, while a full sync's loader runs, behave as always."""
+    cfg = hf_config("qwen2")
+    state = rl_states(cfg, 0, seed=0)[0]
+    go, done, seen = threading.Event(), threading.Event(), {}
+
+    def bystander():
+        go.wait(60)
+        try:
+            with FakeTensorMode():
+                seen["narrow"] = type(torch.empty(4, 4).narrow(0, 1, 2).add_(1))
+            seen["compiled"] = torch.compile(lambda a: (a * 2).sum(), backend="eager")(torch.ones(3)).item()
+        finally:
+            done.set()
+
+    host = Host(nan_filled(sglang_model(cfg)))
+    native = host.model.load_weights
+
+    def load_weights(weights):
+        go.set()
+        done.wait(120)
+        return native(weights)
+
+    host.model.load_weights = load_weights
+    t = threading.Thread(target=bystander, name="bystander")
+    t.start()
+    assert all(apply(host, [pl])[0] for pl in full_flushes(state, version=1))
+    t.join(60)
+    assert seen == {"narrow": FakeTensor, "compiled": 6.0}
+    assert receiver_state(host.model).direct
+    assert_params_equal(host.model, reference(cfg, state))
+
+
+def test_a_torch_without_the_filter_key_watches_with_a_mode(monkeypatch):
+    """Where the filter cannot be set up (here: a key this torch does not know), the watches run as dispatch modes
+    and the full sync records the direct path as before; nothing is left unwatched."""
+    cfg = hf_config("qwen2")
+    state = rl_states(cfg, 0, seed=0)[0]
+    unknown = write_guard._OpFilter()
+    unknown.NAME = "NoSuchDispatchKey"
+    monkeypatch.setattr(write_guard, "_FILTER", unknown)
+    host = Host(nan_filled(sglang_model(cfg)))
+    assert all(apply(host, [pl])[0] for pl in full_flushes(state, version=1))
+    assert unknown.taken and unknown.key is None
+    assert receiver_state(host.model).direct
+    assert_params_equal(host.model, reference(cfg, state))

@@ -28,7 +28,6 @@ import dataclasses
 import functools
 import hashlib
 import math
-import threading
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -277,21 +276,7 @@ class FingerprintRecorder:
         self._sources = self._ranges(())
         self._joined: Dict[int, Tuple[torch.Tensor, int, list]] = {}  # cat of source views: ptr -> (out, dim, parts)
         self.copies: Dict[str, List[_Copy]] = {}
-        self._tls = threading.local()  # per loader thread: inside a recorded copy_ (its aten write is explained)
         self.unexplained: Optional[str] = None  # the first write into the model that no recorded copy explains
-
-    def in_copy(self) -> bool:
-        return getattr(self._tls, "in_copy", False)
-
-    def copy(self, native, dst: torch.Tensor, src, non_blocking: bool = False):
-        """``native(dst, src, non_blocking)``, recorded (:meth:`observe`), with this thread marked as inside a copy
-        the recorder explains while it runs (when it does). Every copy of a full load comes here: no context manager."""
-        tls = self._tls
-        tls.in_copy = self.observe(dst, src)
-        try:
-            return native(dst, src, non_blocking)
-        finally:
-            tls.in_copy = False
 
     @staticmethod
     def _ranges(items) -> RangeIndex:

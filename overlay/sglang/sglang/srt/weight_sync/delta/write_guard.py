@@ -8,8 +8,9 @@ Two layers watch the loader:
   scope's replacements; every other thread keeps the native ops. Scopes nest (the delta apply opens a
   native scope around ``post_load_weights``) and pop in order; nothing is saved and restored. The
   replacements are installed while any scope is open, under a lock, and removed with the last one.
-* aten level: a ``TorchDispatchMode`` per thread of the scope (:class:`WriteGuard` for deltas,
-  :class:`FullSyncWatch` for full syncs) sees writes that bypass ``copy_``/``fill_``.
+* aten level: a watch per thread of the scope (:class:`WriteGuard` for deltas, :class:`FullSyncWatch` for full
+  syncs) sees writes that bypass ``copy_``/``fill_``. It is handed only the ops that can write (:func:`_watching`):
+  a dispatch mode would run Python on every view op and ``.data`` of a loader, more than the load itself.
 
 A ``copy_``/``fill_`` into the model's storage from a thread outside the scope while it is open is
 recorded in :attr:`Scope.foreign`; the delta apply then fails closed (the engine is dirty and gets a
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import logging
 import math
 import threading
 from typing import Callable, Dict, List, Optional
@@ -31,6 +33,7 @@ from sglang.srt.weight_sync.delta.wire import DeltaError, nan_mask
 
 __all__ = ["Scope", "scoped", "storage_index", "model_tensors", "delta_apply_context", "FullSyncWatch", "nan_mask"]
 
+logger = logging.getLogger(__name__)
 _NATIVE_COPY, _NATIVE_FILL, _NATIVE_START = torch.Tensor.copy_, torch.Tensor.fill_, threading.Thread.start
 _tls = threading.local()
 _lock = threading.Lock()
@@ -123,8 +126,8 @@ class Scope:
     """What ``copy_``/``fill_`` do for one apply, in its thread and the threads it starts.
 
     ``copy_``/``fill_``: the replacements (None: the native op); ``owner``: the model's storage index
-    (None: this scope does not watch for foreign writes); ``thread_modes``: a factory of the dispatch
-    modes each thread of the scope runs under.
+    (None: this scope does not watch for foreign writes); ``thread_modes``: a factory of the watches
+    (:class:`_Watch`) each thread of the scope runs under.
     """
 
     def __init__(self, copy_=None, fill_=None, owner=None, thread_modes: Callable[[], list] = lambda: []):
@@ -173,7 +176,7 @@ def _start(thread):
                 modes.enter_context(torch.set_grad_enabled(grad))
                 for s in inherited:
                     for m in s.thread_modes():
-                        modes.enter_context(m)
+                        modes.enter_context(_watching(m))
                 run()
 
         thread.run = run_in_scope
@@ -191,10 +194,16 @@ def scoped(scope: Scope):
     stack.append(scope)
     scope.open = True
     try:
+        watches = scope.thread_modes()
+        if watches:
+            _FILTER.sync()
         with contextlib.ExitStack() as modes:
-            for m in scope.thread_modes():
-                modes.enter_context(m)
+            for m in watches:
+                modes.enter_context(_watching(m))
             yield scope
+        late = _FILTER.sync() if watches else []
+        for m in watches if late else ():
+            m.missed(late)
     finally:
         scope.open = False
         stack.pop()
@@ -213,12 +222,125 @@ _FILLS, _INDEX_PUT, _INDEX = _aten.fill_, _aten.index_put_, _aten.index.Tensor
 
 
 class _Watch(TorchDispatchMode):
-    """A dispatch mode that runs in Python on every aten op of a loader (~4-5 per HF tensor): kept out of torch's
-    per-call dynamo guard, which would cost more than its body (this body calls nothing torch.compile traces)."""
+    """Sees a thread's aten ops that can write (:class:`_OpFilter`). As a dispatch mode (where the filter key is
+    taken) it runs on every op: kept out of torch's per-call dynamo guard, which would cost more than its body
+    (this body calls nothing torch.compile traces)."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         return False
+
+    def missed(self, ops: List[str]) -> None:
+        """``ops`` (that can write) were registered while this watch was open: it did not see them run."""
+        raise NotImplementedError
+
+
+class _OpFilter:
+    """Which of a watching thread's ops reach its watch: those whose schema writes, and ``cat`` (the recorder's).
+
+    A dispatch mode runs Python on every op of its thread, and a MoE loader's views and ``.data`` detaches (~4-5 ops
+    per HF tensor, ~3.5 µs each) then cost more than the load. Instead a watching thread includes a dispatch key that
+    nothing in an inference process uses (torchdistx's ``DeferredInit``): there every op falls through in C++ except
+    those, whose Python kernel hands the op to the thread's watch. A thread that does not include the key never meets
+    these registrations (fake tensors and ``torch.compile`` elsewhere in the process are unaffected). An op registered
+    later gets its kernel when the next watching scope opens; one registered while a watch was open was not watched,
+    and the watch is told (``missed``). Where another library holds the key, watches run as dispatch modes.
+    """
+
+    NAME = "DeferredInit"
+
+    def __init__(self):
+        self.key = self.keyset = None
+        self.taken = False
+        self.libs: Dict[str, torch.library.Library] = {}
+        self.seen: set = set()  # op names given their registration
+        self.lock = threading.Lock()
+
+    def sync(self) -> List[str]:
+        """Claim the key (once) and register every op the dispatcher gained since the last call; returns the new
+        ones that can write."""
+        with self.lock:
+            try:
+                return [] if self.taken or (self.key is None and not self._claim()) else self._register()
+            except Exception as e:  # a torch without this key or these APIs: an op left unwatched is no option
+                logger.warning("delta: write watch as a dispatch mode (no op filter: %r)", e)
+                self.taken, self.key = True, None
+                return []
+
+    def _register(self) -> List[str]:
+        new = [n for n in torch._C._dispatch_get_all_op_names() if n not in self.seen]
+        writers = []
+        for qualified in new:
+            ns, _, name = qualified.partition("::")
+            base, _, overload = name.partition(".")
+            try:
+                schema = torch._C._get_schema(f"{ns}::{base}", overload)
+            except RuntimeError:
+                continue  # no schema: nothing to dispatch
+            if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+                writers.append(qualified)
+            elif qualified != "aten::cat":
+                continue
+            if ns not in self.libs:
+                self.libs[ns] = torch.library.Library(ns, "IMPL")
+            self.libs[ns].impl(name, _kernel(ns, base, overload or "default"), self.NAME)
+        self.seen.update(new)
+        return writers
+
+    def _claim(self) -> bool:
+        key = torch._C._parse_dispatch_key(self.NAME)
+        if key is None or torch._C._dispatch_has_backend_fallback(key):
+            self.taken = True
+            return False
+        self.libs["_"] = torch.library.Library("_", "IMPL")
+        self.libs["_"].fallback(torch.library.fallthrough_kernel, self.NAME)
+        self.key, self.keyset = key, torch._C.DispatchKeySet(key)
+        return True
+
+
+_FILTER = _OpFilter()
+
+
+def _kernel(ns: str, base: str, overload: str):
+    """The filter key's kernel of one op: the op, run by this thread's watch below the key. (A per-op kernel, not a
+    Python fallback: torch routes those through a registry that lacks fallbacks while a dispatch mode is active.)"""
+    op = []
+
+    def kernel(*args, **kwargs):
+        if not op:
+            op.append(getattr(getattr(getattr(torch.ops, ns), base), overload))
+        watch = getattr(_tls, "watch", None)
+        with torch._C._ExcludeDispatchKeyGuard(_FILTER.keyset):
+            return op[0](*args, **kwargs) if watch is None else watch.__torch_dispatch__(op[0], (), args, kwargs)
+
+    return kernel
+
+
+@contextlib.contextmanager
+def _watching(watch: _Watch):
+    """``watch`` sees this thread's ops that can write until the block ends (its scope synced the filter). A nested
+    watch replaces the outer one for its block (scopes nest; at most one of them watches)."""
+    outer = getattr(_tls, "watch", None)
+    _tls.watch = watch
+    try:
+        with (watch if _FILTER.key is None else torch._C._IncludeDispatchKeyGuard(_FILTER.key)):
+            yield
+    finally:
+        _tls.watch = outer
+
+
+def _explained_copy(dst, src, non_blocking):
+    """A copy this thread's watch need not judge (the recorder explains it): run below the filter key, or, where
+    the watch is a mode, with the watch told."""
+    if _FILTER.key is not None:
+        with torch._C._ExcludeDispatchKeyGuard(_FILTER.keyset):
+            return _NATIVE_COPY(dst, src, non_blocking)
+    watch = _tls.watch
+    watch.explained = True
+    try:
+        return _NATIVE_COPY(dst, src, non_blocking)
+    finally:
+        watch.explained = False
 
 
 class WriteGuard(_Watch):
@@ -260,6 +382,10 @@ class WriteGuard(_Watch):
             return func(dst, args[1], values, *args[3:], **kwargs)
         raise DeltaError(f"param {name!r}: the model's loader writes it with {func} outside the NaN-masked "
                          "copy_; refused before that write")
+
+    def missed(self, ops: List[str]) -> None:
+        raise DeltaError(f"{ops[0]} can write and was registered while the loader ran, unwatched: a NaN sentinel "
+                         "may have reached the model")
 
 
 class _ApplyState:
@@ -351,6 +477,7 @@ class FullSyncWatch(_Watch):
     def __init__(self, storages: set, recorder, scope: Scope):
         super().__init__()
         self.storages, self.recorder, self.scope = storages, recorder, scope
+        self.explained = False  # inside a copy the recorder explains (:func:`_explained_copy`)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -361,11 +488,15 @@ class FullSyncWatch(_Watch):
             return out
         if _writes(func) and self.recorder.unexplained is None and _current() is self.scope:
             op = func.overloadpacket
-            explained = (op is _COPY and self.recorder.in_copy()) or op is _ZERO or (func is _FILL and args[1] == 0)
+            explained = (op is _COPY and self.explained) or op is _ZERO or (func is _FILL and args[1] == 0)
             dst = None if explained else _model_write(func, args, kwargs, self.storages)
             if dst is not None:
                 self.recorder.unexplained = f"{func} into {tuple(dst.shape)}"
         return func(*args, **kwargs)
+
+    def missed(self, ops: List[str]) -> None:
+        if self.recorder.unexplained is None:
+            self.recorder.unexplained = f"{ops[0]} (registered while the loader ran, unwatched)"
 
 
 @contextlib.contextmanager
@@ -374,7 +505,10 @@ def full_sync_context(model: torch.nn.Module, recorder):
     write into the model is noted (:class:`FullSyncWatch`)."""
     storages = _storages(model)
 
-    scope = Scope(lambda dst, src, non_blocking=False: recorder.copy(_NATIVE_COPY, dst, src, non_blocking))
+    def copy_(dst, src, non_blocking=False):
+        return (_explained_copy if recorder.observe(dst, src) else _NATIVE_COPY)(dst, src, non_blocking)
+
+    scope = Scope(copy_)
     scope.thread_modes = lambda: [FullSyncWatch(storages, recorder, scope)]
     with scoped(scope):
         yield
