@@ -216,14 +216,25 @@ def test_the_watch_is_handed_the_writes_not_the_views(arch):
     assert seen["filter direct"] == seen["mode direct"] and seen["filter direct"]
 
 
-def test_a_write_by_an_op_registered_after_the_filter_is_seen(watch):
-    """An op the filter did not know when it was installed (a kernel library loaded later) reaches the watch: a
-    loader that writes a param with it keeps the model off the direct path."""
+def native_style_op(name: str):
+    """A custom op that writes its argument as a native kernel does: no aten op inside."""
 
-    @torch.library.custom_op(f"delta_test::scale_{watch}", mutates_args=("x",))
-    def _scale_(x: torch.Tensor) -> None:
-        x.mul_(1.0)
+    @torch.library.custom_op(name, mutates_args=("x",))
+    def op(x: torch.Tensor) -> None:
+        bits = x.detach().view(torch.int16).numpy()
+        bits[:] = bits
 
+    return op
+
+
+@pytest.mark.parametrize("when", ["before", "during"])
+def test_a_write_by_an_op_registered_after_the_filter_is_seen(watch, when):
+    """An op the filter did not know when it was set up (a kernel library loaded later) that a loader writes a param
+    with keeps the model off the direct path. Registered before the full sync, it gets its kernel when the scope
+    opens; registered while the loader runs, it is not watched under the filter, and the full sync learns of it when
+    its scope closes."""
+    name = f"delta_test::scale_{watch}_{when}"
+    ops = [native_style_op(name)] if when == "before" else []
     cfg = hf_config("qwen2")
     state = rl_states(cfg, 0, seed=0)[0]
     host = Host(nan_filled(sglang_model(cfg)))
@@ -231,31 +242,9 @@ def test_a_write_by_an_op_registered_after_the_filter_is_seen(watch):
 
     def load_weights(weights):
         native(weights)
-        _scale_(dict(host.model.named_parameters())["model.norm.weight"])
-
-    host.model.load_weights = load_weights
-    assert all(apply(host, [pl])[0] for pl in full_flushes(state, version=1))
-    assert receiver_state(host.model).direct == {}
-    assert_params_equal(host.model, reference(cfg, state))
-
-
-def test_a_write_by_an_op_registered_while_the_loader_runs_is_not_lost(watch):
-    """An op registered while a watch is open (a kernel library the loader imports) is not watched under the filter:
-    the full sync learns of it when its scope closes, and keeps the model off the direct path all the same."""
-    cfg = hf_config("qwen2")
-    state = rl_states(cfg, 0, seed=0)[0]
-    host = Host(nan_filled(sglang_model(cfg)))
-    native = host.model.load_weights
-
-    def load_weights(weights):
-        native(weights)
-
-        @torch.library.custom_op(f"delta_test::late_scale_{watch}", mutates_args=("x",))
-        def late_scale_(x: torch.Tensor) -> None:  # writes as a native kernel does: no aten op inside
-            bits = x.detach().view(torch.int16).numpy()
-            bits[:] = bits
-
-        late_scale_(dict(host.model.named_parameters())["model.norm.weight"])
+        if not ops:
+            ops.append(native_style_op(name))
+        ops[0](dict(host.model.named_parameters())["model.norm.weight"])
 
     host.model.load_weights = load_weights
     assert all(apply(host, [pl])[0] for pl in full_flushes(state, version=1))
