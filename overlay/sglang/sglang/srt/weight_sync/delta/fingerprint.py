@@ -265,14 +265,14 @@ class _Copy:
     param: torch.Tensor
     dst: Tuple[Tuple[int, ...], Tuple[int, ...], int]  # sizes, strides, storage offset (elements)
     src: Tuple[Tuple[int, ...], Tuple[int, ...], int]  # the same, in the HF tensor's flat index
-    ptr: int = 0  # the param's data_ptr when recorded (a later ``param.data = ...`` makes the views stale)
+    ptr: int = 0  # the param's data_ptr when the full sync began (a later ``param.data = ...`` makes the views stale)
 
 
 class FingerprintRecorder:
     """Records, while a full sync runs ``load_weights``, where each HF tensor's elements land."""
 
     def __init__(self, params: Iterable[torch.Tensor]):
-        self._params = self._ranges((p.data_ptr(), p.numel() * p.element_size(), p) for p in params)
+        self._params = self._ranges((p.data_ptr(), p.nbytes, p) for p in params)  # items: (start, param)
         self._sources = self._ranges(())
         self._joined: Dict[int, Tuple[torch.Tensor, int, list]] = {}  # cat of source views: ptr -> (out, dim, parts)
         self.copies: Dict[str, List[_Copy]] = {}
@@ -280,26 +280,28 @@ class FingerprintRecorder:
 
     @staticmethod
     def _ranges(items) -> RangeIndex:
-        return RangeIndex((ptr, ptr + nbytes, rest) for ptr, nbytes, *rest in items)
+        """Rows ``(start, nbytes, *rest)``; each item is ``(start, *rest)``: a copy reads its owner's start from the
+        index, not from the tensor again (each tensor attribute read costs about a microsecond, ~19k per sync)."""
+        return RangeIndex((ptr, ptr + nbytes, (ptr, *rest)) for ptr, nbytes, *rest in items)
 
     def sources(self, named: Sequence[Tuple[str, torch.Tensor]]) -> None:
         """The HF tensors handed to the next ``load_weights`` call."""
-        self._sources = self._ranges((t.data_ptr(), t.numel() * t.element_size(), n, t) for n, t in named)
+        self._sources = self._ranges((t.data_ptr(), t.nbytes, n, t.dtype, t.element_size(), t) for n, t in named)
         self._joined = {}  # held until the next chunk: a freed cat output's address could come back
 
-    def _view_of_source(self, t: torch.Tensor):
-        """(name, (sizes, strides, flat offset)) when ``t`` is a view of one source of this chunk, else None."""
-        source = self._sources.find(t.data_ptr())
-        if source is None or t.dtype != source[1].dtype:
+    def _view_of_source(self, t: torch.Tensor, ptr: int):
+        """(name, (sizes, strides, flat offset)) when ``t`` (at ``ptr``) is a view of one source of this chunk."""
+        source = self._sources.find(ptr)
+        if source is None or t.dtype != source[2]:
             return None
-        offset = (t.data_ptr() - source[1].data_ptr()) // t.element_size()
-        return source[0], (tuple(t.shape), tuple(t.stride()), offset)
+        start, name, _, size, _ = source
+        return name, (tuple(t.shape), tuple(t.stride()), (ptr - start) // size)
 
     def joined(self, out: torch.Tensor, parts: Sequence[torch.Tensor], dim: int) -> None:
         """``out = torch.cat(parts, dim)``: a loader fusing HF tensors before one copy (DeepSeek's
         ``fused_qkv_a_proj_with_mqa``). When every part is a view of a source, a later copy of ``out`` is
         recorded as one view copy per part."""
-        views = [self._view_of_source(p) if p.numel() else None for p in parts]
+        views = [self._view_of_source(p, p.data_ptr()) if p.numel() else None for p in parts]
         if out.numel() and all(views) and out.is_contiguous():
             dim, starts = dim % out.dim(), [0]
             for p in parts:
@@ -308,25 +310,28 @@ class FingerprintRecorder:
 
     def observe(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
         """Record ``dst.copy_(src)`` if it copies a view of a source (or a cat of such views) into a param;
-        True when recorded."""
-        if not isinstance(src, torch.Tensor) or dst.shape != src.shape or not dst.numel():
+        True when recorded. Runs once per copy of a full sync: each tensor attribute is read once."""
+        if not isinstance(src, torch.Tensor):
             return False
         owner = self._params.find(dst.data_ptr())
-        if owner is None:
+        if owner is None or dst.shape != src.shape or not dst.numel():
             return False
-        joined = self._joined.get(src.data_ptr())
+        ptr = src.data_ptr()
+        joined = self._joined.get(ptr)
         if joined is not None and joined[0].shape == src.shape and joined[0].stride() == src.stride() \
                 and joined[0].dtype == src.dtype:
             _, dim, parts = joined
             pieces = [(name, dst.narrow(dim, start, n), geometry) for (name, geometry), start, n in parts]
         else:
-            view = self._view_of_source(src)
+            view = self._view_of_source(src, ptr)
             if view is None:
                 return False
             pieces = [(view[0], dst, view[1])]
+        start, param = owner  # the param's start when the full sync began: Direct.of sees a replaced one
         for name, d, geometry in pieces:
             self.copies.setdefault(name, []).append(_Copy(
-                owner[0], (tuple(d.shape), tuple(d.stride()), d.storage_offset()), geometry, owner[0].data_ptr()))
+                param, (geometry[0] if d is dst else tuple(d.shape), tuple(d.stride()), d.storage_offset()),
+                geometry, start))
         return True
 
 

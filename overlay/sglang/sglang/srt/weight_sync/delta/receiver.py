@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import itertools
 import logging
 import os
 from typing import List, Optional, Sequence, Tuple
@@ -55,7 +54,7 @@ from sglang.srt.weight_sync.delta.ingest import (
 )
 from sglang.srt.weight_sync.delta.quant import check_names, check_quantization
 from sglang.srt.weight_sync.delta.versions import check_version, check_xor_base, full_reason, pending_key
-from sglang.srt.weight_sync.delta.views import direct_plan, rebuild_xor, write_direct
+from sglang.srt.weight_sync.delta.views import contiguous_strides, direct_plan, rebuild_xor, write_direct
 from sglang.srt.weight_sync.delta.wire import (
     POSITIONS,
     VALUES,
@@ -101,13 +100,17 @@ def _decode_delta_one_param(p: DeltaParam, positions: Positions, values: torch.T
 
 
 def _dense_sources(via_loader) -> List[Tuple[str, torch.Tensor]]:
-    """A full sync's sources for the loader: each param's values in its shape, cut from its flush's values by one
-    ``split`` per flush (a full sync's params are all dense: checked)."""
-    out = []
-    for _, run in itertools.groupby(via_loader, key=lambda item: id(item[2])):
-        run = list(run)
-        params = [p for p, _, _ in run]
-        out += [(p.name, v.view(p.shape)) for p, v in zip(params, _values_of(run[0][2], params))]
+    """A full sync's sources for the loader: each param's values in its shape, a view of its flush's values made by
+    one ``as_strided`` (a full sync's params are all dense and tile the values: checked); a ``split`` and a ``view``
+    per param cost about three times as much, at ~19k params."""
+    out, runs = [], {}
+    for p, _, values in via_loader:
+        run = runs.get(id(values))
+        if run is None:  # once per flush: its values as one run of memory, and where that starts in its storage
+            flat = values.contiguous()
+            run = runs[id(values)] = (flat, flat.storage_offset())
+        flat, start = run
+        out.append((p.name, flat.as_strided(p.shape, contiguous_strides(tuple(p.shape)), start + p.val_start)))
     return out
 
 

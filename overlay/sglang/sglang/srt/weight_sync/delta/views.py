@@ -35,7 +35,8 @@ from sglang.srt.weight_sync.delta.wire import (
 logger = logging.getLogger(__name__)
 
 
-def _contiguous_strides(sizes) -> Tuple[int, ...]:
+@functools.lru_cache(maxsize=1 << 12)  # a model's tensors share a few shapes
+def contiguous_strides(sizes: Tuple[int, ...]) -> Tuple[int, ...]:
     out, step = [], 1
     for n in reversed(sizes):
         out.append(step)
@@ -93,7 +94,7 @@ def _geometry(ssz: Tuple[int, ...], sstr: Tuple[int, ...], dstr: Tuple[int, ...]
     """(elements, dims) of a :class:`Direct` for a copy of these sizes and source/destination strides; None when the
     source view cannot be inverted by division. Its dims are shared by every Direct of that geometry (read only)."""
     keep = [d for d in range(len(ssz)) if ssz[d] > 1]
-    dense = _contiguous_strides(ssz)  # sizes are equal on both sides (the recorder checks)
+    dense = contiguous_strides(ssz)  # sizes are equal on both sides (the recorder checks)
     block = all(sstr[d] == dense[d] and dstr[d] == dense[d] for d in keep)
     dims = sorted(((ssz[d], sstr[d], dstr[d]) for d in keep), key=lambda x: -x[1])
     span = 1
