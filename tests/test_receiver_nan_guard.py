@@ -100,3 +100,32 @@ def test_loader_bypasses_fail_the_sync_then_a_full_sync_restores(write, error):
     ref = nan_filled(sglang_model(cfg))
     ref.load_weights(list(state.items()))
     assert_params_equal(host.model, ref)
+
+
+def test_a_param_replaced_after_its_copy_takes_deltas_through_the_loader():
+    # The loader copies into the norm, then replaces its tensor: the view the full sync recorded points into memory the
+    # param no longer holds, so the direct plan leaves the norm out and its deltas go through the loader.
+    cfg = hf_config("qwen3")
+    states = rl_states(cfg, 1, seed=0)
+    host = Host(nan_filled(sglang_model(cfg)))
+
+    def copy_then_replace(p, t):
+        p.data.copy_(t)
+        p.data = p.data.clone()
+
+    restore = bypassing_loader(host, ("model.norm.weight", "model.norm.weight"), copy_then_replace)
+    for pl in full_flushes(states[0], version=1):
+        ok, msg = host.call("_apply_delta_payload", [pl])
+        assert ok, msg
+    direct = receiver_state(host.model).direct
+    assert "model.norm.weight" not in direct and "model.layers.0.self_attn.q_proj.weight" in direct
+    state = dict(states[1])
+    state["model.norm.weight"] = states[0]["model.norm.weight"].clone()
+    state["model.norm.weight"].view(-1)[:3] += 0.5
+    for pl in delta_flushes(states[0], state, "deltas", version=2, base_version=1):
+        ok, msg = host.call("_apply_delta_payload", [pl])
+        assert ok, msg
+    restore()
+    ref = nan_filled(sglang_model(cfg))
+    ref.load_weights(list(state.items()))
+    assert_params_equal(host.model, ref)
