@@ -287,6 +287,7 @@ class FingerprintRecorder:
     def sources(self, named: Sequence[Tuple[str, torch.Tensor]]) -> None:
         """The HF tensors handed to the next ``load_weights`` call."""
         self._sources = self._ranges((t.data_ptr(), t.nbytes, n, t.dtype, t.element_size(), t) for n, t in named)
+        # items end with the tensor, held (unread) like the cat outputs: a freed source's address could come back
         self._joined = {}  # held until the next chunk: a freed cat output's address could come back
 
     def _view_of_source(self, t: torch.Tensor, ptr: int):

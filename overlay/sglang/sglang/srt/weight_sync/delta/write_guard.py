@@ -98,9 +98,13 @@ def _writes(func) -> tuple:
     runs (views, casts) write none."""
     writes = _WRITES.get(func)
     if writes is None:
-        writes = _WRITES[func] = tuple((i, a.name, a.kwarg_only) for i, a in enumerate(func._schema.arguments)
-                                       if a.alias_info is not None and a.alias_info.is_write)
+        writes = _WRITES[func] = tuple((i, a.name, a.kwarg_only) for i, a in _written(func._schema))
     return writes
+
+
+def _written(schema) -> list:
+    """(position, argument) of each argument a schema annotates as written."""
+    return [(i, a) for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
 
 
 def _model_write(func, args, kwargs, storages: set) -> Optional[torch.Tensor]:
@@ -277,7 +281,7 @@ class _OpFilter:
                 schema = torch._C._get_schema(f"{ns}::{base}", overload)
             except RuntimeError:
                 continue  # no schema: nothing to dispatch
-            if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+            if _written(schema):
                 writers.append(qualified)
             elif qualified != "aten::cat":
                 continue
