@@ -24,11 +24,12 @@ form of each view's geometry.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import hashlib
 import math
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch._utils import _flatten_dense_tensors
@@ -258,14 +259,14 @@ def tensor_fingerprint(name: str, tensor: torch.Tensor, dtype: Optional[torch.dt
 # ---------------------------------------------------------------- engine side
 
 
-@dataclasses.dataclass
-class _Copy:
-    """One recorded ``copy_``: a view of HF tensor ``name`` landed in a view of a parameter."""
+class _Copy(NamedTuple):
+    """One recorded ``copy_``: a view of HF tensor ``name`` landed in a view of a parameter. (A tuple: one is made per
+    copy of a full sync, ~19k of them for a MoE model.)"""
 
     param: torch.Tensor
     dst: Tuple[Tuple[int, ...], Tuple[int, ...], int]  # sizes, strides, storage offset (elements)
     src: Tuple[Tuple[int, ...], Tuple[int, ...], int]  # the same, in the HF tensor's flat index
-    ptr: int = 0  # the param's data_ptr when the full sync began (a later ``param.data = ...`` makes the views stale)
+    ptr: int  # the param's data_ptr when the full sync began (a later ``param.data = ...`` makes the views stale)
 
 
 class FingerprintRecorder:
@@ -311,28 +312,48 @@ class FingerprintRecorder:
 
     def observe(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
         """Record ``dst.copy_(src)`` if it copies a view of a source (or a cat of such views) into a param;
-        True when recorded. Runs once per copy of a full sync: each tensor attribute is read once."""
+        True when recorded. Runs once per copy of a full sync (the loader's only per-tensor cost it adds): each
+        tensor attribute is read once, and both range lookups are inlined."""
         if not isinstance(src, torch.Tensor):
             return False
-        owner = self._params.find(dst.data_ptr())
-        if owner is None or dst.shape != src.shape or not dst.numel():
+        at, params = dst.data_ptr(), self._params
+        i = bisect.bisect_right(params.starts, at) - 1
+        if i < 0 or at >= params.ends[i]:
+            return False
+        shape = dst.shape
+        if shape != src.shape or not dst.numel():
             return False
         ptr = src.data_ptr()
-        joined = self._joined.get(ptr)
-        if joined is not None and joined[0].shape == src.shape and joined[0].stride() == src.stride() \
-                and joined[0].dtype == src.dtype:
-            _, dim, parts = joined
-            pieces = [(name, dst.narrow(dim, start, n), geometry) for (name, geometry), start, n in parts]
+        start, param = params.items[i]  # the param's start when the full sync began: Direct.of sees a replaced one
+        joined = self._joined.get(ptr) if self._joined else None
+        if joined is not None and self._observe_joined(dst, src, joined, param, start):
+            return True
+        sources = self._sources
+        j = bisect.bisect_right(sources.starts, ptr) - 1
+        if j < 0 or ptr >= sources.ends[j]:
+            return False
+        first, name, dtype, size, _ = sources.items[j]
+        if src.dtype != dtype:
+            return False
+        entry = _Copy(param, (shape, dst.stride(), dst.storage_offset()), (shape, src.stride(), (ptr - first) // size),
+                      start)
+        entries = self.copies.get(name)
+        if entries is None:
+            self.copies[name] = [entry]
         else:
-            view = self._view_of_source(src, ptr)
-            if view is None:
-                return False
-            pieces = [(view[0], dst, view[1])]
-        start, param = owner  # the param's start when the full sync began: Direct.of sees a replaced one
-        for name, d, geometry in pieces:
-            self.copies.setdefault(name, []).append(_Copy(
-                param, (geometry[0] if d is dst else tuple(d.shape), tuple(d.stride()), d.storage_offset()),
-                geometry, start))
+            entries.append(entry)
+        return True
+
+    def _observe_joined(self, dst: torch.Tensor, src: torch.Tensor, joined, param: torch.Tensor, start: int) -> bool:
+        """:meth:`observe` of a copy from a recorded cat's output, as one view copy per part; False when ``src`` is
+        not that output as recorded."""
+        out, dim, parts = joined
+        if out.shape != src.shape or out.stride() != src.stride() or out.dtype != src.dtype:
+            return False
+        for (name, geometry), at, n in parts:
+            d = dst.narrow(dim, at, n)
+            self.copies.setdefault(name, []).append(
+                _Copy(param, (tuple(d.shape), tuple(d.stride()), d.storage_offset()), geometry, start))
         return True
 
 

@@ -302,17 +302,40 @@ def _apply_request(self, payloads: Sequence[DeltaPayload], weight_version: Optio
         if head.full:
             state.manifest, state.dirty, state.outside_load = state.pending_manifest, False, None
             state.direct = direct_plan(model, state.recorder)
-            # xor_zstd bases: names this rank never stored, or stores in another dtype than the trainer's (DeepSeek's
-            # fp32 e_score_correction_bias from a bf16 checkpoint), travel raw (XOR zero); all others need views
-            state.xor_raw = sorted(n for n, (_, d) in state.manifest.items() if n not in state.recorder.copies or (
-                n in state.direct and any(t.flat.dtype != dtype_from_str(d) for t in state.direct[n])))
-            state.xor_ready = all(n in state.direct for n in state.manifest if n in state.recorder.copies)
-            state.dense = sorted(n for n, (_, d) in state.manifest.items() if n not in state.direct
-                                 and sparse_allowed(dtype_from_str(d)) and not nan_sentinel(dtype_from_str(d)))
+            state.xor_raw, state.xor_ready, state.dense = _paths(state.manifest, state.recorder.copies, state.direct)
             state.copies, state.recorder, state.pending_manifest = state.recorder.copies, None, {}
     kind = "full sync" if head.full else "delta"
     return True, (f"Succeeded to apply {kind} version {head.version} flush {head.flush} "
                   f"({len(names)} params, {nnz} values){' (final)' if state.pending is None else ''}.")
+
+
+def _paths(manifest: dict, copies: dict, direct: dict) -> Tuple[List[str], bool, List[str]]:
+    """What a full sync's recorded views allow, per name (one pass; each dtype name parsed once):
+
+    * ``xor_raw``: ``xor_zstd`` bases of names this rank never stored, or stores in another dtype than the
+      trainer's (DeepSeek's fp32 ``e_score_correction_bias`` from a bf16 checkpoint), travel raw (XOR zero);
+    * ``xor_ready``: every other name has direct views to read its base from;
+    * ``dense``: names without direct views whose dtype could travel sparse: they must travel whole (their
+      loader is handed whole tensors)."""
+    dtypes = {d: dtype_from_str(d) for d in {d for _, d in manifest.values()}}
+    sparse = {d for d, t in dtypes.items() if sparse_allowed(t) and not nan_sentinel(t)}
+    raw, dense, ready = [], [], True
+    for n, (_, d) in manifest.items():
+        targets = direct.get(n)
+        if targets is None:
+            if n in copies:
+                ready = False
+            else:
+                raw.append(n)
+            if d in sparse:
+                dense.append(n)
+        else:
+            dtype = dtypes[d]
+            for t in targets:
+                if t.flat.dtype != dtype:
+                    raw.append(n)
+                    break
+    return sorted(raw), ready, sorted(dense)
 
 
 def _await_forward(device: torch.device) -> None:

@@ -56,21 +56,21 @@ class Direct:
     dims: List[Tuple[int, int, int]]  # (size, src stride, dst stride), outer to inner; [] = one contiguous block
 
     @classmethod
-    def of(cls, c, flats: Dict[int, torch.Tensor]) -> Optional["Direct"]:
-        """None when the source view cannot be inverted by division (overlapping or interleaved strides).
-        ``flats``: each param's whole storage as one flat tensor, made once per param (a fused MoE weight holds
+    def of(cls, c, flats: Dict[int, Tuple[int, torch.Tensor]]) -> Optional["Direct"]:
+        """None when the source view cannot be inverted by division (overlapping or interleaved strides), or the
+        param's tensor was replaced after the copy (its recorded offsets are stale). ``flats``: each param's
+        data_ptr now and its whole storage as one flat tensor, read once per param (a fused MoE weight holds
         every expert's copies)."""
         (_, dstr, doff), (ssz, sstr, soff) = c.dst, c.src
-        if c.param.data_ptr() != c.ptr:
-            return None  # the param's tensor was replaced after this copy: the recorded offsets are stale
-        geometry = _geometry(tuple(ssz), tuple(sstr), tuple(dstr))
-        if geometry is None:
-            return None
-        flat = flats.get(id(c.param))
-        if flat is None:
+        ptr_flat = flats.get(id(c.param))
+        if ptr_flat is None:
             storage = c.param.untyped_storage().nbytes() // c.param.element_size()
-            flat = flats[id(c.param)] = torch.as_strided(c.param.detach(), (storage,), (1,), 0)
-        return cls(flat, soff, doff, *geometry)
+            ptr_flat = flats[id(c.param)] = (c.param.data_ptr(),
+                                             torch.as_strided(c.param.detach(), (storage,), (1,), 0))
+        geometry = _geometry(ssz, sstr, dstr)  # sizes may be a torch.Size: it hashes and compares as a tuple
+        if ptr_flat[0] != c.ptr or geometry is None:
+            return None
+        return cls(ptr_flat[1], soff, doff, *geometry)
 
     def targets(self, idx: torch.Tensor, whole: bool) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
         """(a mask of the entries of ``idx`` this view holds, or None for all; every entry's offset in ``flat``,
