@@ -323,7 +323,7 @@ class DeltaBucket:
 
     def __init__(self, encoding: str, max_bytes: int):
         self.encoding, self.max_bytes = encoding, max_bytes
-        self.module = ""  # of the last param added
+        self.last = ""  # the last param added (its module is read only when the bucket is full)
         self.entries: Dict[torch.dtype, List[Gathered]] = {}
         self._open: Dict[torch.dtype, _Span] = {}  # per dtype, the run being extended by add_found
         self.nbytes = 0
@@ -335,7 +335,7 @@ class DeltaBucket:
         g = Gathered.of(name, tensor, idx, values, base)
         self.entries.setdefault(tensor.dtype, []).append(g)
         self.nbytes += g.counts[0] * ((0 if idx is None else 4) + tensor.element_size())  # 4: the wire may pick 2
-        self.module = _module(name)
+        self.last = name
 
     def add_found(self, found: Found, j: int, name: str, shape: List[int]) -> None:
         """The ``j``-th param of ``found`` (changed: a non-zero count), sparse, ``xor_zstd`` bases from its olds.
@@ -352,7 +352,7 @@ class DeltaBucket:
         n = found.counts[j]
         span.counts.append(n)
         self.nbytes += n * (4 + dtype.itemsize)
-        self.module = _module(name)
+        self.last = name
 
     def _close(self, dtype: torch.dtype) -> None:
         span = self._open.pop(dtype, None)
@@ -361,7 +361,7 @@ class DeltaBucket:
 
     def should_flush(self, next_name: str) -> bool:
         """Before adding ``next_name``: full, and that param starts another module."""
-        return self.nbytes >= self.max_bytes and _module(next_name) != self.module
+        return self.nbytes >= self.max_bytes and _module(next_name) != _module(self.last)
 
     def take(self, **spec_fields) -> List[DeltaPayload]:
         """The bucket's flushes, one per dtype, not yet sealed: every caller numbers them first, then seals."""
