@@ -325,3 +325,30 @@ def test_a_torch_without_the_filter_key_watches_with_a_mode(monkeypatch):
     assert unknown.taken and unknown.key is None
     assert receiver_state(host.model).direct
     assert_params_equal(host.model, reference(cfg, state))
+
+
+def test_a_step_below_the_filter_key_leaves_the_thread_as_it_found_it():
+    """A recorded copy and a watched op run below the key by flipping this thread's excluded state: the state
+    comes back when the op raises, and a step nested in another (the watch running its op) leaves the outer
+    exclusion in place."""
+    write_guard._FILTER.sync()
+    key = write_guard._FILTER.key
+    assert key is not None  # this torch has the key free: the filter, not the mode fallback
+    excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
+    assert not excluded(key)
+    seen = []
+
+    def failing():
+        seen.append(excluded(key))
+        raise ValueError("the op failed")
+
+    with pytest.raises(ValueError, match="the op failed"):
+        write_guard._below_key(key, failing)
+    assert seen == [True] and not excluded(key)
+
+    def nested():
+        write_guard._below_key(key, lambda: seen.append(excluded(key)))
+        return excluded(key)
+
+    assert write_guard._below_key(key, nested) is True
+    assert seen == [True, True] and not excluded(key)
