@@ -248,6 +248,9 @@ class DeltaState:
         for names, counts, idx, values in self._sent:
             if not idx.numel():
                 continue
+            live = [k for k, n in enumerate(counts) if n]  # a run covers every param it compared, changed or not
+            if len(live) < len(counts):
+                names, counts = [names[k] for k in live], [counts[k] for k in live]
             snaps = [self.snapshot[n] for n in names]
             for run in _by_storage(snaps, counts, idx, values):
                 folds.setdefault((run[0][0].untyped_storage().data_ptr(), values.dtype), []).append(run)

@@ -1358,13 +1358,23 @@ def changed_positions(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     a, b = old.detach().reshape(-1).view(iv), new.detach().reshape(-1).view(iv)
     if new.device.type != "cpu":
         return torch.nonzero(a != b).reshape(-1)
-    # CPU: numpy's flatnonzero is ~2x torch.nonzero, and releases the GIL, so blocks run on all cores
+    return _cpu_changes(a, b, False, False)[0]
+
+
+def _cpu_changes(a: torch.Tensor, b: torch.Tensor, values: bool, olds: bool) -> Tuple[torch.Tensor, ...]:
+    """CPU diff of two flat integer views: positions whose bits differ, and with ``values``/``olds`` ``b``'s/``a``'s
+    bits there. numpy's flatnonzero is ~2x torch.nonzero and releases the GIL, so blocks run on all cores; each
+    block's values are gathered while its operands are in cache (a gather afterwards is another pass, on one core)."""
     na, nb = a.numpy(), b.numpy()
-    if na.size <= _DIFF_BLOCK:
-        return torch.from_numpy(np.flatnonzero(na != nb))
-    parts = _diff_pool().map(lambda s: np.flatnonzero(na[s:s + _DIFF_BLOCK] != nb[s:s + _DIFF_BLOCK]) + s,
-                             range(0, na.size, _DIFF_BLOCK))
-    return torch.from_numpy(np.concatenate(list(parts)))
+
+    def block(s: int):
+        x, y = na[s:s + _DIFF_BLOCK], nb[s:s + _DIFF_BLOCK]
+        hits = np.flatnonzero(x != y)
+        return hits + s, y[hits] if values else None, x[hits] if olds else None
+
+    parts = [block(0)] if na.size <= _DIFF_BLOCK else list(_diff_pool().map(block, range(0, na.size, _DIFF_BLOCK)))
+    return tuple(torch.from_numpy(np.concatenate([p[k] for p in parts])) if wanted else None
+                 for k, wanted in enumerate((True, values, olds)))
 
 
 _NUMPY_DIFF = True  # CPU: numpy's multi-threaded flatnonzero per param (a CPU has no synchronization to batch away)
@@ -1439,11 +1449,18 @@ def changes_many(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]],
         for k, ((old, new), more) in enumerate(zip(pairs, extra)):
             if k in joined:
                 continue
-            idx = changed_positions(old, new)
+            if old.shape != new.shape or old.dtype != new.dtype:
+                raise DeltaError(f"cannot diff {old.dtype} {list(old.shape)} against {new.dtype} {list(new.shape)}")
+            iv = INT_VIEW[new.element_size()]
+            a, b = old.detach().reshape(-1), new.detach().reshape(-1)
             if more is not None and more.numel():  # staged positions: the values are gathered at the union
-                idx = torch.from_numpy(np.union1d(idx.numpy(), more.cpu().numpy()))
-            olds = gather(old.detach().reshape(-1), idx) if want_olds else None
-            out.append(Found([k], [idx.numel()], idx, gather(new.detach().reshape(-1), idx), olds))
+                idx = torch.from_numpy(np.union1d(_cpu_changes(a.view(iv), b.view(iv), False, False)[0].numpy(),
+                                                  more.cpu().numpy()))
+                values, olds = gather(b, idx), gather(a, idx) if want_olds else None
+            else:
+                idx, values, olds = _cpu_changes(a.view(iv), b.view(iv), True, want_olds)
+                values, olds = values.view(new.dtype), None if olds is None else olds.view(new.dtype)
+            out.append(Found([k], [idx.numel()], idx, values, olds))
         return out
     out: List[Found] = []
     batch: List[int] = []
