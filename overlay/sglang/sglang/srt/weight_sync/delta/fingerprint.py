@@ -24,7 +24,6 @@ form of each view's geometry.
 """
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import functools
 import hashlib
@@ -291,19 +290,20 @@ class FingerprintRecorder:
         # items end with the tensor, held (unread) like the cat outputs: a freed source's address could come back
         self._joined = {}  # held until the next chunk: a freed cat output's address could come back
 
-    def _view_of_source(self, t: torch.Tensor, ptr: int):
-        """(name, (sizes, strides, flat offset)) when ``t`` (at ``ptr``) is a view of one source of this chunk."""
+    def _view_of_source(self, t: torch.Tensor, ptr: int, shape):
+        """(name, (sizes, strides, flat offset)) when ``t`` (at ``ptr``, of ``shape``) is a view of one source of this
+        chunk."""
         source = self._sources.find(ptr)
         if source is None or t.dtype != source[2]:
             return None
         start, name, _, size, _ = source
-        return name, (tuple(t.shape), tuple(t.stride()), (ptr - start) // size)
+        return name, (shape, t.stride(), (ptr - start) // size)
 
     def joined(self, out: torch.Tensor, parts: Sequence[torch.Tensor], dim: int) -> None:
         """``out = torch.cat(parts, dim)``: a loader fusing HF tensors before one copy (DeepSeek's
         ``fused_qkv_a_proj_with_mqa``). When every part is a view of a source, a later copy of ``out`` is
         recorded as one view copy per part."""
-        views = [self._view_of_source(p, p.data_ptr()) if p.numel() else None for p in parts]
+        views = [self._view_of_source(p, p.data_ptr(), tuple(p.shape)) if p.numel() else None for p in parts]
         if out.numel() and all(views) and out.is_contiguous():
             dim, starts = dim % out.dim(), [0]
             for p in parts:
@@ -312,34 +312,25 @@ class FingerprintRecorder:
 
     def observe(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
         """Record ``dst.copy_(src)`` if it copies a view of a source (or a cat of such views) into a param;
-        True when recorded. Runs once per copy of a full sync (the loader's only per-tensor cost it adds): each
-        tensor attribute is read once, and both range lookups are inlined."""
+        True when recorded. Runs once per copy of a full sync: each tensor attribute is read once."""
         if not isinstance(src, torch.Tensor):
             return False
-        at, params = dst.data_ptr(), self._params
-        i = bisect.bisect_right(params.starts, at) - 1
-        if i < 0 or at >= params.ends[i]:
-            return False
+        owner = self._params.find(dst.data_ptr())
         shape = dst.shape
-        if shape != src.shape or not dst.numel():
+        if owner is None or shape != src.shape or not dst.numel():
             return False
         ptr = src.data_ptr()
-        start, param = params.items[i]  # the param's start when the full sync began: Direct.of sees a replaced one
+        start, param = owner  # the param's start when the full sync began: Direct.of sees a replaced one
         joined = self._joined.get(ptr) if self._joined else None
         if joined is not None and self._observe_joined(dst, src, joined, param, start):
             return True
-        sources = self._sources
-        j = bisect.bisect_right(sources.starts, ptr) - 1
-        if j < 0 or ptr >= sources.ends[j]:
+        view = self._view_of_source(src, ptr, shape)
+        if view is None:
             return False
-        first, name, dtype, size, _ = sources.items[j]
-        if src.dtype != dtype:
-            return False
-        entry = _Copy(param, (shape, dst.stride(), dst.storage_offset()), (shape, src.stride(), (ptr - first) // size),
-                      start)
-        entries = self.copies.get(name)
+        entry = _Copy(param, (shape, dst.stride(), dst.storage_offset()), view[1], start)
+        entries = self.copies.get(view[0])
         if entries is None:
-            self.copies[name] = [entry]
+            self.copies[view[0]] = [entry]
         else:
             entries.append(entry)
         return True

@@ -1350,10 +1350,15 @@ def _diff_pool():
     return _DIFF_POOL
 
 
-def changed_positions(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """Flat positions whose bytes differ (dtype-agnostic, no arithmetic: -0.0 vs 0.0 and NaN payloads count)."""
+def _check_pair(old: torch.Tensor, new: torch.Tensor) -> None:
+    """A diff compares like with like: the same shape and dtype on both sides, else a clear refusal."""
     if old.shape != new.shape or old.dtype != new.dtype:
         raise DeltaError(f"cannot diff {old.dtype} {list(old.shape)} against {new.dtype} {list(new.shape)}")
+
+
+def changed_positions(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """Flat positions whose bytes differ (dtype-agnostic, no arithmetic: -0.0 vs 0.0 and NaN payloads count)."""
+    _check_pair(old, new)
     iv = INT_VIEW[new.element_size()]
     a, b = old.detach().reshape(-1).view(iv), new.detach().reshape(-1).view(iv)
     if new.device.type != "cpu":
@@ -1449,8 +1454,7 @@ def changes_many(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]],
         for k, ((old, new), more) in enumerate(zip(pairs, extra)):
             if k in joined:
                 continue
-            if old.shape != new.shape or old.dtype != new.dtype:
-                raise DeltaError(f"cannot diff {old.dtype} {list(old.shape)} against {new.dtype} {list(new.shape)}")
+            _check_pair(old, new)
             iv = INT_VIEW[new.element_size()]
             a, b = old.detach().reshape(-1), new.detach().reshape(-1)
             if more is not None and more.numel():  # staged positions: the values are gathered at the union
@@ -1466,8 +1470,7 @@ def changes_many(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]],
     batch: List[int] = []
     size = 0
     for k, (old, new) in enumerate(pairs):  # batches bound the joined copies' memory (a large param goes alone)
-        if old.shape != new.shape or old.dtype != new.dtype:
-            raise DeltaError(f"cannot diff {old.dtype} {list(old.shape)} against {new.dtype} {list(new.shape)}")
+        _check_pair(old, new)
         batch.append(k)
         size += new.nbytes
         if size >= _JOIN_BYTES or k == len(pairs) - 1:

@@ -151,9 +151,9 @@ def _current() -> Optional[Scope]:
 
 
 def _copy_(dst, src, non_blocking=False):
-    stack = getattr(_tls, "stack", None)  # _current() inlined: this runs once per copy of a load
-    if stack and stack[-1].open:
-        return (stack[-1].copy_ or _NATIVE_COPY)(dst, src, non_blocking)
+    s = _current()
+    if s is not None:
+        return (s.copy_ or _NATIVE_COPY)(dst, src, non_blocking)
     for other in list(_open):
         other.note_foreign("copy_", dst)
     return _NATIVE_COPY(dst, src, non_blocking)
