@@ -16,7 +16,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from sglang.srt.weight_sync.delta import kernels, mix64
+from sglang.srt.weight_sync.delta import kernels, mix64, native
 from sglang.srt.weight_sync.delta.wire import (
     POSITIONS,
     VALUES,
@@ -297,15 +297,60 @@ def test_the_compiled_kernel_gives_one_sum_whatever_the_thread_count(compiled_cp
 
 @pytest.mark.parametrize("kernel", [mix64.SUM, mix64.FINGERPRINT[torch.uint8]], ids=lambda k: k.name)
 def test_cpus_below_avx512_get_a_scalar_package_of_their_own(kernel, monkeypatch, tmp_path):
-    """Below AVX-512 the kernels are compiled as scalar code (vectors would multiply int64 lanes one at a time):
-    a package under its own cache key, which passes the self-test every process runs before use."""
+    """The AOTInductor packages CUDA runs, built here on CPU (a CPU process runs the C twins instead): below AVX-512
+    as scalar code (vectors would multiply int64 lanes one at a time), under a cache key of its own, and passing
+    the self-test every process runs before use."""
     monkeypatch.setattr(kernels, "_cpu_isa", lambda: "")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     cpu = torch.device("cpu")
     assert kernels._options(cpu) == {"cpp.dynamic_threads": True, "cpp.simdlen": 1}
-    runner = kernels._build(kernel, cpu)
+    runner = kernels.package(kernel, cpu)
     kernel.self_test(runner, cpu)
     assert [p.name.split("-cpu-scalar-")[0] for p in (tmp_path / "delta-mix64").glob("*.pt2")] == [kernel.name]
+
+
+def test_the_cpu_kernels_are_one_library_built_once_per_machine(monkeypatch, tmp_path):
+    """Every CPU kernel runs from one library, compiled into the cache dir under a key of its source, compiler and
+    architecture; a second process (a fresh load here) finds it there and compiles nothing."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    native.library.cache_clear()
+    try:
+        native.library()
+        built = list((tmp_path / "delta-mix64").glob("*.so"))
+        assert len(built) == 1 and built[0].name.startswith("mix64-cpu-")
+        stamp = built[0].stat().st_mtime_ns
+        native.library.cache_clear()
+        runs, run = [], native.subprocess.run
+        monkeypatch.setattr(native.subprocess, "run", lambda args, **kw: (runs.append(args), run(args, **kw))[1])
+        native.library()
+        assert [a[1:] for a in runs] == [["--version"]]  # asked which compiler, compiled nothing
+        assert [p.stat().st_mtime_ns for p in (tmp_path / "delta-mix64").glob("*.so")] == [stamp]
+    finally:
+        native.library.cache_clear()
+
+
+def test_a_machine_that_cannot_build_the_cpu_kernels_hashes_eagerly(monkeypatch, tmp_path):
+    """No working compiler: the build fails once, the process says so in the kernel's state and hashes eagerly,
+    with the same sums."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_compiler", lambda: str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(kernels, "KERNELS", kernels._Kernels())
+    monkeypatch.setattr(kernels, "AUTO_WORDS", 1)
+    monkeypatch.setenv(kernels.MODE_ENV, "auto")
+    native.library.cache_clear()
+    try:
+        data = _words(4099 * 8 + 1, 5)
+        blob = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        for _ in range(200):  # the first call starts the build on a thread; it fails
+            assert int(mix64.blob_sum(blob, DOMAIN[VALUES])[0]) & M == ref_blob_sum(data, DOMAIN[VALUES])
+            if kernels.kernel_state("cpu", mix64.SUM).startswith("failed"):
+                break
+            time.sleep(0.05)
+        assert kernels.kernel_state("cpu", mix64.SUM).startswith("failed: FileNotFoundError")
+        assert int(mix64.blob_sum(blob, DOMAIN[VALUES])[0]) & M == ref_blob_sum(data, DOMAIN[VALUES])
+        assert ("mix64", "cpu") not in kernels.KERNELS.runner
+    finally:
+        native.library.cache_clear()
 
 
 def test_a_kernel_that_differs_anywhere_is_never_used(compiled_cpu):

@@ -1,5 +1,6 @@
-"""Kernels compiled ahead of time (``torch.export`` + AOTInductor: C++ on CPU, Triton on CUDA) for hashes that eager
-torch ops run in many passes: built once per machine, tested in every process before use, used only once ready.
+"""Kernels compiled ahead of time (``torch.export`` + AOTInductor: Triton on CUDA; on CPU a C twin from :mod:`native`
+where a kernel has one, else C++) for hashes that eager torch ops run in many passes: built once per machine, tested
+in every process before use, used only once ready.
 
 A call into an AOTInductor package has no guards to re-check and never recompiles, whatever the caller's grad mode,
 dispatch modes or thread. A process switches to a kernel only
@@ -42,6 +43,8 @@ class Kernel:
     # per argument, a name for each dynamic dim (None: static); dims of one name are one size. Default: the first
     # argument's dims
     dynamic: Optional[Tuple[Optional[Tuple[str, ...]], ...]] = None
+    # the same kernel on CPU from :mod:`native` (called as the package would be), used there instead of the package
+    cpu: Optional[Callable] = None
 
     def dynamic_shapes(self) -> tuple:
         """``torch.export``'s ``dynamic_shapes`` for :attr:`dynamic`."""
@@ -87,9 +90,20 @@ _BUILD_LOCK = threading.Lock()  # one export at a time in a process: tracing is 
 
 
 def _build(kernel: Kernel, device: torch.device):
+    """``kernel``'s runner for ``device``: on CPU its :mod:`native` twin (the library built first if this machine
+    has none), elsewhere its package (:func:`package`)."""
+    if device.type == "cpu" and kernel.cpu is not None:
+        from sglang.srt.weight_sync.delta import native
+
+        native.library()
+        return kernel.cpu
+    return package(kernel, device)
+
+
+def package(kernel: Kernel, device: torch.device):
     """Load ``kernel``'s package for ``device``, compiling it first if this machine has none (one process at a
     time). One package per kernel module source and argument dtypes, torch build and device kind, in inductor's
-    cache dir."""
+    cache dir. On CPU the packages are what tests build to check the path CUDA runs."""
     with _BUILD_LOCK:
         return _build_locked(kernel, device)
 
