@@ -1,11 +1,12 @@
-"""The mix64 kernels on CPU: ``mix64_cpu.c`` built into a shared library once per machine and called through ctypes
+"""The mix64 kernels on CPU: :data:`SOURCE` (C++) built into a shared library once per machine and called through ctypes
 on all of torch's threads, each on a share of the words or rows.
 
 Why not the AOTInductor packages CUDA runs: below AVX-512 torch's CPU vector classes multiply 64-bit lanes one at a
 time through memory, so inductor's kernels for these 64-bit multiply hashes run scalar. A compiler vectorizes the
-same loops written in C with 32-bit multiplies (measured on one AVX2 machine, two threads: the bf16 checksum 12.4
-against 5.1 GB/s, the bf16 fingerprint 2.0 against 0.76 G elements/s). The runners take and return what the packages do, so
-:mod:`kernels` tests them the same way before any use.
+same loops written in C++ with 32-bit multiplies (measured on one AVX2 machine, two threads: the bf16 checksum 12.4
+against 5.1 GB/s, the bf16 fingerprint 2.0 against 0.76 G elements/s). The runners take and return what the packages
+do, so :mod:`kernels` tests them the same way before any use. The source is a string here, not a file beside this
+one: a wheel built from a patched tree packs only Python files.
 """
 from __future__ import annotations
 
@@ -21,7 +22,71 @@ from typing import Callable, Tuple
 
 import torch
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mix64_cpu.c")
+SOURCE = r"""/* mix64.py's blob sums and fingerprint row sums as loops a compiler vectorizes. */
+#include <stdint.h>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#else
+#define CLONES
+#endif
+
+#define API extern "C"
+
+#define C1 0x9E3779B97F4A7C15ULL
+#define C2 0xBF58476D1CE4E5B9ULL
+#define C3 0x94D049BB133111EBULL
+
+static inline uint64_t mix(uint64_t z) { /* splitmix64's finalizer */
+  z ^= z >> 30;
+  z *= C2;
+  z ^= z >> 27;
+  z *= C3;
+  return z ^ (z >> 31);
+}
+
+/* out[0] = sum of mix(w[i] ^ (i * C1 + key0)); out[1] = OR over words of ((w & mask) + add) & top (non-zero: a NaN
+ * lane). A constant `nan` lets the compiler drop the NaN test where the blob has no float lanes. */
+static inline void sum_body(const uint64_t *w, int64_t n, uint64_t key0, uint64_t mask, uint64_t add, uint64_t top,
+                            uint64_t *out, const int nan) {
+  uint64_t s = 0, f = 0;
+  for (int64_t i = 0; i < n; i++) {
+    uint64_t x = w[i];
+    if (nan) f |= ((x & mask) + add) & top;
+    s += mix(x ^ ((uint64_t)i * C1 + key0));
+  }
+  out[0] = s;
+  out[1] = f;
+}
+
+API CLONES void mix64_sum(const uint64_t *w, int64_t n, uint64_t key0, uint64_t mask, uint64_t add, uint64_t top,
+                          uint64_t *out) {
+  if (top)
+    sum_body(w, n, key0, mask, add, top, out, 1);
+  else
+    sum_body(w, n, key0, 0, 0, 0, out, 0);
+}
+
+/* out[r] = sum over c of mix((rk[r] + c * g0) ^ ((bits[r][c] widened & mask) * C2)), rows contiguous: an element
+ * widens to 64 bits as torch's .to(int64) does (uint8 zero-extended, signed widths sign-extended). */
+#define ROWS(NAME, T)                                                                                               \
+  API CLONES void NAME(const T *bits, int64_t rows, int64_t cols, const uint64_t *rk, uint64_t g0, uint64_t mask,  \
+                       uint64_t *out) {                                                                             \
+    for (int64_t r = 0; r < rows; r++) {                                                                            \
+      const T *b = bits + r * cols;                                                                                 \
+      uint64_t key = rk[r], s = 0;                                                                                  \
+      for (int64_t c = 0; c < cols; c++, key += g0) /* the key by addition: a multiply less per element */          \
+        s += mix(key ^ (((uint64_t)(int64_t)b[c] & mask) * C2));                                                    \
+      out[r] = s;                                                                                                   \
+    }                                                                                                               \
+  }
+
+ROWS(mix64_rows_uint8, uint8_t)
+ROWS(mix64_rows_int16, int16_t)
+ROWS(mix64_rows_int32, int32_t)
+ROWS(mix64_rows_int64, int64_t)
+"""
+
 _SHARE = 1 << 18  # words or elements per thread at least: below that a thread's start costs more than it hashes
 _U64, _I64, _PTR = ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p
 _ROWS = {torch.uint8: "uint8", torch.int16: "int16", torch.int32: "int32", torch.int64: "int64"}
@@ -43,16 +108,22 @@ def library() -> ctypes.CDLL:
 
     cxx = _compiler()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
-    with open(SOURCE, "rb") as f:
-        key = hashlib.blake2b(f.read() + version.encode() + platform.machine().encode(), digest_size=8).hexdigest()
+    key = hashlib.blake2b((SOURCE + version + platform.machine()).encode(), digest_size=8).hexdigest()
     path = os.path.join(cache_dir(), "delta-mix64", f"mix64-cpu-{platform.machine()}-{key}.so")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with filelock.FileLock(path + ".lock"):
         if not os.path.exists(path):
-            tmp = f"{path[:-3]}-{os.getpid()}.tmp.so"
-            subprocess.run([cxx, "-x", "c++", "-O3", "-shared", "-fPIC", "-o", tmp, SOURCE], check=True,
-                           capture_output=True)
-            os.replace(tmp, path)
+            tmp = f"{path[:-3]}-{os.getpid()}.tmp"
+            with open(tmp + ".cpp", "w") as f:
+                f.write(SOURCE)
+            try:
+                subprocess.run([cxx, "-O3", "-shared", "-fPIC", "-o", tmp + ".so", tmp + ".cpp"],
+                               check=True, capture_output=True, text=True)
+            except subprocess.CalledProcessError as e:
+                raise RuntimeError(f"{cxx} could not build the mix64 CPU kernels: {e.stderr[-2000:]}") from None
+            finally:
+                os.remove(tmp + ".cpp")
+            os.replace(tmp + ".so", path)
     lib = ctypes.CDLL(path)  # a CDLL call releases the GIL: the shares run in parallel
     lib.mix64_sum.argtypes = [_PTR, _I64, _U64, _U64, _U64, _U64, _PTR]
     for name in _ROWS.values():
