@@ -23,4 +23,5 @@ def test_bench_writes_its_report(tmp_path):
     assert re.findall(r"^\| (\d+) \| [\d.]+% \|", text, re.M) == ["1", "2"] * 3  # per-step tables: one row a step
     assert "## FP8 rollout engine" in text and r.stdout.count("measure: fp8 step") == 4  # both runs
     assert "(theirs)" in text
+    assert re.search(r"\*\*-?[\d.]+ µs per tensor\*\* more .* \*\*[\d.]+ µs per tensor\*\* \(the spec", text)
     assert (out / "benchmarks.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
