@@ -18,7 +18,7 @@ import platform
 import subprocess
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -32,10 +32,7 @@ SOURCE = r"""/* mix64.py's blob sums and fingerprint row sums as loops a compile
 #endif
 
 #define API extern "C"
-
-#define C1 0x9E3779B97F4A7C15ULL
-#define C2 0xBF58476D1CE4E5B9ULL
-#define C3 0x94D049BB133111EBULL
+/* C1, C2, C3: mix64.py's constants, given on the compiler's command line */
 
 static inline uint64_t mix(uint64_t z) { /* splitmix64's finalizer */
   z ^= z >> 30;
@@ -102,13 +99,17 @@ def _compiler() -> str:
 @functools.lru_cache(maxsize=None)
 def library() -> ctypes.CDLL:
     """The library, built into inductor's cache dir unless this machine has it (one process at a time, under a file
-    lock; keyed by the source, the compiler's version and the machine's architecture)."""
+    lock; keyed by the source, the constants, the compiler's version and the machine's architecture)."""
     import filelock
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
+    from sglang.srt.weight_sync.delta import mix64
+
     cxx = _compiler()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.blake2b((SOURCE + version + platform.machine()).encode(), digest_size=8).hexdigest()
+    defines = [f"-DC{i}={c:#x}ULL" for i, c in enumerate((mix64.C1, mix64.C2, mix64.C3), 1)]
+    key = hashlib.blake2b("\n".join([SOURCE, version, platform.machine(), *defines]).encode(),
+                          digest_size=8).hexdigest()
     path = os.path.join(cache_dir(), "delta-mix64", f"mix64-cpu-{platform.machine()}-{key}.so")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with filelock.FileLock(path + ".lock"):
@@ -117,7 +118,7 @@ def library() -> ctypes.CDLL:
             with open(tmp + ".cpp", "w") as f:
                 f.write(SOURCE)
             try:
-                subprocess.run([cxx, "-O3", "-shared", "-fPIC", "-o", tmp + ".so", tmp + ".cpp"],
+                subprocess.run([cxx, "-O3", "-shared", "-fPIC", *defines, "-o", tmp + ".so", tmp + ".cpp"],
                                check=True, capture_output=True, text=True)
             except subprocess.CalledProcessError as e:
                 raise RuntimeError(f"{cxx} could not build the mix64 CPU kernels: {e.stderr[-2000:]}") from None
@@ -131,7 +132,7 @@ def library() -> ctypes.CDLL:
     return lib
 
 
-_POOL: Tuple[int, ThreadPoolExecutor] = (0, None)
+_POOL: Tuple[int, Optional[ThreadPoolExecutor]] = (0, None)
 _POOL_LOCK = threading.Lock()
 
 
@@ -182,7 +183,8 @@ def sum_runner(words: torch.Tensor, k: torch.Tensor):
 
 def rows_runner(dtype: torch.dtype, pairs: bool = False):
     """A :class:`mix64._FingerprintRows` runner for contiguous 2-D blocks of ``dtype`` bits (``pairs``: int32 words of
-    two 16-bit elements, :class:`mix64._FingerprintRowsPairs`): each row's sum as an int64 tensor."""
+    two 16-bit elements, :class:`mix64._FingerprintRowsPairs`): each row's sum as an int64 tensor (``k``'s constants
+    are compiled into the library)."""
     name = f"mix64_rows_{_ROWS[torch.int16 if pairs else dtype]}"
 
     def run(bits: torch.Tensor, k: torch.Tensor, rk: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
