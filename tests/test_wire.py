@@ -543,8 +543,8 @@ def test_positions_checked_in_one_pass_and_decoded_again_run_by_run(monkeypatch,
     live = [p for p in sparse if p.nnz]
     for subset in (live, live[::2], live[1::3]):
         seen = []
-        for chunk in positions.runs(subset):
-            seen += [(p.name, idx.clone()) for p, idx in chunk]  # a run's tensors hold until the next run
+        for run in positions.runs(subset):  # a run's tensor holds until the next run
+            seen += [(p.name, run.positions[a:a + p.nnz].clone()) for p, a in zip(run.params, run.starts)]
         assert [n for n, _ in seen] == [p.name for p in subset]
         for (_, idx), p in zip(seen, subset):
             assert torch.equal(idx, positions.of(p))

@@ -54,7 +54,14 @@ from sglang.srt.weight_sync.delta.ingest import (
 )
 from sglang.srt.weight_sync.delta.quant import check_names, check_quantization
 from sglang.srt.weight_sync.delta.versions import check_version, check_xor_base, full_reason, pending_key
-from sglang.srt.weight_sync.delta.views import contiguous_strides, direct_plan, rebuild_xor, write_direct
+from sglang.srt.weight_sync.delta.views import (
+    block_plan,
+    contiguous_strides,
+    direct_plan,
+    rebuild_xor,
+    write_direct,
+    write_run,
+)
 from sglang.srt.weight_sync.delta.wire import (
     POSITIONS,
     VALUES,
@@ -112,18 +119,6 @@ def _dense_sources(via_loader) -> List[Tuple[str, torch.Tensor]]:
         flat, start = run
         out.append((p.name, flat.as_strided(p.shape, contiguous_strides(tuple(p.shape)), start + p.val_start)))
     return out
-
-
-def _values_of(values: torch.Tensor, params: Sequence[DeltaParam]) -> Sequence[torch.Tensor]:
-    """Each of ``params``' values in its flush's ``values`` (params in spec order, a subset of the flush's, whose
-    offsets tile the values: checked), as views made by one ``split`` — one Python slice per param costs more."""
-    if not params:
-        return []
-    sizes, at = [], params[0].val_start
-    for p in params:
-        sizes += (p.val_start - at, p.val_end - p.val_start)  # the gap before it (params left out), then its own
-        at = p.val_end
-    return values[params[0].val_start:at].split(sizes)[1::2]
 
 
 def delta_status(model: torch.nn.Module) -> DeltaStatus:
@@ -252,16 +247,15 @@ def _apply_request(self, payloads: Sequence[DeltaPayload], weight_version: Optio
             via_views.append((positions, payload.values, viewed))
     try:
         with torch.no_grad():
-            batch = []  # one write for the request where positions are kept; else one per run, before the next
+            rest = []  # write_direct's: one write for the request where positions are kept; else one per run
             for positions, values, viewed in via_views:
                 for run in positions.runs(viewed):
-                    batch += [(direct[p.name], idx, part, p.numel)
-                              for (p, idx), part in zip(run, _values_of(values, [p for p, _ in run]))]
+                    write_run(state.blocks, direct, run, values, rest)
                     if not positions.kept:
-                        write_direct(batch)
-                        batch = []
-            if batch:
-                write_direct(batch)
+                        write_direct(rest)
+                        rest = []
+            if rest:
+                write_direct(rest)
             if via_views:
                 _kill_point()
             _post_process(model, state, [p.name for _, _, viewed in via_views for p in viewed], complete)
@@ -302,6 +296,7 @@ def _apply_request(self, payloads: Sequence[DeltaPayload], weight_version: Optio
         if head.full:
             state.manifest, state.dirty, state.outside_load = state.pending_manifest, False, None
             state.direct = direct_plan(model, state.recorder)
+            state.blocks = block_plan(state.direct, state.manifest)
             state.xor_raw, state.xor_ready, state.dense = _paths(state.manifest, state.recorder.copies, state.direct)
             state.copies, state.recorder, state.pending_manifest = state.recorder.copies, None, {}
     kind = "full sync" if head.full else "delta"

@@ -15,6 +15,7 @@ import logging
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from sglang.srt.weight_sync.delta import fingerprint
@@ -24,6 +25,8 @@ from sglang.srt.weight_sync.delta.wire import (
     DeltaError,
     DeltaPayload,
     Refusal,
+    Run,
+    alone,
     batched,
     host_values,
     repeat_counts,
@@ -120,6 +123,74 @@ def direct_plan(model: torch.nn.Module, recorder: fingerprint.FingerprintRecorde
         if all(t is not None for t in targets):
             plan[name] = targets
     return plan
+
+
+@dataclasses.dataclass
+class Blocks:
+    """The params of a direct plan whose one view holds their whole HF tensor as one contiguous block (every
+    expert of a fused MoE weight, most dense weights): name -> (storage id, block start), and each storage's flat
+    tensor. Their writes are batched per storage without a tensor op per param (:func:`write_run`). Storages where
+    two blocks overlap are left out: their writes keep their order (:func:`_write_blocks`)."""
+
+    at: Dict[str, Tuple[int, int]]
+    flats: List[torch.Tensor]
+
+
+def block_plan(direct: Dict[str, List[Direct]], manifest: Dict[str, Tuple[List[int], str]]) -> Blocks:
+    """:class:`Blocks` of a direct plan; every flush is checked against ``manifest`` (its shapes), so a block that
+    spans its param's whole tensor there does in every flush."""
+    ids: Dict[Tuple[int, torch.dtype], int] = {}
+    at, flats, spans = {}, [], []
+    for name, targets in direct.items():
+        t, entry = targets[0] if len(targets) == 1 else None, manifest.get(name)
+        if t is None or entry is None or t.dims or t.soff or t.numel != math.prod(entry[0]):
+            continue
+        key = (t.flat.data_ptr(), t.flat.dtype)
+        sid = ids.get(key)
+        if sid is None:
+            sid = ids[key] = len(flats)
+            flats.append(t.flat)
+            spans.append([])
+        at[name] = (sid, t.doff)
+        spans[sid].append((t.doff, t.doff + t.numel, name))
+    for s in spans:
+        s.sort()
+        if any(b[0] < a[1] for a, b in zip(s, s[1:])):
+            for _, _, name in s:
+                del at[name]
+    return Blocks(at, flats)
+
+
+def write_run(blocks: Blocks, direct: Dict[str, List[Direct]], run: Run, values: torch.Tensor, rest: list) -> None:
+    """Write one run of a flush's params (``values``: the flush's) through their recorded views. Whole-block params
+    take one gather of their positions and values and one ``index_copy_`` per destination storage, whatever their
+    count; large ones on CPU, and params with other views, are appended to ``rest`` as :func:`write_direct`'s items
+    (the caller writes those before the run's tensor is reused)."""
+    at, x = blocks.at, run.positions
+    picked = []  # (storage, block start, start in x, start in values, count) per batched param
+    for p, a in zip(run.params, run.starts):
+        b, n = at.get(p.name), p.val_end - p.val_start
+        if b is None or alone(n, x.device):
+            rest.append((direct[p.name], x[a:a + n], values[p.val_start:p.val_end], p.numel))
+        else:
+            picked.append((*b, a, p.val_start, n))
+    if not picked:
+        return
+    cols = np.array(picked, dtype=np.int64).reshape(-1, 5)
+    cols = cols[np.argsort(cols[:, 0], kind="stable")]  # grouped by storage, in spec order within one
+    sid, doff, xa, va, n = cols.T
+    counts = n.tolist()
+    firsts = np.cumsum(n) - n
+    device = x.device
+    offsets = x[torch.arange(int(firsts[-1] + n[-1]), device=device).add_(
+        repeat_counts(to_device(xa - firsts, device), counts))]
+    offsets.add_(repeat_counts(to_device(doff, device), counts))
+    vals = values[torch.arange(offsets.numel(), device=device).add_(repeat_counts(to_device(va - firsts, device),
+                                                                                   counts))]
+    cuts = np.flatnonzero(np.diff(sid)) + 1
+    for s, a, b in zip(sid[np.r_[0, cuts]].tolist(), firsts[np.r_[0, cuts]].tolist(),
+                       np.r_[firsts[cuts], offsets.numel()].tolist()):
+        _scatter(blocks.flats[s], offsets[a:b], vals[a:b])
 
 
 def write_direct(items) -> None:

@@ -567,14 +567,18 @@ def repeat_counts(values: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
 CPU_BATCH_BELOW = 1 << 14  # changed elements; measured on the 0.5B bench shape (2 cores)
 
 
-def batched(entries: list, device: torch.device) -> Tuple[list, list]:
-    """(entries to batch per storage, entries to handle one by one); an entry's positions are its second item. On a
-    GPU every entry is batched (a launch costs more than the extra pass over positions); on CPU only small ones — a
+def alone(count: int, device: torch.device) -> bool:
+    """Whether a tensor's ``count`` positions are scattered or gathered on their own rather than batched per
+    storage. On a GPU never (a launch costs more than the extra pass over positions); on CPU only large ones — a
     call there costs ~10 µs, while batching a large entry costs extra passes over fresh memory (join, shift)."""
+    return device.type == "cpu" and count >= CPU_BATCH_BELOW
+
+
+def batched(entries: list, device: torch.device) -> Tuple[list, list]:
+    """(entries to batch per storage, entries to handle :func:`alone`); an entry's positions are its second item."""
     if device.type != "cpu":
         return entries, []
-    return ([e for e in entries if e[1].numel() < CPU_BATCH_BELOW],
-            [e for e in entries if e[1].numel() >= CPU_BATCH_BELOW])
+    return ([e for e in entries if not alone(e[1].numel(), device)], [e for e in entries if alone(e[1].numel(), device)])
 
 
 def shifted_cat(idxs: Sequence[torch.Tensor], shifts: Sequence[int], device: torch.device,
@@ -864,6 +868,16 @@ def host_values(t: torch.Tensor) -> list:
 _DECODE_RUN = 1 << 20  # positions per decode pass: bounds the int64 buffer a run decodes into, and keeps it in cache
 
 
+@dataclasses.dataclass
+class Run:
+    """Sparse params of a flush (spec order) and their positions joined in one int64 tensor: ``params[k]``'s are
+    ``positions[starts[k]:starts[k] + params[k].nnz]``. Writes take a run whole, with no tensor per param."""
+
+    params: List[DeltaParam]
+    positions: torch.Tensor
+    starts: List[int]
+
+
 class Positions:
     """A checked flush's int64 positions, per sparse param.
 
@@ -873,10 +887,12 @@ class Positions:
     pages in costs more than the decode itself (measured, 14M positions: 56 ms into new memory, 14 ms run by run).
     """
 
-    def __init__(self, payload: DeltaPayload, kept: Optional[Dict[str, torch.Tensor]], tops: Optional[torch.Tensor],
+    def __init__(self, payload: DeltaPayload, kept: Optional[List[Run]], tops: Optional[torch.Tensor],
                  order: Dict[str, int], buffer: Optional["_RunBuffer"]):
         self._pos, self._gaps = payload.positions, _gaps(payload.spec.encoding)
         self._kept, self._tops, self._order, self._buffer = kept, tops, order, buffer
+        self._where = None if kept is None else {  # name -> (its run, its start there)
+            p.name: (r, a) for r, run in enumerate(kept) for p, a in zip(run.params, run.starts)}
 
     @property
     def kept(self) -> bool:
@@ -890,21 +906,25 @@ class Positions:
         if not p.nnz:
             return self._pos.new_empty(0, dtype=torch.int64)
         if self._kept is not None:
-            return self._kept[p.name]
+            r, a = self._where[p.name]
+            return self._kept[r].positions[a:a + p.nnz]
         k = self._order[p.name]
         out = torch.empty(p.nnz, dtype=torch.int64, device=self._pos.device)
         return _decode_run(self._pos, [p], self._gaps, out, self._tops[k:k + 1], self._buffer)
 
-    def runs(self, params: Sequence[DeltaParam]) -> Iterator[List[Tuple[DeltaParam, torch.Tensor]]]:
+    def runs(self, params: Sequence[DeltaParam]) -> Iterator[Run]:
         """``params`` (sparse, none empty, in spec order) with their positions, about ``_DECODE_RUN`` positions at a
-        time; a run's tensors hold until the next run is asked for."""
+        time; a run's tensor holds until the next run is asked for."""
         if self._kept is not None:
-            yield [(p, self._kept[p.name]) for p in params]
+            where = self._where
+            for r, part in itertools.groupby(params, key=lambda p: where[p.name][0]):
+                part = list(part)
+                yield Run(part, self._kept[r].positions, [where[p.name][1] for p in part])
             return
         for run in _runs(params):
             tops = self._tops[to_device([self._order[p.name] for p in run], self._pos.device)] if self._gaps else None
             x = _decode_run(self._pos, run, self._gaps, self._buffer.take(_run_size(run)), tops, self._buffer)
-            yield list(zip(run, x.split([p.nnz for p in run])))
+            yield Run(run, x, list(itertools.accumulate([p.nnz for p in run[:-1]], initial=0)))
 
 
 class _RunBuffer:
@@ -965,7 +985,7 @@ def _decode_all(payload: DeltaPayload, sparse: List[DeltaParam], clamp: bool = F
     runs = list(_runs(live))
     buffer = _RunBuffer(pos.device)
     buffer.take(max(map(_run_size, runs), default=0))  # once: runs differ in size, and each growth is fresh pages
-    flags, tops, kept = [], [], {} if keep else None
+    flags, tops, kept = [], [], [] if keep else None
     for run in runs:
         counts = [p.nnz for p in run]
         top = _scan_run(pos, run, gaps, buffer, flags)
@@ -975,7 +995,7 @@ def _decode_all(payload: DeltaPayload, sparse: List[DeltaParam], clamp: bool = F
                             buffer)
             if clamp:  # one op for the run, not one per param
                 x = torch.minimum(x, repeat_counts(to_device([p.numel - 1 for p in run], pos.device), counts))
-            kept.update(zip(map(operator.attrgetter("name"), run), x.split(counts)))  # views made in one call
+            kept.append(Run(run, x, list(itertools.accumulate(counts[:-1], initial=0))))
     order = {} if keep else {p.name: k for k, p in enumerate(live)}
     top = None if keep or not tops else tops[0] if len(tops) == 1 else torch.cat(tops)
     return Positions(payload, kept, top, order, None if keep else buffer), flags
