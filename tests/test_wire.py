@@ -318,6 +318,33 @@ def test_changed_positions_of_many_params_unite_the_staged_positions(monkeypatch
     assert [g.tolist() for g in got] == [[3, 5, 17], [], [0, 999]]
 
 
+def test_tensors_lying_end_to_end_join_as_a_view_and_any_other_layout_as_a_copy():
+    """The diff joins a chunk's small params per dtype: tensors laid end to end in one storage, in order (the
+    snapshot's slabs, a loaded file), are that storage's memory as one view; a gap, another order, a transposed
+    tensor, an empty one or the end of the first one's storage make it a copy of their elements. Each way the same
+    bytes."""
+    from sglang.srt.weight_sync.delta import wire
+
+    slab = torch.arange(1000, dtype=torch.int16).view(torch.bfloat16)
+    cases = {
+        "end to end": ([slab[10:40], slab[40:41], slab[41:141].view(10, 10)], True),
+        "a gap": ([slab[10:40], slab[41:50]], False),
+        "another order": ([slab[40:50], slab[10:40]], False),
+        "transposed": ([slab[0:100].view(10, 10).t(), slab[100:110]], False),
+        "empty": ([slab[0:10], slab[10:10], slab[10:20]], False),
+        "two storages": ([slab[990:1000], torch.zeros(5, dtype=torch.bfloat16)], False),
+    }
+    buf = bytearray(torch.arange(200, dtype=torch.int16).numpy().tobytes())
+    a, b = (torch.frombuffer(buf, dtype=torch.bfloat16, offset=at, count=100) for at in (0, 200))
+    assert b.data_ptr() == a.data_ptr() + 200  # two storages back to back in memory: never read through one
+    for what, (ts, view) in cases.items():
+        got = wire._joined(ts, torch.int16)
+        assert torch.equal(got, torch.cat([t.reshape(-1) for t in ts]).view(torch.int16)), what
+        assert (got.untyped_storage().data_ptr() == slab.untyped_storage().data_ptr()) == view, what
+    assert wire._adjacent([a[90:], b[:10]]) is None
+    assert torch.equal(wire._joined([a[90:], b[:10]], torch.int16), torch.arange(90, 110, dtype=torch.int16))
+
+
 @pytest.mark.parametrize("numpy_diff", [True, False])
 def test_the_joined_diff_hands_over_the_new_values_bit_for_bit(monkeypatch, numpy_diff):
     """Small CPU params are diffed joined per dtype and their new values come out of that pass: each param's

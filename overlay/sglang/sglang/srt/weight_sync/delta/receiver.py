@@ -234,15 +234,16 @@ def _apply_request(self, payloads: Sequence[DeltaPayload], weight_version: Optio
     via_views, via_loader = [], []  # (the flush's positions, values, its params) / (param, positions, values)
     for payload, positions in zip(payloads, decoded):
         viewed = []
+        if head.full:
+            state.pending_manifest.update((p.name, (list(p.shape), p.dtype)) for p in payload.spec.params)
         for p in payload.spec.params:
-            if head.full:
-                state.pending_manifest[p.name] = (list(p.shape), p.dtype)
-            if not p.dense and not p.nnz:
-                continue  # nothing of this param changed: no write at all
-            if not p.dense and p.name in direct:
-                viewed.append(p)
-            else:
-                via_loader.append((p, positions, payload.values))
+            if p.pos_width:  # sparse
+                if p.val_end == p.val_start:
+                    continue  # nothing of this param changed: no write at all
+                if p.name in direct:
+                    viewed.append(p)
+                    continue
+            via_loader.append((p, positions, payload.values))
         if viewed:
             via_views.append((positions, payload.values, viewed))
     try:
@@ -288,7 +289,7 @@ def _apply_request(self, payloads: Sequence[DeltaPayload], weight_version: Optio
         return False, f"delta apply failed after a partial write, engine is dirty and needs a full sync: {cause}"
 
     state.last = (request, None, received)
-    nnz = sum(p.nnz for pl in payloads for p in pl.spec.params)
+    nnz = sum(pl.values.numel() for pl in payloads)  # the params' values tile them (checked)
     if complete:
         state.version, state.pending, state.next_flush, state.finals = head.version, None, {}, set()
         kind = "full" if head.full else "delta"
@@ -401,7 +402,7 @@ def _check_writable(state: ReceiverState, head: DeltaSpec, params: Sequence[Delt
     changed = {p.name for p in params if p.pos_width == 0 or p.val_end > p.val_start}
     no_sentinel = {n for n in {p.dtype for p in params} if sparse_allowed(dtype_from_str(n))
                    and not nan_sentinel(dtype_from_str(n))}  # fp8: each dtype name is parsed once
-    for p in params:
+    for p in params if no_sentinel else ():
         if p.pos_width and p.val_end > p.val_start and p.dtype in no_sentinel and p.name not in direct:
             raise DeltaError(f"param {p.name!r}: {p.dtype} values travel sparse only to params written through "
                              "recorded views, and this engine has none for it (its status lists it under 'dense')",
@@ -410,9 +411,9 @@ def _check_writable(state: ReceiverState, head: DeltaSpec, params: Sequence[Delt
         state.changed = set()
     state.changed |= changed
     if completes:
-        for name in sorted(state.changed):
+        for name in sorted(n for n in state.changed if n.endswith("_scale_inv")):
             weight = name.removesuffix("_scale_inv")
-            if weight != name and weight in (state.manifest or {}) and weight not in state.changed:
+            if weight in (state.manifest or {}) and weight not in state.changed:
                 raise DeltaError(f"param {name!r} changed in version {head.version} without {weight!r}: a block "
                                  "scale moves with its weight's bytes (a sender that dropped the weight?)")
 

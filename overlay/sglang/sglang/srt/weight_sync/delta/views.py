@@ -182,14 +182,15 @@ def write_run(blocks: Blocks, direct: Dict[str, List[Direct]], run: Run, values:
     counts = n.tolist()
     firsts = np.cumsum(n) - n
     device = x.device
-    offsets = x[torch.arange(int(firsts[-1] + n[-1]), device=device).add_(
-        repeat_counts(to_device(xa - firsts, device), counts))]
-    offsets.add_(repeat_counts(to_device(doff, device), counts))
-    vals = values[torch.arange(offsets.numel(), device=device).add_(repeat_counts(to_device(va - firsts, device),
-                                                                                   counts))]
+    total = sum(counts)
+    offsets = x[torch.arange(total, device=device).add_(repeat_counts(to_device((xa - firsts).tolist(), device),
+                                                                       counts))]
+    offsets.add_(repeat_counts(to_device(doff.tolist(), device), counts))
+    vals = values[torch.arange(total, device=device).add_(repeat_counts(to_device((va - firsts).tolist(), device),
+                                                                         counts))]
     cuts = np.flatnonzero(np.diff(sid)) + 1
     for s, a, b in zip(sid[np.r_[0, cuts]].tolist(), firsts[np.r_[0, cuts]].tolist(),
-                       np.r_[firsts[cuts], offsets.numel()].tolist()):
+                       np.r_[firsts[cuts], total].tolist()):
         _scatter(blocks.flats[s], offsets[a:b], vals[a:b])
 
 
