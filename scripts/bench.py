@@ -257,7 +257,7 @@ def measure(paths: list, shape: str, out_json: str, check: bool) -> None:
     from cpu_harness import Host, SyncCounter, full_flushes, receiver_class, sglang_model
     from sglang.srt.weight_sync.delta import fingerprint, kernels, mix64
     from sglang.srt.weight_sync.delta.receiver import delta_status, receiver_state
-    from sglang.srt.weight_sync.delta.wire import DeltaPayload, DeltaSpec, changed_positions, gc_paused
+    from sglang.srt.weight_sync.delta.wire import DeltaPayload, DeltaSpec, changed_positions, gc_paused, received_params
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     states = [load_file(p) for p in paths]
@@ -300,10 +300,12 @@ def measure(paths: list, shape: str, out_json: str, check: bool) -> None:
         if names:  # disk: the engine reads and decompresses the files the writer left in the shared dir
             return host.call("_apply_delta", wire_dir, names)
         # a broadcast: the engine parses each request's spec JSON (written by the sender, outside the clock) first,
-        # with garbage collection paused from the parse on (as _apply_received_delta runs)
+        # with garbage collection paused from the parse on, and hashes its params' text as it arrived (as
+        # _apply_received_delta runs)
         with gc_paused():
-            return host.call("_apply_delta_payload", [DeltaPayload(DeltaSpec.from_json(text), p.positions, p.values)
-                                                      for text, p in payloads])
+            return host.call("_apply_delta_payload", [
+                DeltaPayload(DeltaSpec.from_json(text), p.positions, p.values, params_text=received_params(text))
+                for text, p in payloads])
 
     def counted_apply(payloads, names):
         """The memory run (its times are not used) also counts the apply's host synchronizations."""

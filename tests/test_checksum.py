@@ -21,10 +21,13 @@ from sglang.srt.weight_sync.delta.wire import (
     POSITIONS,
     VALUES,
     DeltaError,
+    DeltaPayload,
     DeltaSpec,
+    canonical_spec,
     changed_positions,
     encode_flush,
     flush_checksum,
+    received_params,
     validate_payload,
 )
 
@@ -227,6 +230,43 @@ def test_a_valid_flush_with_swapped_names_is_refused():
     pl.spec.params[0].name, pl.spec.params[1].name = "model.b.weight", "model.a.weight"
     with pytest.raises(DeltaError, match="checksum mismatch"):
         validate_payload(pl, None)
+
+
+ODD_NAMES = ("model.a.weight", 'model.\u00e9."q",\\"part\\":1', ',"part":0}', "model.b.weight")
+
+
+def test_the_params_text_that_arrived_hashes_as_the_parsed_spec():
+    """The engine hashes the params' JSON text as it arrived (broadcast: inside the spec's text; disk: the metadata
+    entry) instead of serializing the parsed columns again: the same bytes, for any name (non-ASCII, quotes,
+    backslashes, the text that ends the params in a spec's JSON)."""
+    pl = _flush(names=ODD_NAMES, version=5, base_version=4, flush=2, final=False)
+    text = pl.spec.to_json()
+    assert DeltaSpec.from_json(text) == pl.spec
+    for arrived in (received_params(text), pl.spec.to_metadata()["params"]):
+        assert canonical_spec(pl.spec, arrived) == canonical_spec(pl.spec)
+        validate_payload(DeltaPayload(DeltaSpec.from_json(text), pl.positions, pl.values, params_text=arrived), None)
+
+
+def test_a_spec_text_in_another_layout_is_judged_by_what_it_parses_to():
+    """A sender that writes the spec in another layout (columns in field order, spaces) is accepted on what its text
+    parses to; a text whose names were swapped under the same checksum is refused either way."""
+    pl = _flush(names=ODD_NAMES)
+    d = pl.spec.to_dict()
+    texts = {"field order": json.dumps(d, separators=(",", ":")), "spaces": json.dumps(d, indent=1)}
+    for what, text in texts.items():
+        assert received_params(text) != received_params(pl.spec.to_json()), what
+        validate_payload(DeltaPayload(DeltaSpec.from_json(text), pl.positions, pl.values,
+                                      params_text=received_params(text)), None)
+    md = pl.spec.to_metadata()
+    md["params"] = json.dumps(d["params"], indent=2)
+    validate_payload(DeltaPayload(DeltaSpec.from_metadata(md), pl.positions, pl.values, params_text=md["params"]),
+                     None)
+    swapped = pl.spec.to_json().replace("model.a.weight", "@").replace("model.b.weight", "model.a.weight")
+    swapped = swapped.replace("@", "model.b.weight")
+    for text in (swapped, texts["field order"].replace("model.a.weight", "model.A.weight")):
+        with pytest.raises(DeltaError, match="checksum mismatch"):
+            validate_payload(DeltaPayload(DeltaSpec.from_json(text), pl.positions, pl.values,
+                                          params_text=received_params(text)), None)
 
 
 # ---------------------------------------------------------------- the compiled kernel

@@ -16,7 +16,8 @@ def storages():
 
 # name: (elements, [(storage, block start)]); q0/q1 overlap in "b", u has two views, t sits at an offset in "c"
 LAYOUT = {"p0": (100, [("a", 0)]), "q0": (100, [("b", 0)]), "t": (50, [("c", 10)]), "p1": (100, [("a", 100)]),
-          "u": (60, [("c", 0), ("d", 5)]), "q1": (100, [("b", 80)]), "p2": (150, [("a", 200)]), "p3": (50, [("a", 350)])}
+          "u": (60, [("c", 0), ("d", 5)]), "q1": (100, [("b", 80)]), "p2": (150, [("a", 200)]),
+          "p3": (50, [("a", 350)])}
 
 
 @pytest.mark.parametrize("run", [1, 1 << 20])

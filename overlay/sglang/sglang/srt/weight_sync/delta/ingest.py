@@ -33,6 +33,7 @@ from sglang.srt.weight_sync.delta.wire import (
     dtype_to_str,
     maybe_zstd_decompress,
     read_safetensors,
+    received_params,
 )
 
 DEFAULT_READ_WORKERS = 4
@@ -104,8 +105,8 @@ def read_files_once(host, model_path: str, files: List[str]) -> List[DeltaPayloa
             val = torch.empty(n_val, dtype=dtype_from_str(dtype), device=device)
         for t in (pos, val):
             torch.distributed.broadcast(broadcastable(t), src=group.first_rank, group=group.device_group)
-        spec = DeltaSpec.from_json(spec)
-        out.append(DeltaPayload(spec, pos, val, source=source,
+        text, spec = spec, DeltaSpec.from_json(spec)
+        out.append(DeltaPayload(spec, pos, val, source=source, params_text=received_params(text),
                                 xored=DeltaEncoding(spec.encoding) is DeltaEncoding.XOR_ZSTD))
     return out
 

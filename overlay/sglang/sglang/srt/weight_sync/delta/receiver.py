@@ -77,6 +77,7 @@ from sglang.srt.weight_sync.delta.wire import (
     gc_paused,
     nan_sentinel,
     parse_request,
+    received_params,
     sparse_allowed,
     validate_payload,
 )
@@ -473,7 +474,8 @@ def _apply_received(self, delta: Optional[str], named_tensors, weight_version: O
         if not tp_agree(True):  # pairs with a rank whose receive failed
             return False, "another tensor-parallel rank of this engine did not receive the broadcast"
         return True, "Received a broadcast for other engines of the group (not applied)."
-    payload = DeltaPayload(spec, tensors[POSITIONS].reshape(-1), tensors[VALUES].reshape(-1), source="broadcast")
+    payload = DeltaPayload(spec, tensors[POSITIONS].reshape(-1), tensors[VALUES].reshape(-1), source="broadcast",
+                           params_text=received_params(delta))
     return _apply_delta_payload(self, [payload], weight_version)
 
 
