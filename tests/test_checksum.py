@@ -247,6 +247,22 @@ def test_the_params_text_that_arrived_hashes_as_the_parsed_spec():
         validate_payload(DeltaPayload(DeltaSpec.from_json(text), pl.positions, pl.values, params_text=arrived), None)
 
 
+def test_a_sealed_flush_serializes_its_params_once_for_the_checksum_and_both_transports(monkeypatch):
+    """The seal hashes the params' canonical JSON and keeps it: the broadcast's spec text and the file's metadata are
+    written from it, equal to serializing the spec again; a file read back hands that text to the checksum."""
+    from sglang.srt.weight_sync.delta import wire
+
+    calls, real = [], wire.params_json
+    monkeypatch.setattr(wire, "params_json", lambda spec: calls.append(spec) or real(spec))
+    pl = _flush(names=ODD_NAMES, version=2, base_version=1)
+    text, data = wire.spec_json(pl), wire.flush_file(pl)
+    assert len(calls) == 1
+    assert text == pl.spec.to_json()
+    back = wire.read_safetensors(data)
+    assert back.spec == pl.spec and back.params_text == real(pl.spec)
+    validate_payload(back, None)
+
+
 def test_a_spec_text_in_another_layout_is_judged_by_what_it_parses_to():
     """A sender that writes the spec in another layout (columns in field order, spaces) is accepted on what its text
     parses to; a text whose names were swapped under the same checksum is refused either way."""

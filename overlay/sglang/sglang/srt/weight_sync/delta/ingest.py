@@ -34,6 +34,7 @@ from sglang.srt.weight_sync.delta.wire import (
     maybe_zstd_decompress,
     read_safetensors,
     received_params,
+    spec_json,
 )
 
 DEFAULT_READ_WORKERS = 4
@@ -92,7 +93,7 @@ def read_files_once(host, model_path: str, files: List[str]) -> List[DeltaPayloa
             error = e
     header = broadcast_json(group, (
         {"error": [str(error), error.code.value]} if error is not None else
-        {"flushes": [[p.spec.to_json(), p.source, dtype_to_str(p.values.dtype), p.positions.numel(), p.values.numel()]
+        {"flushes": [[spec_json(p), p.source, dtype_to_str(p.values.dtype), p.positions.numel(), p.values.numel()]
                      for p in payloads]}) if first else None)
     if "error" in header:
         raise DeltaError(header["error"][0], Refusal(header["error"][1]))

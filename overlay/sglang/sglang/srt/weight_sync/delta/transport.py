@@ -41,6 +41,7 @@ from sglang.srt.weight_sync.delta.wire import (
     dtype_to_str,
     RECEIVE_ONLY,
     flush_file,
+    spec_json,
 )
 
 logger = logging.getLogger(__name__)
@@ -260,7 +261,7 @@ class NcclTransport:
         vals = payload.values.to(self.device)
         args = ([POSITIONS, VALUES], ["uint8", dtype_to_str(vals.dtype)], [[pos.numel()], [vals.numel()]],
                 self.group_name)
-        spec = payload.spec.to_json()
+        spec = spec_json(payload)
         futs = {i: self.calls.submit(self.engines[i].update_weights_from_distributed, *args,
                                      spec if i in targets else RECEIVE_ONLY, str(self.version))
                 for i in range(len(self.engines))}

@@ -341,12 +341,19 @@ class DeltaSpec:
         it arrives (:func:`received_params`) instead of serializing what it parsed again."""
         return json.dumps(self.to_dict(), **_CANONICAL)
 
-    def to_metadata(self) -> Dict[str, str]:
-        """safetensors ``__metadata__`` is ``dict[str, str]``: scalars as text, params as canonical JSON."""
-        d = self.to_dict()
-        md = {k: (json.dumps(v, **_CANONICAL) if k == "params" else str(v).lower() if isinstance(v, bool) else str(v))
-              for k, v in d.items()}
+    def to_metadata(self, params_text: Optional[str] = None) -> Dict[str, str]:
+        """safetensors ``__metadata__`` is ``dict[str, str]``: scalars as text, params as canonical JSON
+        (``params_text``: that text, already written)."""
+        d = self.scalars()
+        md = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in d.items()}
+        md["params"] = params_json(self) if params_text is None else params_text
         return md
+
+    def scalars(self) -> dict:
+        """Every field but ``params``, as :meth:`to_dict` has them."""
+        d = {f: getattr(self, f) for f in _SPEC_FIELDS if f != "params"}
+        d["encoding"] = DeltaEncoding(self.encoding).value
+        return d
 
     @classmethod
     def from_json(cls, text: str) -> "DeltaSpec":
@@ -471,13 +478,17 @@ class DeltaPayload:
     base: Optional[torch.Tensor] = None  # sender, xor_zstd: base_version's bytes beside ``values`` (the file XORs them)
     xored: bool = False  # receiver, xor_zstd: ``values`` still hold new XOR base (see :func:`unxor`)
     params_text: Optional[str] = None  # receiver: the spec's params as the JSON text that arrived (received_params)
+    sealed_params: Optional[str] = None  # sender: the params' canonical JSON the last seal hashed (for the transports)
     decoded: Optional[tuple] = None  # (manifest, Positions, fault flags): unxor's structure check and decode
 
     def seal(self, spec_only: bool = False) -> "DeltaPayload":
-        """Set the spec's checksum; ``spec_only``: only spec fields changed since the last seal (reuses the blob sums)."""
+        """Set the spec's checksum; ``spec_only``: only spec fields changed since the last seal (reuses the blob sums).
+        The params' JSON text it hashes is kept for the transports (:func:`spec_json`, :func:`flush_file`): a spec
+        of ~19k params is serialized once per flush, not twice (a spec changed after its seal is sealed again)."""
         if self.sums is None or not spec_only:
             self.sums = blob_sums(self.positions, self.values)
-        self.spec.checksum = flush_checksum(self.spec, self.positions, self.values, self.sums)
+        self.sealed_params = params_json(self.spec)
+        self.spec.checksum = flush_checksum(self.spec, self.positions, self.values, self.sums, self.sealed_params)
         return self
 
 
@@ -522,10 +533,28 @@ def canonical_spec(spec: "DeltaSpec", params_text: Optional[str] = None) -> byte
         d = spec.to_dict()
         del d["checksum"]
         return json.dumps(d, **_CANONICAL).encode()
-    d = {f: getattr(spec, f) for f in _SPEC_FIELDS if f not in ("params", "checksum")}
-    d["encoding"], d["params"] = DeltaEncoding(spec.encoding).value, 0
-    head, tail = json.dumps(d, **_CANONICAL).split('"params":0', 1)  # the other values are numbers, bools, enums
-    return f'{head}"params":{params_text}{tail}'.encode("utf-8", "surrogatepass")  # ASCII where canonical
+    d = spec.scalars()
+    del d["checksum"]
+    return _spliced(d, params_text).encode("utf-8", "surrogatepass")  # ASCII where canonical
+
+
+def params_json(spec: "DeltaSpec") -> str:
+    """The params' columns as canonical JSON."""
+    return json.dumps({f: list(map(operator.attrgetter(f), spec.params)) for f in _PARAM_FIELDS}, **_CANONICAL)
+
+
+def spec_json(payload: "DeltaPayload") -> str:
+    """``payload``'s spec as :meth:`DeltaSpec.to_json` writes it, from the params' text the payload holds (as it
+    arrived, or as sealed) where it holds one."""
+    text = payload.params_text if payload.params_text is not None else payload.sealed_params
+    return payload.spec.to_json() if text is None else _spliced(payload.spec.scalars(), text)
+
+
+def _spliced(scalars: dict, params_text: str) -> str:
+    """Canonical JSON of ``scalars`` with ``params`` set to ``params_text`` (JSON already written), in its sorted
+    place: the other values are numbers, bools and checked enums, so the marker is found there only."""
+    head, tail = json.dumps({**scalars, "params": 0}, **_CANONICAL).split('"params":0', 1)
+    return f'{head}"params":{params_text}{tail}'
 
 
 def received_params(text: str) -> Optional[str]:
@@ -1109,9 +1138,11 @@ def _check_one_by_one(payload: DeltaPayload, where: str) -> None:
 # ---------------------------------------------------------------- safetensors + zstd
 
 
-def write_safetensors(payload_spec: DeltaSpec, positions: torch.Tensor, values: torch.Tensor) -> bytes:
-    """Serialize one flush as a safetensors file (two tensors + the spec as ``__metadata__``); plane-major
-    encodings store each param's segments byte-plane by byte-plane (see :func:`plane_segments`)."""
+def write_safetensors(payload_spec: DeltaSpec, positions: torch.Tensor, values: torch.Tensor,
+                      params_text: Optional[str] = None) -> bytes:
+    """Serialize one flush as a safetensors file (two tensors + the spec as ``__metadata__``; ``params_text``: its
+    params as JSON, already written); plane-major encodings store each param's segments byte-plane by byte-plane
+    (see :func:`plane_segments`)."""
     pos = positions.detach().reshape(-1).to("cpu").contiguous()
     val = values.detach().reshape(-1).to("cpu").contiguous()
     if DeltaEncoding(payload_spec.encoding).plane_major:
@@ -1120,7 +1151,7 @@ def write_safetensors(payload_spec: DeltaSpec, positions: torch.Tensor, values: 
             pos = torch.from_numpy(_to_planes(pos.numpy(), pos_seg))
         if val_seg:
             val = torch.from_numpy(_to_planes(val.view(torch.uint8).numpy(), val_seg)).view(val.dtype)
-    return safetensors.torch.save({POSITIONS: pos, VALUES: val}, metadata=payload_spec.to_metadata())
+    return safetensors.torch.save({POSITIONS: pos, VALUES: val}, metadata=payload_spec.to_metadata(params_text))
 
 
 def plane_segments(spec: DeltaSpec, pos_bytes: int, n_values: int, value_size: int):
@@ -1246,7 +1277,7 @@ def flush_file(payload: DeltaPayload, zstd_level: Optional[int] = None) -> bytes
             raise DeltaError("an xor_zstd flush needs its base values, one per value")
         iv = INT_VIEW[values.element_size()]
         values = torch.bitwise_xor(values.view(iv), payload.base.to(values.device).view(iv)).view(values.dtype)
-    data = write_safetensors(payload.spec, payload.positions, values)
+    data = write_safetensors(payload.spec, payload.positions, values, payload.sealed_params)
     if zstd_level is None:
         return data
     import zstandard
