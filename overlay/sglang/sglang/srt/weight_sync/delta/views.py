@@ -140,17 +140,20 @@ def block_plan(direct: Dict[str, List[Direct]], manifest: Dict[str, Tuple[List[i
     """:class:`Blocks` of a direct plan; every flush is checked against ``manifest`` (its shapes), so a block that
     spans its param's whole tensor there does in every flush."""
     ids: Dict[Tuple[int, torch.dtype], int] = {}
+    sids: Dict[int, int] = {}  # id(flat) -> storage id: a param's views share one flat tensor (Direct.of)
     at, flats, spans = {}, [], []
     for name, targets in direct.items():
         t, entry = targets[0] if len(targets) == 1 else None, manifest.get(name)
         if t is None or entry is None or t.dims or t.soff or t.numel != math.prod(entry[0]):
             continue
-        key = (t.flat.data_ptr(), t.flat.dtype)
-        sid = ids.get(key)
+        sid = sids.get(id(t.flat))
         if sid is None:
-            sid = ids[key] = len(flats)
-            flats.append(t.flat)
-            spans.append([])
+            key = (t.flat.data_ptr(), t.flat.dtype)  # flats of one storage (tied params) share an id
+            sid = sids[id(t.flat)] = ids.get(key, len(flats))
+            if sid == len(flats):
+                ids[key] = sid
+                flats.append(t.flat)
+                spans.append([])
         at[name] = (sid, t.doff)
         spans[sid].append((t.doff, t.doff + t.numel, name))
     for s in spans:
