@@ -169,11 +169,11 @@ def write_run(blocks: Blocks, direct: Dict[str, List[Direct]], run: Run, values:
     take one gather of their positions and values and one ``index_copy_`` per destination storage, whatever their
     count; large ones on CPU, and params with other views, are appended to ``rest`` as :func:`write_direct`'s items
     (the caller writes those before the run's tensor is reused)."""
-    at, x = blocks.at, run.positions
+    at, x, device = blocks.at, run.positions, run.positions.device
     picked = []  # (storage, block start, start in x, start in values, count) per batched param
     for p, a in zip(run.params, run.starts):
         b, n = at.get(p.name), p.val_end - p.val_start
-        if b is None or alone(n, x.device):
+        if b is None or alone(n, device):
             rest.append((direct[p.name], x[a:a + n], values[p.val_start:p.val_end], p.numel))
         else:
             picked.append((*b, a, p.val_start, n))
@@ -184,7 +184,6 @@ def write_run(blocks: Blocks, direct: Dict[str, List[Direct]], run: Run, values:
     sid, doff, xa, va, n = cols.T
     counts = n.tolist()
     firsts = np.cumsum(n) - n
-    device = x.device
     total = sum(counts)
     offsets = x[torch.arange(total, device=device).add_(repeat_counts(to_device((xa - firsts).tolist(), device),
                                                                        counts))]

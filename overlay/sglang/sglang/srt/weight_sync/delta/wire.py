@@ -331,10 +331,7 @@ class DeltaSpec:
     _BOOL_FIELDS = ("full", "final", "last_part")
 
     def to_dict(self) -> dict:
-        d = {f: getattr(self, f) for f in _SPEC_FIELDS}
-        d["encoding"] = DeltaEncoding(self.encoding).value
-        d["params"] = {f: list(map(operator.attrgetter(f), self.params)) for f in _PARAM_FIELDS}
-        return d
+        return {**self.scalars(), "params": self.columns()}
 
     def to_json(self) -> str:
         """Canonical JSON (:func:`canonical_spec`'s layout) with the checksum: an engine hashes the params' text as
@@ -354,6 +351,10 @@ class DeltaSpec:
         d = {f: getattr(self, f) for f in _SPEC_FIELDS if f != "params"}
         d["encoding"] = DeltaEncoding(self.encoding).value
         return d
+
+    def columns(self) -> dict:
+        """The params as the wire's parallel columns (wire format 2)."""
+        return {f: list(map(operator.attrgetter(f), self.params)) for f in _PARAM_FIELDS}
 
     @classmethod
     def from_json(cls, text: str) -> "DeltaSpec":
@@ -540,7 +541,7 @@ def canonical_spec(spec: "DeltaSpec", params_text: Optional[str] = None) -> byte
 
 def params_json(spec: "DeltaSpec") -> str:
     """The params' columns as canonical JSON."""
-    return json.dumps({f: list(map(operator.attrgetter(f), spec.params)) for f in _PARAM_FIELDS}, **_CANONICAL)
+    return json.dumps(spec.columns(), **_CANONICAL)
 
 
 def spec_json(payload: "DeltaPayload") -> str:
