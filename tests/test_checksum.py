@@ -265,7 +265,8 @@ def test_a_sealed_flush_serializes_its_params_once_for_the_checksum_and_both_tra
 
 def test_a_spec_text_in_another_layout_is_judged_by_what_it_parses_to():
     """A sender that writes the spec in another layout (columns in field order, spaces) is accepted on what its text
-    parses to; a text whose names were swapped under the same checksum is refused either way."""
+    parses to; a text whose names were swapped under the same checksum is refused either way, and one with a second
+    ``params`` after the hashed one is no spec."""
     pl = _flush(names=ODD_NAMES)
     d = pl.spec.to_dict()
     texts = {"field order": json.dumps(d, separators=(",", ":")), "spaces": json.dumps(d, indent=1)}
@@ -279,6 +280,10 @@ def test_a_spec_text_in_another_layout_is_judged_by_what_it_parses_to():
                      None)
     swapped = pl.spec.to_json().replace("model.a.weight", "@").replace("model.b.weight", "model.a.weight")
     swapped = swapped.replace("@", "model.b.weight")
+    lie = _flush(names=("model.x.weight",) * 1 + ODD_NAMES[1:]).spec.to_json()
+    second = pl.spec.to_json()[:-1] + ',"params":' + received_params(lie) + "}"  # the first one is what is hashed
+    with pytest.raises(DeltaError, match="not valid JSON: duplicate keys \\['params'\\]"):
+        DeltaSpec.from_json(second)
     for text in (swapped, texts["field order"].replace("model.a.weight", "model.A.weight")):
         with pytest.raises(DeltaError, match="checksum mismatch"):
             validate_payload(DeltaPayload(DeltaSpec.from_json(text), pl.positions, pl.values,

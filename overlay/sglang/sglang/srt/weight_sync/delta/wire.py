@@ -192,10 +192,24 @@ RECEIVE_ONLY = json.dumps({"receive_only": True})
 each broadcast, so it receives the blobs and applies nothing (another engine's full sync passes it by)."""
 
 
+def _unique_keys(pairs) -> dict:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        raise ValueError(f"duplicate keys {sorted({k for k, _ in pairs if sum(k == j for j, _ in pairs) > 1})}")
+    return d
+
+
+def _spec_loads(text: str):
+    """A spec's JSON with every key once: the checksum hashes the params' text as it arrived
+    (:func:`received_params`), so the parse must read that text and no second ``params`` beside it (a spec holds
+    two objects, so the hook costs nothing per param)."""
+    return json.loads(text, object_pairs_hook=_unique_keys)
+
+
 def parse_request(delta: str) -> Optional[DeltaSpec]:
     """A broadcast request's ``delta`` field: its spec, or None for :data:`RECEIVE_ONLY` (one JSON parse)."""
     try:
-        d = json.loads(delta)
+        d = _spec_loads(delta)
     except (TypeError, ValueError) as e:
         raise DeltaError(f"delta spec is not valid JSON: {e}") from None
     if d == {"receive_only": True}:
@@ -359,7 +373,7 @@ class DeltaSpec:
     @classmethod
     def from_json(cls, text: str) -> "DeltaSpec":
         try:
-            d = json.loads(text)
+            d = _spec_loads(text)
         except (TypeError, ValueError) as e:
             raise DeltaError(f"delta spec is not valid JSON: {e}") from None
         return cls.from_dict(d)
@@ -370,7 +384,7 @@ class DeltaSpec:
             raise DeltaError("file metadata lacks a delta spec (need 'encoding' and 'params')")
         d = dict(md)
         try:
-            d["params"] = json.loads(md["params"])
+            d["params"] = _spec_loads(md["params"])
         except ValueError as e:
             raise DeltaError(f"metadata 'params' is not valid JSON: {e}") from None
         for k in cls._INT_FIELDS:
