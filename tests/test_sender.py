@@ -17,7 +17,7 @@ from cpu_harness import (
     sglang_model,
     write_hf_checkpoint,
 )
-from delta_helpers import assert_params_equal
+from delta_helpers import assert_params_equal, sender_kernels
 from sglang.srt.weight_sync.delta.receiver import delta_status
 from sglang.srt.weight_sync.delta.sender import DeltaSender
 from sglang.srt.weight_sync.delta.transport import DiskTransport, HttpEngine, NcclTransport
@@ -51,11 +51,14 @@ def reference(cfg, state):
     return ref
 
 
-@pytest.mark.parametrize("arch, encoding", [("qwen2", "deltas_zstd"), ("qwen3-tied", "indices"),
-                                            ("qwen2-moe", "deltas"), ("qwen3-moe", "deltas_zstd"),
-                                            ("qwen3-tied", "xor_zstd"), ("qwen3-moe", "xor_zstd"),
-                                            ("qwen2", "planes_zstd")])
-def test_training_loop_into_inprocess_receivers(tmp_path, arch, encoding):
+@pytest.mark.parametrize("arch, encoding, native", [
+    ("qwen2", "deltas_zstd", False), ("qwen3-tied", "indices", False), ("qwen2-moe", "deltas", False),
+    ("qwen3-moe", "deltas_zstd", False), ("qwen3-tied", "xor_zstd", False), ("qwen3-moe", "xor_zstd", False),
+    ("qwen2", "planes_zstd", False), ("qwen3-moe", "xor_zstd", True), ("qwen3-tied", "indices", True)])
+def test_training_loop_into_inprocess_receivers(tmp_path, monkeypatch, arch, encoding, native):
+    """Syncs after real training steps, each engine param bit-identical to a plain load of the trainer's state; the
+    sender's CPU path with numpy's diff and torch's ops, or with its native kernels (``native``)."""
+    sender_kernels(monkeypatch, native)
     cfg = hf_config(arch)
     trainer = hf_model(cfg)
     engine = LocalEngine(cfg)
@@ -81,6 +84,10 @@ def test_training_loop_into_inprocess_receivers(tmp_path, arch, encoding):
         assert sender.state.version == step
         assert_params_equal(engine.host.model, reference(cfg, state))
     transport.close()
+    if native:  # no native kernel failed and left the rest to numpy and torch
+        from sglang.srt.weight_sync.delta import kernels, wire
+
+        assert kernels.kernel_state("cpu", wire.SENDER) == "compiled"
 
 
 def test_the_disk_transport_announces_to_every_engine_at_once(tmp_path):
@@ -314,9 +321,11 @@ def test_training_loop_into_a_server_over_disk_then_gloo(server):
     nccl.close()
 
 
-def test_a_sync_aborted_midway_is_counted_and_the_engines_status_decides_what_follows(tmp_path):
+@pytest.mark.parametrize("native", [False, True])
+def test_a_sync_aborted_midway_is_counted_and_the_engines_status_decides_what_follows(tmp_path, monkeypatch, native):
     """Nothing of v2 was announced (its segment never ended): the engine's status says committed version 1, not
     dirty, so the next delta — which re-sends every position v2 staged — makes it bit-identical, no full sync."""
+    sender_kernels(monkeypatch, native)
     cfg = hf_config("qwen2")
     trainer = hf_model(cfg)
     engine = LocalEngine(cfg)
@@ -420,14 +429,16 @@ def test_the_disk_writer_queue_is_bounded(tmp_path, monkeypatch):
     writer.close()
 
 
-@pytest.mark.parametrize("below", [0, 40, 1 << 30])
-def test_the_snapshot_fold_lands_every_change_joined_or_alone(monkeypatch, below):
+@pytest.mark.parametrize("below, native", [(0, False), (40, False), (1 << 30, False), (40, True)])
+def test_the_snapshot_fold_lands_every_change_joined_or_alone(monkeypatch, below, native):
     """A commit folds what a sync sent into the snapshot, one slab at a time: on CPU small params joined into one
-    scatter, large ones alone (``wire.CPU_BATCH_BELOW``). At every threshold the snapshot equals the new tensors."""
+    scatter, large ones alone (``wire.CPU_BATCH_BELOW``), or with the native kernels one call per recorded run. At
+    every threshold the snapshot equals the new tensors."""
     from sglang.srt.weight_sync.delta import wire
     from sglang.srt.weight_sync.delta.sender import DeltaState
 
     monkeypatch.setattr(wire, "CPU_BATCH_BELOW", below)
+    sender_kernels(monkeypatch, native)
     g = torch.Generator().manual_seed(3)
     old = {f"p{k}": torch.randn(n, generator=g).to(torch.bfloat16) for k, n in enumerate([10, 100, 1000, 5000, 7])}
     new = {k: v.clone() for k, v in old.items()}

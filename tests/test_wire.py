@@ -1,10 +1,11 @@
 """Codec properties of the wire module: encode -> decode is exact, and the checksum catches corruption."""
 import random
+import types
 
 import numpy as np
 import pytest
 import torch
-from delta_helpers import per_param
+from delta_helpers import per_param, sender_kernels
 from hypothesis import given, settings, strategies as st
 from sglang.srt.weight_sync.delta.wire import (
     POSITIONS,
@@ -134,10 +135,13 @@ def test_per_param_u32_fallback():
     assert torch.equal(got[0], a) and torch.equal(got[1], b)
 
 
+@pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("encoding", ["indices", "deltas"])
-def test_a_flush_encodes_each_params_positions_as_if_alone(encoding):
-    """The joined encoder (one pass for a flush's params): every param's bytes and width equal its own encoding —
-    widths that alternate, an empty param, a first gap above 65535, a param starting below the last one's end."""
+def test_a_flush_encodes_each_params_positions_as_if_alone(monkeypatch, encoding, native):
+    """The joined encoder (one pass for a flush's params; on CPU the native kernel once ready): every param's bytes
+    and width equal its own encoding — widths that alternate, an empty param, a first gap above 65535, a param
+    starting below the last one's end."""
+    sender_kernels(monkeypatch, native)
     idxs = [torch.tensor([0, 1, 2]), torch.tensor([], dtype=torch.int64), torch.tensor([0, 100000]),
             torch.tensor([70000, 70001]), torch.tensor([3]), torch.tensor([5, 6, 65541])]
     blob, ranges = encode_positions_many(idxs, encoding)
@@ -148,6 +152,47 @@ def test_a_flush_encodes_each_params_positions_as_if_alone(encoding):
         assert torch.equal(decode_positions(blob[start:end], width, encoding), idx)
     if encoding == "deltas":
         assert [r[2] for r in ranges] == [2, 2, 4, 4, 2, 2]
+    with pytest.raises(DeltaError, match="does not fit"):
+        encode_positions_many([torch.tensor([0, 1 << 33])], encoding)
+
+
+def test_a_sender_kernel_that_differs_from_the_torch_ops_is_never_used(monkeypatch):
+    """The native sender kernels are self-tested against numpy's diff and torch's encode and fold before any use: a
+    diff that misses the last hit of a word, an encoder off by one in a gap, a fold that skips a tensor — each is
+    refused. One that fails at run time leaves numpy's diff for the rest of the process, with the same result."""
+    from sglang.srt.weight_sync.delta import kernels, native, wire
+
+    cpu = torch.device("cpu")
+    wire._test_sender(native.SENDER, cpu)
+
+    def drop_last(*a, **k):
+        idx, values, olds, counts = native.diff_runner(*a, **k)
+        counts[-1] -= 1
+        return idx[:-1], values[:-1], None if olds is None else olds[:-1], counts
+
+    def off_by_one(*a, **k):
+        blob, ranges = native.positions_runner(*a, **k)
+        blob[ranges[-1][0]] += 1
+        return blob, ranges
+
+    def skip_last(dsts, counts, idx, values):
+        n = sum(counts[:-1])
+        native.fold_runner(dsts[:-1], counts[:-1], idx[:n], values[:n])
+
+    for broken in (dict(diff=drop_last), dict(positions=off_by_one), dict(fold=skip_last)):
+        runner = types.SimpleNamespace(**{**vars(native.SENDER), **broken})
+        with pytest.raises(RuntimeError, match="native (diff|positions|fold)"):
+            wire._test_sender(runner, cpu)
+
+    sender_kernels(monkeypatch, True)
+    old = [torch.zeros(100, dtype=torch.bfloat16), torch.zeros(7, dtype=torch.bfloat16)]
+    new = [old[0].clone(), old[1].clone()]
+    new[0][[3, 50]] = 1.0
+    monkeypatch.setitem(kernels.KERNELS.runner, ("sender", "cpu"),
+                        types.SimpleNamespace(diff=lambda *a, **k: 1 / 0))
+    found = wire.changes_many(list(zip(old, new)))
+    assert [idx.tolist() for idx, _, _ in per_param(found, 2)] == [[3, 50], []]
+    assert kernels.kernel_state("cpu", wire.SENDER).startswith("failed: ZeroDivisionError")
 
 
 def test_dense_int_params():
@@ -302,13 +347,15 @@ def test_no_pickle_on_the_delta_path():
             assert banned not in src, f"{path.name} uses {banned}"
 
 
-@pytest.mark.parametrize("numpy_diff", [True, False])
-def test_changed_positions_of_many_params_unite_the_staged_positions(monkeypatch, numpy_diff):
-    """The sender's diff of a chunk (numpy per param on CPU; one nonzero on a device), each param united with the
-    positions an unacknowledged sync staged: sorted, unique, bytes compared (-0.0 vs 0.0 counts)."""
+@pytest.mark.parametrize("numpy_diff, native", [(True, False), (True, True), (False, False)])
+def test_changed_positions_of_many_params_unite_the_staged_positions(monkeypatch, numpy_diff, native):
+    """The sender's diff of a chunk (on CPU numpy per param or the native kernel per dtype; one nonzero on a device),
+    each param united with the positions an unacknowledged sync staged: sorted, unique, bytes compared (-0.0 vs 0.0
+    counts)."""
     from sglang.srt.weight_sync.delta import wire
 
     monkeypatch.setattr(wire, "_NUMPY_DIFF", numpy_diff)
+    sender_kernels(monkeypatch, native)
     old = [torch.zeros(1000, dtype=torch.bfloat16) for _ in range(3)]
     new = [o.clone() for o in old]
     new[0][[5, 17]] = 1.0
@@ -345,16 +392,18 @@ def test_tensors_lying_end_to_end_join_as_a_view_and_any_other_layout_as_a_copy(
     assert torch.equal(wire._joined([a[90:], b[:10]], torch.int16), torch.arange(90, 110, dtype=torch.int16))
 
 
-@pytest.mark.parametrize("numpy_diff", [True, False])
-def test_the_joined_diff_hands_over_the_new_values_bit_for_bit(monkeypatch, numpy_diff):
+@pytest.mark.parametrize("numpy_diff, native", [(True, False), (True, True), (False, False)])
+def test_the_joined_diff_hands_over_the_new_values_bit_for_bit(monkeypatch, numpy_diff, native):
     """Small CPU params are diffed joined per dtype and their new values come out of that pass: each param's
     positions, values and old values (``xor_zstd``'s bases) equal its own diff and gathers — across dtypes of one
     width (bf16 beside fp16), fp8, a transposed (non-contiguous) tensor, one that requires grad, NaN payloads, an
-    unchanged param, a large one and one with staged positions (both diffed alone on CPU). The device path
-    (``numpy_diff=False``, in batches small enough here to split the params) joins per dtype and batch."""
+    unchanged param, a large one and one with staged positions (both diffed alone by numpy; the native kernel takes
+    all but the staged one per dtype). The device path (``numpy_diff=False``, in batches small enough here to split
+    the params) joins per dtype and batch."""
     from sglang.srt.weight_sync.delta import wire
 
     monkeypatch.setattr(wire, "_NUMPY_DIFF", numpy_diff)
+    sender_kernels(monkeypatch, native)
     monkeypatch.setattr(wire, "_JOIN_BYTES", 3 * 64 * 48 * 2)
 
     g = torch.Generator().manual_seed(3)
@@ -386,7 +435,9 @@ def test_the_joined_diff_hands_over_the_new_values_bit_for_bit(monkeypatch, nump
         for t, of in ((values, new), (at_old, old)):
             assert t.dtype == new.dtype and torch.equal(t.view(iv), wire.gather(of.detach().reshape(-1), idx).view(iv))
     assert got[2][0].numel() == 0
-    if numpy_diff:  # bf16 [0, 2, 5], fp16 [1, 6], fp8 [4, 7] joined; the staged fp32 and the large bf16 alone
+    if numpy_diff and native:  # one call per dtype, the large bf16 with the small ones; the staged fp32 alone
+        assert sorted(f.ks for f in found) == [[0, 2, 5, 8], [1, 6], [3], [4, 7]]
+    elif numpy_diff:  # bf16 [0, 2, 5], fp16 [1, 6], fp8 [4, 7] joined; the staged fp32 and the large bf16 alone
         assert sorted(f.ks for f in found) == [[0, 2, 5], [1, 6], [3], [4, 7], [8]]
 
 

@@ -1,5 +1,5 @@
-"""The mix64 kernels on CPU: :data:`SOURCE` (C++) built into a shared library once per machine and called through ctypes
-on all of torch's threads, each on a share of the words or rows.
+"""The mix64 kernels and the sender's diff on CPU: :data:`SOURCE` (C++) built into a shared library once per machine
+and called through ctypes on all of torch's threads, each on a share of the words, rows or elements.
 
 Why not the AOTInductor packages CUDA runs: below AVX-512 torch's CPU vector classes multiply 64-bit lanes one at a
 time through memory, so inductor's kernels for these 64-bit multiply hashes run scalar. A compiler vectorizes the
@@ -17,13 +17,16 @@ import os
 import platform
 import subprocess
 import threading
+import types
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
-SOURCE = r"""/* mix64.py's blob sums and fingerprint row sums as loops a compiler vectorizes. */
+SOURCE = r"""/* mix64.py's blob sums and fingerprint row sums as loops a compiler vectorizes; the sender's diff. */
 #include <stdint.h>
+#include <string.h>
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
@@ -82,6 +85,139 @@ ROWS(mix64_rows_uint8, uint8_t)
 ROWS(mix64_rows_int16, int16_t)
 ROWS(mix64_rows_int32, int32_t)
 ROWS(mix64_rows_int64, int64_t)
+
+/* The diff: where two tensors' elements differ bitwise, each such position (from the tensor's start) with b's element
+ * there (and a's, `olds`), in one pass over both. A 64-bit word of lanes is compared at once; in a word that differs,
+ * ((d & ~HI) + ~HI | d) & HI sets the top bit of each lane that differs, and its set bits are visited in order. */
+template <typename T, int OLDS>
+static int64_t diff_range(const T *a, const T *b, int64_t i, int64_t e, int64_t *idx, T *vals, T *olds, int64_t w) {
+  const int L = 8 / sizeof(T), SHIFT = sizeof(T) == 1 ? 3 : sizeof(T) == 2 ? 4 : sizeof(T) == 4 ? 5 : 6;
+  const uint64_t HI = sizeof(T) == 1 ? 0x8080808080808080ULL : sizeof(T) == 2 ? 0x8000800080008000ULL
+                    : sizeof(T) == 4 ? 0x8000000080000000ULL : 0x8000000000000000ULL;
+  for (; i + L <= e; i += L) {
+    uint64_t x, y;
+    memcpy(&x, a + i, 8);
+    memcpy(&y, b + i, 8);
+    uint64_t d = x ^ y;
+    if (!d) continue;
+    for (uint64_t nz = (((d & ~HI) + ~HI) | d) & HI; nz; nz &= nz - 1) {
+      int64_t j = i + (__builtin_ctzll(nz) >> SHIFT);
+      idx[w] = j;
+      vals[w] = b[j];
+      if (OLDS) olds[w] = a[j];
+      w++;
+    }
+  }
+  for (; i < e; i++)
+    if (a[i] != b[i]) {
+      idx[w] = i;
+      vals[w] = b[i];
+      if (OLDS) olds[w] = a[i];
+      w++;
+    }
+  return w;
+}
+
+/* Tensors k of pa/pb (addresses), ns[k] elements each, from at = (k, i) up to (k_end, i_end): hits appended to idx/vals
+ * (/olds) while at least a step's worth of the `cap` slots is free, counts[k] += each tensor's hits. Returns the hits
+ * written; at is where it stopped (at == (k_end, i_end): done; else the caller continues into new slots). */
+#define DIFF_STEP 65536
+template <typename T, int OLDS>
+static int64_t diff_many(const int64_t *pa, const int64_t *pb, const int64_t *ns, int64_t *at, int64_t k_end,
+                         int64_t i_end, int64_t *idx, T *vals, T *olds, int64_t cap, int64_t *counts) {
+  int64_t k = at[0], i = at[1], w = 0;
+  while (k < k_end || (k == k_end && i < i_end)) {
+    const int64_t e = k < k_end ? ns[k] : i_end, w0 = w;
+    const T *a = (const T *)pa[k], *b = (const T *)pb[k];
+    while (i < e) {
+      const int64_t s = e - i < DIFF_STEP ? e - i : DIFF_STEP;
+      if (cap - w < s) break;
+      w = diff_range<T, OLDS>(a, b, i, i + s, idx, vals, olds, w);
+      i += s;
+    }
+    counts[k] += w - w0;
+    if (i < e || k == k_end) break;
+    k++;
+    i = 0;
+  }
+  at[0] = k;
+  at[1] = i;
+  return w;
+}
+
+#define DIFF(NAME, T)                                                                                               \
+  API CLONES int64_t NAME(const int64_t *pa, const int64_t *pb, const int64_t *ns, int64_t *at, int64_t k_end,    \
+                          int64_t i_end, int64_t *idx, T *vals, T *olds, int64_t cap, int64_t *counts) {          \
+    return olds ? diff_many<T, 1>(pa, pb, ns, at, k_end, i_end, idx, vals, olds, cap, counts)                     \
+                : diff_many<T, 0>(pa, pb, ns, at, k_end, i_end, idx, vals, olds, cap, counts);                    \
+  }
+
+DIFF(diff_uint8, uint8_t)
+DIFF(diff_int16, uint16_t)
+DIFF(diff_int32, uint32_t)
+DIFF(diff_int64, uint64_t)
+
+/* Positions to the wire, per param k (cnt[k] sorted positions at pos[k]): gaps (pos[i] - pos[i-1] - 1, from -1) or,
+ * `gaps` 0, the positions. pos_top: the largest int each param writes (0 if none). pos_write: each param's ints at
+ * out + at[k], wid[k] (2 or 4) bytes each, little-endian (the low bytes: each fits, by its top). */
+API void pos_top(const int64_t *pos, const int64_t *cnt, int64_t n, int64_t gaps, int64_t *top) {
+  for (int64_t k = 0; k < n; k++) {
+    const int64_t *p = (const int64_t *)pos[k];
+    int64_t t = 0, prev = -1;
+    for (int64_t i = 0; i < cnt[k]; i++) {
+      const int64_t v = gaps ? p[i] - prev - 1 : p[i];
+      t = v > t ? v : t;
+      prev = p[i];
+    }
+    top[k] = t;
+  }
+}
+
+API void pos_write(const int64_t *pos, const int64_t *cnt, int64_t n, int64_t gaps, const int64_t *at,
+                   const int64_t *wid, uint8_t *out) {
+  for (int64_t k = 0; k < n; k++) {
+    const int64_t *p = (const int64_t *)pos[k];
+    int64_t prev = -1;
+    if (wid[k] == 2) {
+      uint16_t *o = (uint16_t *)(out + at[k]);
+      for (int64_t i = 0; i < cnt[k]; i++) {
+        o[i] = (uint16_t)(gaps ? p[i] - prev - 1 : p[i]);
+        prev = p[i];
+      }
+    } else {
+      uint32_t *o = (uint32_t *)(out + at[k]);
+      for (int64_t i = 0; i < cnt[k]; i++) {
+        o[i] = (uint32_t)(gaps ? p[i] - prev - 1 : p[i]);
+        prev = p[i];
+      }
+    }
+  }
+}
+
+/* The snapshot fold, per tensor k: ((T *)dst[k])[pos[k][i]] = ((T *)val[k])[i] for cnt[k] positions. `check`: write
+ * nothing, return the first k with a position outside [0, numel[k]) (-1: none), so a caller checks all first. */
+#define FOLD(NAME, T)                                                                                               \
+  API int64_t NAME(const int64_t *dst, const int64_t *pos, const int64_t *val, const int64_t *cnt,                \
+                   const int64_t *numel, int64_t n, int64_t check) {                                                \
+    for (int64_t k = 0; k < n; k++) {                                                                               \
+      const int64_t *p = (const int64_t *)pos[k];                                                                   \
+      if (check) {                                                                                                  \
+        int64_t bad = 0;                                                                                            \
+        for (int64_t i = 0; i < cnt[k]; i++) bad |= (p[i] < 0) | (p[i] >= numel[k]);                               \
+        if (bad) return k;                                                                                          \
+        continue;                                                                                                   \
+      }                                                                                                             \
+      const T *v = (const T *)val[k];                                                                               \
+      T *d = (T *)dst[k];                                                                                           \
+      for (int64_t i = 0; i < cnt[k]; i++) d[p[i]] = v[i];                                                          \
+    }                                                                                                               \
+    return -1;                                                                                                      \
+  }
+
+FOLD(fold_uint8, uint8_t)
+FOLD(fold_int16, uint16_t)
+FOLD(fold_int32, uint32_t)
+FOLD(fold_int64, uint64_t)
 """
 
 _SHARE = 1 << 18  # words or elements per thread at least: below that a thread's start costs more than it hashes
@@ -129,6 +265,12 @@ def library() -> ctypes.CDLL:
     lib.mix64_sum.argtypes = [_PTR, _I64, _U64, _U64, _U64, _U64, _PTR]
     for name in _ROWS.values():
         getattr(lib, f"mix64_rows_{name}").argtypes = [_PTR, _I64, _I64, _PTR, _U64, _U64, _PTR]
+        fn = getattr(lib, f"diff_{name}")
+        fn.argtypes, fn.restype = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR], _I64
+        fn = getattr(lib, f"fold_{name}")
+        fn.argtypes, fn.restype = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64], _I64
+    lib.pos_top.argtypes = [_PTR, _PTR, _I64, _I64, _PTR]
+    lib.pos_write.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR]
     return lib
 
 
@@ -204,3 +346,142 @@ def rows_runner(dtype: torch.dtype, pairs: bool = False):
         return out
 
     return run
+
+
+_HUGE = 1 << 21  # a transparent huge page on x86-64 and arm64 (4 KiB base pages)
+
+
+@functools.lru_cache(maxsize=None)
+def _madvise() -> Optional[Callable]:
+    """libc's madvise on Linux, else None."""
+    if platform.system() != "Linux":
+        return None
+    fn = ctypes.CDLL(None, use_errno=True).madvise
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+def empty(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty(n, dtype)`` on the CPU, its whole 2 MiB pages advised as transparent huge pages (Linux's
+    ``madvise`` mode): a fresh buffer of the sender's is written once and freed after the sync, and its first
+    touch costs a page fault per 4 KiB page otherwise (measured: filling a fresh 113 MB buffer took 38 ms against
+    10 ms advised, the same as memory written before). Where the kernel has no such pages the advice is ignored."""
+    t = torch.empty(n, dtype=dtype)
+    advise = _madvise() if t.nbytes >= 2 * _HUGE else None
+    if advise is not None:
+        lo = -(-t.data_ptr() // _HUGE) * _HUGE
+        advise(lo, (t.data_ptr() + t.nbytes - lo) // _HUGE * _HUGE, 14)  # MADV_HUGEPAGE
+    return t
+
+
+_WIDTHS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+_DIFF_STEP = 1 << 16  # DIFF_STEP: elements the library diffs between checks of the free slots
+
+
+def diff_runner(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], want_olds: bool = False,
+                first_slots: Optional[int] = None):
+    """Where each ``(olds[k], news[k])`` differs bitwise, for contiguous tensors of one dtype (read as raw bits): (the
+    positions joined in ``k`` order, each from its tensor's start, int64; ``news``' elements there; ``olds``' with
+    ``want_olds``, else None; the count per tensor as a list). One pass over both sides, no per-tensor call: each
+    thread takes an equal share of all the elements, across tensor bounds, into slots sized for 1/16 of its share
+    (more as it fills them; ``first_slots`` sets that size, for the self-test)."""
+    dtype, n = news[0].dtype, len(news)
+    fn = getattr(library(), f"diff_{_WIDTHS[dtype.itemsize]}")
+    pa = np.fromiter(map(torch.Tensor.data_ptr, olds), dtype=np.int64, count=n)
+    pb = np.fromiter(map(torch.Tensor.data_ptr, news), dtype=np.int64, count=n)
+    ns = np.fromiter(map(torch.Tensor.numel, news), dtype=np.int64, count=n)
+    ends = np.cumsum(ns)
+    total = int(ends[-1]) if n else 0
+    bounds = [a for a, _ in _shares(total, 1)] + [total] if total else [0, 0]
+    starts = [int(x) for x in np.searchsorted(ends, bounds, side="right")]  # the tensor each bound falls in
+    at = [(k, b - (int(ends[k - 1]) if k else 0)) if k < n else (n, 0) for k, b in zip(starts, bounds)]
+
+    def share(s: int):
+        where, counts = np.array(at[s], dtype=np.int64), np.zeros(n, dtype=np.int64)
+        (k_end, i_end), left, parts = at[s + 1], bounds[s + 1] - bounds[s], []
+        slots = first_slots or min(max(left // 16, 2 * _DIFF_STEP), left)  # `left` slots always suffice
+        while True:
+            idx, vals = empty(slots, torch.int64), empty(slots, dtype)
+            old = empty(slots, dtype) if want_olds else None
+            w = fn(pa.ctypes.data, pb.ctypes.data, ns.ctypes.data, where.ctypes.data, k_end, i_end, idx.data_ptr(),
+                   vals.data_ptr(), None if old is None else old.data_ptr(), slots, counts.ctypes.data)
+            parts.append((idx[:w], vals[:w], None if old is None else old[:w]))
+            if (int(where[0]), int(where[1])) == (k_end, i_end):
+                return parts, counts
+            slots = min(max(2 * slots, 2 * _DIFF_STEP), left)
+
+    results = [share(0)] if len(bounds) == 2 else list(_pool().map(share, range(len(bounds) - 1)))
+    parts = [p for ps, _ in results for p in ps]
+    counts = sum(c for _, c in results)
+
+    def joined(j: int) -> torch.Tensor:  # a copy of exactly the hits: the slots are sized for more
+        ps = [p[j] for p in parts]
+        return torch.cat(ps, out=empty(sum(map(len, ps)), ps[0].dtype))
+
+    return joined(0), joined(1), joined(2) if want_olds else None, counts.tolist()
+
+
+def _addresses(base: torch.Tensor, counts: np.ndarray) -> np.ndarray:
+    """The address of each of ``counts``' consecutive runs in the flat contiguous ``base``."""
+    starts = np.zeros(len(counts), dtype=np.int64)
+    np.cumsum(counts[:-1], out=starts[1:])
+    return base.data_ptr() + starts * base.element_size()
+
+
+def _param_shares(counts: np.ndarray) -> list:
+    """``[start, end)`` ranges of params for the threads, about equal in their elements."""
+    ends = np.cumsum(counts)
+    total = int(ends[-1]) if len(ends) else 0
+    cuts = [int(x) for x in np.searchsorted(ends, [a for a, _ in _shares(total, 1)][1:], side="left")] if total else []
+    bounds = sorted({0, *cuts, len(counts)})
+    return list(zip(bounds, bounds[1:]))
+
+
+def positions_runner(pieces: Sequence[torch.Tensor], counts: Sequence[Sequence[int]], gaps: bool, widths):
+    """Params' sorted int64 positions (``pieces``: contiguous, each the joined positions of ``counts[i]`` params) to
+    the wire: ``widths(tops)`` turns each param's largest int (its largest gap, or with ``gaps`` False its largest
+    position) into its width in bytes, 2 or 4; returns (the uint8 blob, each param's (byte start, byte end, width)).
+    Two passes over the positions (the tops, then the ints written at their widths) into one fresh blob."""
+    lib = library()
+    cnt = np.fromiter((c for cs in counts for c in cs), dtype=np.int64)
+    pos = np.concatenate([_addresses(p, np.asarray(cs, dtype=np.int64)) for p, cs in zip(pieces, counts)]) \
+        if len(cnt) else np.zeros(0, dtype=np.int64)
+    top = np.zeros(len(cnt), dtype=np.int64)
+    shares = _param_shares(cnt)
+    _run(lambda a, b: lib.pos_top(pos.ctypes.data + 8 * a, cnt.ctypes.data + 8 * a, b - a, int(gaps),
+                                  top.ctypes.data + 8 * a), shares)
+    wid = np.asarray(widths(top.tolist()), dtype=np.int64)
+    ends = np.cumsum(cnt * wid)
+    at = ends - cnt * wid
+    blob = empty(int(ends[-1]) if len(ends) else 0, torch.uint8)
+    _run(lambda a, b: lib.pos_write(pos.ctypes.data + 8 * a, cnt.ctypes.data + 8 * a, b - a, int(gaps),
+                                    at.ctypes.data + 8 * a, wid.ctypes.data + 8 * a, blob.data_ptr()), shares)
+    return blob, list(zip(at.tolist(), ends.tolist(), wid.tolist()))
+
+
+def fold_runner(dsts: Sequence[torch.Tensor], counts: Sequence[int], idx: torch.Tensor, values: torch.Tensor) -> None:
+    """``dsts[k].view(-1)[positions] = values`` for each tensor's share of the joined ``idx`` and ``values`` (``counts``
+    each; tensors contiguous, of the values' width): the sender's snapshot advance, one call for a recorded run.
+    Raises, before any write, where a position is out of its tensor."""
+    fn = getattr(library(), f"fold_{_WIDTHS[values.element_size()]}")
+    cnt = np.asarray(counts, dtype=np.int64)
+    dst = np.fromiter(map(torch.Tensor.data_ptr, dsts), dtype=np.int64, count=len(dsts))
+    numel = np.fromiter(map(torch.Tensor.numel, dsts), dtype=np.int64, count=len(dsts))
+    pos, val = _addresses(idx, cnt), _addresses(values, cnt)
+    shares = _param_shares(cnt)
+    bad = []
+
+    def share(check: int, a: int, b: int) -> None:
+        k = fn(dst.ctypes.data + 8 * a, pos.ctypes.data + 8 * a, val.ctypes.data + 8 * a, cnt.ctypes.data + 8 * a,
+               numel.ctypes.data + 8 * a, b - a, check)
+        if k >= 0:
+            bad.append(a + k)
+
+    _run(functools.partial(share, 1), shares)  # every position checked before any is written
+    if bad:
+        k = min(bad)
+        raise ValueError(f"snapshot fold: a position of tensor {k} is outside its {int(numel[k])} elements")
+    _run(functools.partial(share, 0), shares)
+
+
+SENDER = types.SimpleNamespace(diff=diff_runner, positions=positions_runner, fold=fold_runner)

@@ -36,7 +36,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from sglang.srt.weight_sync.delta import fingerprint
+from sglang.srt.weight_sync.delta import fingerprint, kernels
 from sglang.srt.weight_sync.delta.collectives import StageGroup
 from sglang.srt.weight_sync.delta.wire import (
     DeltaEncoding,
@@ -45,6 +45,7 @@ from sglang.srt.weight_sync.delta.wire import (
     INT_VIEW,
     DeltaStatus,
     Refusal,
+    SENDER,
     WIRE_FORMAT,
     Found,
     Gathered,
@@ -245,9 +246,18 @@ class DeltaState:
         self.link.synchronize()
         self.snapshot.update(self._copies)
         folds: Dict[Tuple[int, torch.dtype], list] = {}
+        runner = kernels.KERNELS.ready(SENDER, self.device, sum(s[2].numel() for s in self._sent)) \
+            if self.device.type == "cpu" else None
         for names, counts, idx, values in self._sent:
             if not idx.numel():
                 continue
+            if runner is not None and idx.dtype == torch.int64 and idx.is_contiguous() and values.is_contiguous():
+                try:  # one native call for the run: each tensor's positions checked, then written
+                    runner.fold([self.snapshot[n] for n in names], counts, idx, values)
+                    continue
+                except Exception as e:  # noqa: BLE001 - checked before any write: the torch ops fold it instead
+                    kernels.KERNELS.failed(SENDER, self.device, e)
+                    runner = None
             live = [k for k, n in enumerate(counts) if n]  # a run covers every param it compared, changed or not
             if len(live) < len(counts):
                 names, counts = [names[k] for k in live], [counts[k] for k in live]

@@ -49,6 +49,7 @@ import safetensors.torch
 import torch
 from torch._utils import _flatten_dense_tensors
 
+from sglang.srt.weight_sync.delta import kernels, native
 from sglang.srt.weight_sync.delta.mix64 import M64, NAN_BITS, blob_sum
 
 __all__ = [
@@ -671,6 +672,23 @@ def encode_positions_many(idxs: Sequence[torch.Tensor], encoding: str, device: O
         counts = [[i.numel()] for i in idxs]
     lengths = list(itertools.chain.from_iterable(counts))
     device = idxs[0].device if idxs else (device or torch.device("cpu"))
+    runner = kernels.KERNELS.ready(SENDER, device, sum(lengths)) if device.type == "cpu" and idxs else None
+    if runner is not None:  # on CPU the native kernel, once ready: two passes, no temporaries
+        pieces = [i.reshape(-1) for i in idxs]
+        if all(p.dtype == torch.int64 and p.is_contiguous() for p in pieces):
+            try:
+                return runner.positions(pieces, counts, enc is not DeltaEncoding.INDICES,
+                                        lambda tops: [_pos_width(enc, t) for t in tops])
+            except DeltaError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the torch ops encode them instead
+                kernels.KERNELS.failed(SENDER, device, e)
+    return _encode_positions_torch(idxs, enc, device, lengths)
+
+
+def _encode_positions_torch(idxs: Sequence[torch.Tensor], enc: DeltaEncoding, device: torch.device,
+                            lengths: List[int]) -> Tuple[torch.Tensor, List[Tuple[int, int, int]]]:
+    """:func:`encode_positions_many` in torch ops (any device)."""
     pieces = [i.reshape(-1) for i in idxs if i.numel()]
     live = [k for k, n in enumerate(lengths) if n]
     tops = [0] * len(lengths)
@@ -688,16 +706,7 @@ def encode_positions_many(idxs: Sequence[torch.Tensor], encoding: str, device: O
             ints[at] = flat[at]  # a param's first gap counts from -1, not from the previous param's last position
         for k, t in zip(live, _segment_max(ints, firsts)):
             tops[k] = t
-    widths = []
-    for k, biggest in enumerate(tops):
-        if enc is DeltaEncoding.INDICES:
-            if biggest > _U32_MAX:
-                raise DeltaError(f"position {biggest} does not fit the 4-byte 'indices' encoding")
-            widths.append(4)
-        else:
-            if biggest > _U32_MAX:
-                raise DeltaError(f"gap {biggest} does not fit 4 bytes")
-            widths.append(2 if biggest <= _U16_MAX else 4)
+    widths = [_pos_width(enc, t) for t in tops]
     # Narrowing keeps the low bytes (values fit unsigned width), and tensors are little-endian on every platform torch
     # runs on: the int16/int32 bytes are the wire's u16/u32. One conversion per run of params of one width.
     parts, ranges, at, elem = [], [], 0, 0
@@ -712,6 +721,17 @@ def encode_positions_many(idxs: Sequence[torch.Tensor], encoding: str, device: O
         elem += n
     blob = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
     return blob, ranges
+
+
+def _pos_width(enc: DeltaEncoding, biggest: int) -> int:
+    """Bytes per position int of a param whose largest int (position or gap) is ``biggest``."""
+    if enc is DeltaEncoding.INDICES:
+        if biggest > _U32_MAX:
+            raise DeltaError(f"position {biggest} does not fit the 4-byte 'indices' encoding")
+        return 4
+    if biggest > _U32_MAX:
+        raise DeltaError(f"gap {biggest} does not fit 4 bytes")
+    return 2 if biggest <= _U16_MAX else 4
 
 
 def _segment_max(ints: torch.Tensor, firsts: List[int]) -> list:
@@ -1418,9 +1438,13 @@ def any_nan(t: torch.Tensor) -> torch.Tensor:
 
 
 def _cat(ts: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``torch.cat`` that takes no tensor too; always new memory (a flush's blobs never alias what the sender keeps
-    or the caller's tensors)."""
-    return torch.cat(list(ts)) if ts else torch.empty(0, dtype=dtype, device=device)
+    """``torch.cat`` of flat tensors that takes no tensor too; always new memory (a flush's blobs never alias what the
+    sender keeps or the caller's tensors), on CPU advised as huge pages (:func:`native.empty`)."""
+    if not ts:
+        return torch.empty(0, dtype=dtype, device=device)
+    if device.type == "cpu" and all(t.dtype == dtype for t in ts):  # (an out= of another dtype would convert)
+        return torch.cat(list(ts), out=native.empty(sum(t.numel() for t in ts), dtype))
+    return torch.cat(list(ts))
 
 
 def gather(flat: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -1526,6 +1550,80 @@ def _small_cpu_diffs(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], extra: 
     return out
 
 
+def _native_diffs(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], extra: Sequence[Optional[torch.Tensor]],
+                  want_olds: bool) -> Optional[List[Found]]:
+    """The CPU pairs without staged positions diffed by the native kernel (:data:`SENDER`), one call per dtype for
+    all of them, large or small: one :class:`Found` per dtype. None while the kernels are not ready in this process
+    (or once they failed): then numpy diffs them."""
+    cpu = torch.device("cpu")
+    runner = kernels.KERNELS.ready(SENDER, cpu, sum(new.numel() for _, new in pairs))
+    if runner is None:
+        return None
+    groups: Dict[torch.dtype, List[int]] = {}
+    for k, ((old, new), more) in enumerate(zip(pairs, extra)):
+        _check_pair(old, new)
+        if more is None or not more.numel():
+            groups.setdefault(new.dtype, []).append(k)
+    out = []
+    try:
+        for dtype, ks in groups.items():
+            sides = [[pairs[k][j] for k in ks] for j in (0, 1)]  # read by address: a view's order needs a copy
+            sides = [ts if all(map(torch.Tensor.is_contiguous, ts)) else
+                     [t if t.is_contiguous() else t.detach().contiguous() for t in ts] for ts in sides]
+            idx, values, olds, counts = runner.diff(*sides, want_olds)
+            out.append(Found(ks, counts, idx, values, olds))
+    except Exception as e:  # noqa: BLE001 - a kernel that cannot run leaves numpy's diff, never a wrong one
+        kernels.KERNELS.failed(SENDER, cpu, e)
+        return None
+    return out
+
+
+def _test_sender(runner, device: torch.device) -> None:
+    """The native sender kernels against the torch and numpy ops they replace, bit for bit; raises on any
+    difference. The diff for every width: tensors of odd lengths (empty, shorter than a word, longer than a step),
+    hits in every lane, a whole word and a whole tensor changed, shares that cut tensors and slots that fill up
+    mid-tensor (more parts). Its positions encoded both ways (gaps of both widths, a param without positions), and
+    folded into copies of the old tensors, which must then equal the new ones."""
+    g = torch.Generator().manual_seed(11)
+    for width, iv in INT_VIEW.items():
+        sizes = [0, 1, 3, 8, 9, 4097, 70001, 300000, 1 << 20, 5]
+        olds = [torch.randint(-(1 << 62), 1 << 62, (n,), generator=g).view(torch.uint8)[:n * width].view(iv)
+                if n else torch.zeros(0, dtype=iv) for n in sizes]
+        news = [t.clone() for t in olds]
+        for k, t in enumerate(news):
+            if t.numel():
+                hit = torch.randint(0, t.numel(), (t.numel() // (k + 2) + 1,), generator=g)
+                t.view(torch.uint8).view(-1, width)[hit, torch.randint(0, width, hit.shape, generator=g)] ^= 0x81
+                t[:8 // width] += 1  # a whole word
+        news[6].add_(1)  # every element of a tensor
+        want = [np.flatnonzero(a.numpy() != b.numpy()) for a, b in zip(olds, news)]
+        for want_olds, first in ((False, None), (True, None), (True, 2 * width + 1)):
+            idx, values, at_old, counts = runner.diff(olds, news, want_olds, first)
+            if counts != [w.size for w in want] or not np.array_equal(idx.numpy(), np.concatenate(want)):
+                raise RuntimeError(f"native diff: positions of {width}-byte elements differ from numpy's")
+            for got, side in ((values, news), (at_old, olds if want_olds else None)):
+                if side is not None and not np.array_equal(
+                        got.numpy(), np.concatenate([t.numpy()[w] for t, w in zip(side, want)])):
+                    raise RuntimeError(f"native diff: elements of {width}-byte tensors differ from numpy's")
+        for encoding in ("deltas", "indices"):
+            enc = DeltaEncoding(encoding)
+            got = runner.positions([idx[:counts[0] + counts[1] + counts[2]], idx[sum(counts[:3]):]],
+                                   [counts[:3], counts[3:]], enc is not DeltaEncoding.INDICES,
+                                   lambda tops: [_pos_width(enc, t) for t in tops])
+            want_blob = _encode_positions_torch([idx], enc, device, counts)
+            if not torch.equal(got[0], want_blob[0]) or got[1] != want_blob[1]:
+                raise RuntimeError(f"native positions: the {encoding} blob differs from torch's")
+        folded = [t.clone() for t in olds]
+        runner.fold(folded, counts, idx, values)
+        if not all(torch.equal(a, b) for a, b in zip(folded, news)):
+            raise RuntimeError(f"native fold: {width}-byte tensors differ from the diffed ones")
+
+
+# The sender's native CPU kernels (diff, positions, snapshot fold): built and tested like the mix64 kernels
+# (:mod:`kernels`), CPU only (a device runs torch's ops: :func:`_joined_diff`)
+SENDER = kernels.Kernel("sender", None, (), _test_sender, cpu=native.SENDER)
+
+
 _JOIN_BYTES = 64 << 20  # device diff: params are compared joined in batches of about this many bytes per side
 
 
@@ -1541,7 +1639,9 @@ def changes_many(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]],
     if not pairs:
         return []
     if _NUMPY_DIFF and all(new.is_cpu for _, new in pairs):
-        out = _small_cpu_diffs(pairs, extra, want_olds)
+        out = _native_diffs(pairs, extra, want_olds)
+        if out is None:
+            out = _small_cpu_diffs(pairs, extra, want_olds)
         joined = set(itertools.chain.from_iterable(f.ks for f in out))
         for k, ((old, new), more) in enumerate(zip(pairs, extra)):
             if k in joined:
