@@ -176,9 +176,14 @@ def snapshot_of(state: dict) -> dict:
     return {k: link.host_copy(v) for k, v in state.items()}
 
 
+FOLD_S: list = []  # per sender_sync: the seconds its snapshot fold took after commit() returned
+
+
 def sender_sync(snapshot, new, encoding: str, version: int, raw=()):
     """One delta sync on the sender: diff vs the snapshot, encode into bounded buckets, advance the snapshot
-    (``xor_zstd``: the snapshot's values at the changed positions go along; ``raw``: the engine's ``xor_raw``)."""
+    (``xor_zstd``: the snapshot's values at the changed positions go along; ``raw``: the engine's ``xor_raw``).
+    The fold into the snapshot, which ``DeltaSender`` leaves running behind its sync, is waited for here and its
+    time appended to :data:`FOLD_S`."""
     from sglang.srt.weight_sync.delta.wire import gc_paused
 
     with gc_paused():  # as DeltaSender.update runs
@@ -212,6 +217,9 @@ def _sender_sync(snapshot, new, encoding: str, version: int, raw):
         state.record(chunk, found)
     payloads += bucket.take(version=version, base_version=version - 1)
     state.commit(version)
+    t = time.perf_counter()
+    state.settle()
+    FOLD_S.append(time.perf_counter() - t)
     return as_parts(payloads)  # the bench applies them as one request (flush 0, final)
 
 
@@ -283,7 +291,7 @@ def measure(paths: list, shape: str, out_json: str, check: bool) -> None:
     os.environ[kernels.MODE_ENV] = "eager"  # what a process does until its compiled checksum kernel is ready
     eager, res["full_wire_eager_s"], _ = measured(broadcast_apply, received(full_flushes(states[0], version=1)))
     os.environ[kernels.MODE_ENV] = "compiled"  # the rest: a long run's steady state
-    res["mix64_ready_s"] = sum(kernels.warm("cpu", k) for k in (mix64.SUM, *mix64.FINGERPRINT.values(), wire.SENDER))
+    res["mix64_ready_s"] = sum(kernels.warm("cpu", k) for k in (mix64.SUM, *mix64.FINGERPRINT.values(), wire.SPARSE))
     compiled = [measured(broadcast_apply, received(full_flushes(states[0], version=v))) for v in (2, 3, 4)]
     assert eager[0] and all(ok for (ok, _), _, _ in compiled), (eager, compiled)
     res["full_wire_s"] = statistics.median(t for _, t, _ in compiled)  # as the plain load below: median of three
@@ -334,6 +342,7 @@ def measure(paths: list, shape: str, out_json: str, check: bool) -> None:
             version += 1
             raw = delta_status(model).xor_raw  # names the engine never stores travel raw in xor_zstd
             payloads, t_enc, m_enc = measured(sender_sync, snapshot, new, encoding, version, raw)
+            t_fold = FOLD_S[-1]
             assert all(torch.equal(snapshot[k].view(torch.int16), new[k].view(torch.int16)) for k in new)
             files, t_ser, m_ser = measured(serialize, payloads, encoding)
             names = publish(payloads, files) if TRANSPORT[encoding] == "disk" else None
@@ -346,6 +355,7 @@ def measure(paths: list, shape: str, out_json: str, check: bool) -> None:
                 assert not mismatched and not uncovered, (encoding, step, mismatched[:3], uncovered[:3])
             row["enc"][encoding] = {
                 "wire_bytes": sum(map(len, files)), "flushes": len(payloads), "encode_s": t_enc, "encode_mem": m_enc,
+                "fold_s": t_fold,
                 "serialize_s": t_ser if TRANSPORT[encoding] == "disk" else 0.0, "apply_s": t_apply,
                 "apply_mem": m_apply, "tensors_sent": sum(len(p.spec.params) for p in payloads),
                 "host_syncs": None if check else counted_apply.syncs}
@@ -489,7 +499,7 @@ def summarize(t: dict, m: dict) -> dict:
         mr = [s["enc"][e] for s in m["steps"]]
         out[e] = {"wire": mean(r["wire_bytes"] for r in tr), "encode": mean(r["encode_s"] for r in tr),
                   "serialize": mean(r["serialize_s"] for r in tr), "apply": mean(r["apply_s"] for r in tr),
-                  "encode_mem": max(r["encode_mem"] for r in mr), "apply_mem": max(r["apply_mem"] for r in mr),
+                  "fold": mean(r.get("fold_s", 0.0) for r in tr), "encode_mem": max(r["encode_mem"] for r in mr), "apply_mem": max(r["apply_mem"] for r in mr),
                   "tensors_sent": mean(r["tensors_sent"] for r in tr),
                   "host_syncs": max((r.get("host_syncs") or 0) for r in mr)}
     return out
@@ -615,7 +625,11 @@ def report(t: dict, m: dict, args, env: str) -> str:
         f"**vs memcpy**: the throughput of that as a ratio to copying the same {mb(full_bytes)} into memory "
         f"allocated once (`Tensor.copy_`; {ms(memcpy)} ms here; higher is faster: a fresh `torch.clone` also pays "
         "the page faults of new memory, which vary several-fold between runs). The bytewise diff alone takes "
-        f"{ms(mean(s['diff_s'] for s in t['steps']))} ms ({memcpy / mean(s['diff_s'] for s in t['steps']):.2f}x memcpy).",
+        f"{ms(mean(s['diff_s'] for s in t['steps']))} ms ({memcpy / mean(s['diff_s'] for s in t['steps']):.2f}x memcpy). "
+        f"Of the sender's time the snapshot fold is {ms(summ['deltas']['fold'])} ms for `deltas`: `DeltaSender` runs "
+        "it behind the sync, on a thread the next read of the snapshot waits for, so a `deltas` sync waits for "
+        f"{ms(summ['deltas']['encode'] - summ['deltas']['fold'])} ms of diff + encode "
+        f"({memcpy / (summ['deltas']['encode'] - summ['deltas']['fold']):.2f}x memcpy).",
         "- **engine ms**: the receiver applying that sync to the real SGLang model class on CPU — validate the "
         "whole request, then write the changed elements through the views the model's loader used in the full sync "
         "— from the received tensors (`nccl`) or by reading and decompressing the files (`disk`); "

@@ -34,16 +34,17 @@ def copy_from_a_temporary(host, name: str = "model.norm.weight"):
     return host
 
 
-def sender_kernels(monkeypatch, native: bool) -> None:
-    """The sender's CPU path for one test: its native kernels built and self-tested (``native``), or none (numpy's
-    diff, torch's encode and fold), in a registry of this test's own (no kernel outlives the test)."""
+def sparse_kernels(monkeypatch, native: bool) -> None:
+    """The CPU path of sender and engine for one test: the native sparse kernels built and self-tested (``native``),
+    or none (numpy's diff, torch's encode and scatters), in a registry of this test's own (no kernel outlives the
+    test)."""
     from sglang.srt.weight_sync.delta import kernels, wire
 
     monkeypatch.setattr(kernels, "KERNELS", kernels._Kernels())
     monkeypatch.setenv(kernels.MODE_ENV, "compiled" if native else "eager")
     if native:
-        kernels.warm("cpu", wire.SENDER)
-        assert kernels.kernel_state("cpu", wire.SENDER) == "compiled"
+        kernels.warm("cpu", wire.SPARSE)
+        assert kernels.kernel_state("cpu", wire.SPARSE) == "compiled"
 
 
 def per_param(found, n: int) -> list:

@@ -17,7 +17,7 @@ from cpu_harness import (
     sglang_model,
     write_hf_checkpoint,
 )
-from delta_helpers import assert_params_equal, sender_kernels
+from delta_helpers import assert_params_equal, sparse_kernels
 from sglang.srt.weight_sync.delta.receiver import delta_status
 from sglang.srt.weight_sync.delta.sender import DeltaSender
 from sglang.srt.weight_sync.delta.transport import DiskTransport, HttpEngine, NcclTransport
@@ -58,7 +58,7 @@ def reference(cfg, state):
 def test_training_loop_into_inprocess_receivers(tmp_path, monkeypatch, arch, encoding, native):
     """Syncs after real training steps, each engine param bit-identical to a plain load of the trainer's state; the
     sender's CPU path with numpy's diff and torch's ops, or with its native kernels (``native``)."""
-    sender_kernels(monkeypatch, native)
+    sparse_kernels(monkeypatch, native)
     cfg = hf_config(arch)
     trainer = hf_model(cfg)
     engine = LocalEngine(cfg)
@@ -87,7 +87,7 @@ def test_training_loop_into_inprocess_receivers(tmp_path, monkeypatch, arch, enc
     if native:  # no native kernel failed and left the rest to numpy and torch
         from sglang.srt.weight_sync.delta import kernels, wire
 
-        assert kernels.kernel_state("cpu", wire.SENDER) == "compiled"
+        assert kernels.kernel_state("cpu", wire.SPARSE) == "compiled"
 
 
 def test_the_disk_transport_announces_to_every_engine_at_once(tmp_path):
@@ -325,7 +325,7 @@ def test_training_loop_into_a_server_over_disk_then_gloo(server):
 def test_a_sync_aborted_midway_is_counted_and_the_engines_status_decides_what_follows(tmp_path, monkeypatch, native):
     """Nothing of v2 was announced (its segment never ended): the engine's status says committed version 1, not
     dirty, so the next delta — which re-sends every position v2 staged — makes it bit-identical, no full sync."""
-    sender_kernels(monkeypatch, native)
+    sparse_kernels(monkeypatch, native)
     cfg = hf_config("qwen2")
     trainer = hf_model(cfg)
     engine = LocalEngine(cfg)
@@ -438,7 +438,7 @@ def test_the_snapshot_fold_lands_every_change_joined_or_alone(monkeypatch, below
     from sglang.srt.weight_sync.delta.sender import DeltaState
 
     monkeypatch.setattr(wire, "CPU_BATCH_BELOW", below)
-    sender_kernels(monkeypatch, native)
+    sparse_kernels(monkeypatch, native)
     g = torch.Generator().manual_seed(3)
     old = {f"p{k}": torch.randn(n, generator=g).to(torch.bfloat16) for k, n in enumerate([10, 100, 1000, 5000, 7])}
     new = {k: v.clone() for k, v in old.items()}
@@ -453,6 +453,74 @@ def test_the_snapshot_fold_lands_every_change_joined_or_alone(monkeypatch, below
     state.commit(2)
     for k, v in new.items():
         assert torch.equal(state.snapshot[k].view(torch.int16), v.view(torch.int16)), k
+
+
+def test_a_commit_folds_behind_and_whatever_reads_the_snapshot_waits_for_it(monkeypatch):
+    """``commit`` returns while its fold still runs on a thread; the snapshot, read through ``state.snapshot``, is
+    the new tensors once it is done. A fold that fails (a recorded position outside its tensor, as memory corruption
+    would leave it) drops the snapshot and is raised once, at the next read, naming the version."""
+    import threading
+
+    from sglang.srt.weight_sync.delta.sender import DeltaState
+
+    g = torch.Generator().manual_seed(4)
+    old = {f"p{k}": torch.randn(n, generator=g).to(torch.bfloat16) for k, n in enumerate([10, 1000, 70000])}
+    new = {k: v.clone() for k, v in old.items()}
+    for v in new.values():
+        v[::7] += 1
+    state = DeltaState(torch.device("cpu"))
+    state.record(list(old.items()), [])
+    state.commit(1)
+    gate, fold = threading.Event(), DeltaState._fold
+    monkeypatch.setattr(DeltaState, "_fold", lambda self, sent: (gate.wait(), fold(self, sent)))
+    chunk = list(new.items())
+    state.record(chunk, state.changes(chunk, [state.snapshot[k] for k, _ in chunk]))
+    state.commit(2)
+    assert state.version == 2 and state._folding.is_alive()  # commit returned before its fold
+    gate.set()
+    assert all(torch.equal(state.snapshot[k].view(torch.int16), v.view(torch.int16)) for k, v in new.items())
+    monkeypatch.undo()
+    newer = {k: v.clone().add_(1) for k, v in new.items()}
+    chunk = list(newer.items())
+    state.record(chunk, state.changes(chunk, [state.snapshot[k] for k, _ in chunk]))
+    state._sent[0][2][-1] = 1 << 40  # a position far outside its tensor
+    state.commit(3)
+    with pytest.raises(DeltaError, match="folding version 3 into the snapshot failed"):
+        state.snapshot
+    assert state.snapshot == {}  # raised once; every param has no base now
+
+
+def test_a_failed_snapshot_fold_is_counted_and_turns_the_next_sync_into_a_full_one(tmp_path, monkeypatch):
+    """The sender runs the fold behind its sync; when it fails, the next sync finds no snapshot to diff against:
+    every engine gets a full sync (counted as such and as a fold failure), which makes the snapshot again, and the
+    sync after that is a delta. Engines end bit-identical throughout."""
+    from sglang.srt.weight_sync.delta.sender import DeltaState
+
+    cfg = hf_config("qwen2")
+    trainer = hf_model(cfg)
+    engine = LocalEngine(cfg)
+    sender = DeltaSender(DiskTransport(str(tmp_path), [engine]), [engine], encoding="deltas")
+    assert sender.update(segments(bf16_state(trainer)))[0][0]
+    steps = rl_steps(trainer, 3)
+    fold = DeltaState._fold
+
+    def broken(self, sent):
+        raise RuntimeError("host memory error")
+
+    monkeypatch.setattr(DeltaState, "_fold", broken)
+    state = next(steps)
+    assert sender.update(segments(state))[0][0]  # acknowledged: the fold that fails runs behind it
+    monkeypatch.setattr(DeltaState, "_fold", fold)
+    m = sender.pop_metrics()
+    assert m["perf/update_weights_full_sync_engines"] == 0 and m["perf/update_weights_snapshot_fold_failures"] == 0
+    for full in (1, 0):
+        state = next(steps)
+        assert sender.update(segments(state))[0][0]
+        m = sender.pop_metrics()
+        assert m["perf/update_weights_full_sync_engines"] == full, m
+        assert m["perf/update_weights_snapshot_fold_failures"] == full and \
+            m["perf/update_weights_snapshot_fold_failures_total"] == 1
+        assert_params_equal(engine.host.model, reference(cfg, state))
 
 
 @pytest.mark.parametrize("encoding", ["deltas", "xor_zstd"])

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from delta_helpers import per_param
+from delta_helpers import per_param, sparse_kernels
 from cpu_harness import Host, SyncCounter, delta_flushes, full_flushes, hf_config, rl_states, sglang_model
 from sglang.srt.weight_sync.delta.wire import changed_positions, encode_flush, validate_payload
 
@@ -105,7 +105,7 @@ def test_the_snapshot_folds_a_sync_in_once_per_slab_not_per_tensor(n, slab, monk
     g = torch.Generator().manual_seed(n)
     dtypes = [torch.bfloat16, torch.float32, torch.float8_e4m3fn]
     old = {f"p{k}": torch.randn(7 + 3 * k, 5, generator=g).to(dtypes[k % 3]) for k in range(n)}
-    state = DeltaState(torch.device("cpu"))
+    state = DeltaState(torch.device("cpu"), fold_behind=False)  # folded in this thread, where the ops are counted
     state.record(list(old.items()), [])
     state.commit(1)
     groups = {(t.untyped_storage().data_ptr(), t.dtype) for t in state.snapshot.values()}
@@ -251,3 +251,36 @@ def test_the_sender_synchronizes_a_constant_number_of_times_per_chunk_and_flush(
         counts.append((ops, launches.n))
         sender.transport.close()
     assert counts[0] == counts[1] and len(counts[1][0]) <= 4, counts  # the chunk's diff: 2; the flush's encode: 2
+
+
+@pytest.mark.parametrize("encoding", ["deltas", "xor_zstd"])
+def test_the_native_sparse_kernels_are_called_per_chunk_not_per_param(tmp_path, monkeypatch, encoding):
+    """With its native CPU kernels the sender's side of a delta sync on a real Qwen3-MoE at 2 and 6 layers (~3x the
+    tensors), one chunk and one flush per dtype: the same calls of each kernel (the diff per chunk and dtype, the
+    positions' encoding per flush, the snapshot fold per recorded run), and the same count of torch ops."""
+    import types
+
+    from sglang.srt.weight_sync.delta import kernels, wire
+
+    sparse_kernels(monkeypatch, True)
+    runner = kernels.KERNELS.runner[("sparse", "cpu")]
+    counts = []
+    for layers in (2, 6):
+        sender, states = _synced_sender(tmp_path, layers, encoding)
+        calls = dict.fromkeys(vars(runner), 0)
+
+        def counted(name, fn):
+            def call(*a, **k):
+                calls[name] += 1
+                return fn(*a, **k)
+            return call
+
+        monkeypatch.setitem(kernels.KERNELS.runner, ("sparse", "cpu"),
+                            types.SimpleNamespace(**{k: counted(k, fn) for k, fn in vars(runner).items()}))
+        with AllOps() as ops:
+            assert sender.update([lambda: [list(states[1].items())]])[0][0]
+        assert sender.state.version == 2 and kernels.kernel_state("cpu", wire.SPARSE) == "compiled"
+        counts.append((len(states[1]), calls, ops.compute))
+        sender.transport.close()
+    (n2, calls2, compute2), (n6, calls6, compute6) = counts
+    assert n6 > 2.5 * n2 and calls2 == calls6 and min(calls2.values()) >= 1 and compute2 == compute6, counts

@@ -5,7 +5,7 @@ import types
 import numpy as np
 import pytest
 import torch
-from delta_helpers import per_param, sender_kernels
+from delta_helpers import per_param, sparse_kernels
 from hypothesis import given, settings, strategies as st
 from sglang.srt.weight_sync.delta.wire import (
     POSITIONS,
@@ -141,7 +141,7 @@ def test_a_flush_encodes_each_params_positions_as_if_alone(monkeypatch, encoding
     """The joined encoder (one pass for a flush's params; on CPU the native kernel once ready): every param's bytes
     and width equal its own encoding — widths that alternate, an empty param, a first gap above 65535, a param
     starting below the last one's end."""
-    sender_kernels(monkeypatch, native)
+    sparse_kernels(monkeypatch, native)
     idxs = [torch.tensor([0, 1, 2]), torch.tensor([], dtype=torch.int64), torch.tensor([0, 100000]),
             torch.tensor([70000, 70001]), torch.tensor([3]), torch.tensor([5, 6, 65541])]
     blob, ranges = encode_positions_many(idxs, encoding)
@@ -156,14 +156,14 @@ def test_a_flush_encodes_each_params_positions_as_if_alone(monkeypatch, encoding
         encode_positions_many([torch.tensor([0, 1 << 33])], encoding)
 
 
-def test_a_sender_kernel_that_differs_from_the_torch_ops_is_never_used(monkeypatch):
-    """The native sender kernels are self-tested against numpy's diff and torch's encode and fold before any use: a
-    diff that misses the last hit of a word, an encoder off by one in a gap, a fold that skips a tensor — each is
-    refused. One that fails at run time leaves numpy's diff for the rest of the process, with the same result."""
+def test_a_sparse_kernel_that_differs_from_the_numpy_and_torch_ops_is_never_used(monkeypatch):
+    """The native sparse kernels are self-tested against numpy's diff and torch's encode and scatter before any use:
+    a diff that misses the last hit of a word, an encoder off by one in a gap, a scatter that skips a tensor — each
+    is refused. One that fails at run time leaves numpy's diff for the rest of the process, with the same result."""
     from sglang.srt.weight_sync.delta import kernels, native, wire
 
     cpu = torch.device("cpu")
-    wire._test_sender(native.SENDER, cpu)
+    wire._test_sparse(native.SPARSE, cpu)
 
     def drop_last(*a, **k):
         idx, values, olds, counts = native.diff_runner(*a, **k)
@@ -177,22 +177,22 @@ def test_a_sender_kernel_that_differs_from_the_torch_ops_is_never_used(monkeypat
 
     def skip_last(dsts, counts, idx, values):
         n = sum(counts[:-1])
-        native.fold_runner(dsts[:-1], counts[:-1], idx[:n], values[:n])
+        native.scatter_runner(dsts[:-1], counts[:-1], idx[:n], values[:n])
 
-    for broken in (dict(diff=drop_last), dict(positions=off_by_one), dict(fold=skip_last)):
-        runner = types.SimpleNamespace(**{**vars(native.SENDER), **broken})
-        with pytest.raises(RuntimeError, match="native (diff|positions|fold)"):
-            wire._test_sender(runner, cpu)
+    for broken in (dict(diff=drop_last), dict(positions=off_by_one), dict(scatter=skip_last)):
+        runner = types.SimpleNamespace(**{**vars(native.SPARSE), **broken})
+        with pytest.raises(RuntimeError, match="native (diff|positions|scatter)"):
+            wire._test_sparse(runner, cpu)
 
-    sender_kernels(monkeypatch, True)
+    sparse_kernels(monkeypatch, True)
     old = [torch.zeros(100, dtype=torch.bfloat16), torch.zeros(7, dtype=torch.bfloat16)]
     new = [old[0].clone(), old[1].clone()]
     new[0][[3, 50]] = 1.0
-    monkeypatch.setitem(kernels.KERNELS.runner, ("sender", "cpu"),
+    monkeypatch.setitem(kernels.KERNELS.runner, ("sparse", "cpu"),
                         types.SimpleNamespace(diff=lambda *a, **k: 1 / 0))
     found = wire.changes_many(list(zip(old, new)))
     assert [idx.tolist() for idx, _, _ in per_param(found, 2)] == [[3, 50], []]
-    assert kernels.kernel_state("cpu", wire.SENDER).startswith("failed: ZeroDivisionError")
+    assert kernels.kernel_state("cpu", wire.SPARSE).startswith("failed: ZeroDivisionError")
 
 
 def test_dense_int_params():
@@ -355,7 +355,7 @@ def test_changed_positions_of_many_params_unite_the_staged_positions(monkeypatch
     from sglang.srt.weight_sync.delta import wire
 
     monkeypatch.setattr(wire, "_NUMPY_DIFF", numpy_diff)
-    sender_kernels(monkeypatch, native)
+    sparse_kernels(monkeypatch, native)
     old = [torch.zeros(1000, dtype=torch.bfloat16) for _ in range(3)]
     new = [o.clone() for o in old]
     new[0][[5, 17]] = 1.0
@@ -403,7 +403,7 @@ def test_the_joined_diff_hands_over_the_new_values_bit_for_bit(monkeypatch, nump
     from sglang.srt.weight_sync.delta import wire
 
     monkeypatch.setattr(wire, "_NUMPY_DIFF", numpy_diff)
-    sender_kernels(monkeypatch, native)
+    sparse_kernels(monkeypatch, native)
     monkeypatch.setattr(wire, "_JOIN_BYTES", 3 * 64 * 48 * 2)
 
     g = torch.Generator().manual_seed(3)

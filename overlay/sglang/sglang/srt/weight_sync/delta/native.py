@@ -1,4 +1,4 @@
-"""The mix64 kernels and the sender's diff on CPU: :data:`SOURCE` (C++) built into a shared library once per machine
+"""The mix64 kernels and the sparse kernels (diff, positions, scatter) on CPU: :data:`SOURCE` (C++) built into a shared library once per machine
 and called through ctypes on all of torch's threads, each on a share of the words, rows or elements.
 
 Why not the AOTInductor packages CUDA runs: below AVX-512 torch's CPU vector classes multiply 64-bit lanes one at a
@@ -24,7 +24,7 @@ from typing import Callable, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-SOURCE = r"""/* mix64.py's blob sums and fingerprint row sums as loops a compiler vectorizes; the sender's diff. */
+SOURCE = r"""/* mix64.py's blob sums and fingerprint row sums as loops a compiler vectorizes; the sparse kernels. */
 #include <stdint.h>
 #include <string.h>
 
@@ -194,9 +194,10 @@ API void pos_write(const int64_t *pos, const int64_t *cnt, int64_t n, int64_t ga
   }
 }
 
-/* The snapshot fold, per tensor k: ((T *)dst[k])[pos[k][i]] = ((T *)val[k])[i] for cnt[k] positions. `check`: write
- * nothing, return the first k with a position outside [0, numel[k]) (-1: none), so a caller checks all first. */
-#define FOLD(NAME, T)                                                                                               \
+/* The scatter (the sender's snapshot fold), per tensor k: ((T *)dst[k])[pos[k][i]] =
+ * ((T *)val[k])[i] for cnt[k] positions. `check`: write nothing, return the first k with a position outside
+ * [0, numel[k]) (-1: none), so a caller checks all first. */
+#define SCATTER(NAME, T)                                                                                               \
   API int64_t NAME(const int64_t *dst, const int64_t *pos, const int64_t *val, const int64_t *cnt,                \
                    const int64_t *numel, int64_t n, int64_t check) {                                                \
     for (int64_t k = 0; k < n; k++) {                                                                               \
@@ -214,10 +215,10 @@ API void pos_write(const int64_t *pos, const int64_t *cnt, int64_t n, int64_t ga
     return -1;                                                                                                      \
   }
 
-FOLD(fold_uint8, uint8_t)
-FOLD(fold_int16, uint16_t)
-FOLD(fold_int32, uint32_t)
-FOLD(fold_int64, uint64_t)
+SCATTER(scatter_uint8, uint8_t)
+SCATTER(scatter_int16, uint16_t)
+SCATTER(scatter_int32, uint32_t)
+SCATTER(scatter_int64, uint64_t)
 """
 
 _SHARE = 1 << 18  # words or elements per thread at least: below that a thread's start costs more than it hashes
@@ -267,7 +268,7 @@ def library() -> ctypes.CDLL:
         getattr(lib, f"mix64_rows_{name}").argtypes = [_PTR, _I64, _I64, _PTR, _U64, _U64, _PTR]
         fn = getattr(lib, f"diff_{name}")
         fn.argtypes, fn.restype = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR], _I64
-        fn = getattr(lib, f"fold_{name}")
+        fn = getattr(lib, f"scatter_{name}")
         fn.argtypes, fn.restype = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64], _I64
     lib.pos_top.argtypes = [_PTR, _PTR, _I64, _I64, _PTR]
     lib.pos_write.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR]
@@ -387,9 +388,13 @@ def diff_runner(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], want
     (more as it fills them; ``first_slots`` sets that size, for the self-test)."""
     dtype, n = news[0].dtype, len(news)
     fn = getattr(library(), f"diff_{_WIDTHS[dtype.itemsize]}")
+    _contiguous(olds, dtype.itemsize)
+    _contiguous(news, dtype.itemsize)
     pa = np.fromiter(map(torch.Tensor.data_ptr, olds), dtype=np.int64, count=n)
     pb = np.fromiter(map(torch.Tensor.data_ptr, news), dtype=np.int64, count=n)
     ns = np.fromiter(map(torch.Tensor.numel, news), dtype=np.int64, count=n)
+    if len(olds) != n or not np.array_equal(np.fromiter(map(torch.Tensor.numel, olds), dtype=np.int64, count=n), ns):
+        raise ValueError("native diff: the old and new tensors do not pair")
     ends = np.cumsum(ns)
     total = int(ends[-1]) if n else 0
     bounds = [a for a, _ in _shares(total, 1)] + [total] if total else [0, 0]
@@ -421,6 +426,12 @@ def diff_runner(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], want
     return joined(0), joined(1), joined(2) if want_olds else None, counts.tolist()
 
 
+def _contiguous(ts: Sequence[torch.Tensor], width: int) -> None:
+    """The kernels read and write tensors by address: each must be contiguous, of ``width``-byte elements."""
+    if not all(t.is_contiguous() and t.element_size() == width and t.device.type == "cpu" for t in ts):
+        raise ValueError(f"native kernels take contiguous CPU tensors of {width}-byte elements")
+
+
 def _addresses(base: torch.Tensor, counts: np.ndarray) -> np.ndarray:
     """The address of each of ``counts``' consecutive runs in the flat contiguous ``base``."""
     starts = np.zeros(len(counts), dtype=np.int64)
@@ -443,6 +454,10 @@ def positions_runner(pieces: Sequence[torch.Tensor], counts: Sequence[Sequence[i
     position) into its width in bytes, 2 or 4; returns (the uint8 blob, each param's (byte start, byte end, width)).
     Two passes over the positions (the tops, then the ints written at their widths) into one fresh blob."""
     lib = library()
+    _contiguous(pieces, 8)
+    if len(pieces) != len(counts) or any(p.dtype != torch.int64 or p.numel() != sum(cs)
+                                         for p, cs in zip(pieces, counts)):
+        raise ValueError("native positions: the pieces are not int64 or do not pair with their counts")
     cnt = np.fromiter((c for cs in counts for c in cs), dtype=np.int64)
     pos = np.concatenate([_addresses(p, np.asarray(cs, dtype=np.int64)) for p, cs in zip(pieces, counts)]) \
         if len(cnt) else np.zeros(0, dtype=np.int64)
@@ -459,12 +474,19 @@ def positions_runner(pieces: Sequence[torch.Tensor], counts: Sequence[Sequence[i
     return blob, list(zip(at.tolist(), ends.tolist(), wid.tolist()))
 
 
-def fold_runner(dsts: Sequence[torch.Tensor], counts: Sequence[int], idx: torch.Tensor, values: torch.Tensor) -> None:
-    """``dsts[k].view(-1)[positions] = values`` for each tensor's share of the joined ``idx`` and ``values`` (``counts``
-    each; tensors contiguous, of the values' width): the sender's snapshot advance, one call for a recorded run.
-    Raises, before any write, where a position is out of its tensor."""
-    fn = getattr(library(), f"fold_{_WIDTHS[values.element_size()]}")
+def scatter_runner(dsts: Sequence[torch.Tensor], counts: Sequence[int], idx: torch.Tensor,
+                   values: torch.Tensor) -> None:
+    """``dsts[k].view(-1)[positions] = values`` as bits, for each tensor's share of the joined int64 ``idx`` and
+    ``values`` (``counts`` each; all contiguous, the tensors of the values' width): the sender's snapshot fold of a
+    recorded run in one call, with no joined and shifted copy of its positions as one ``index_copy_`` per storage
+    needs. Raises, before any write, where a position is outside its tensor."""
+    fn = getattr(library(), f"scatter_{_WIDTHS[values.element_size()]}")
+    _contiguous(dsts, values.element_size())
+    _contiguous([values], values.element_size())
     cnt = np.asarray(counts, dtype=np.int64)
+    if idx.dtype != torch.int64 or not idx.is_contiguous() or len(cnt) != len(dsts) or \
+            not int(cnt.sum()) == idx.numel() == values.numel():
+        raise ValueError("native scatter: positions, values and counts do not pair")
     dst = np.fromiter(map(torch.Tensor.data_ptr, dsts), dtype=np.int64, count=len(dsts))
     numel = np.fromiter(map(torch.Tensor.numel, dsts), dtype=np.int64, count=len(dsts))
     pos, val = _addresses(idx, cnt), _addresses(values, cnt)
@@ -480,8 +502,8 @@ def fold_runner(dsts: Sequence[torch.Tensor], counts: Sequence[int], idx: torch.
     _run(functools.partial(share, 1), shares)  # every position checked before any is written
     if bad:
         k = min(bad)
-        raise ValueError(f"snapshot fold: a position of tensor {k} is outside its {int(numel[k])} elements")
+        raise ValueError(f"native scatter: a position of tensor {k} is outside its {int(numel[k])} elements")
     _run(functools.partial(share, 0), shares)
 
 
-SENDER = types.SimpleNamespace(diff=diff_runner, positions=positions_runner, fold=fold_runner)
+SPARSE = types.SimpleNamespace(diff=diff_runner, positions=positions_runner, scatter=scatter_runner)

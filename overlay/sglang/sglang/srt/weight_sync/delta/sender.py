@@ -31,6 +31,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import threading
 import time
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -45,7 +46,7 @@ from sglang.srt.weight_sync.delta.wire import (
     INT_VIEW,
     DeltaStatus,
     Refusal,
-    SENDER,
+    SPARSE,
     WIRE_FORMAT,
     Found,
     Gathered,
@@ -197,16 +198,46 @@ def _fetch(hosts: Sequence[Optional[torch.Tensor]], devices: Sequence[torch.devi
 
 
 class DeltaState:
-    """The sender's memory: the snapshot of the last version every engine acknowledged, and this sync's staging."""
+    """The sender's memory: the snapshot of the last version every engine acknowledged, and this sync's staging.
 
-    def __init__(self, device: Optional[torch.device] = None):
+    A commit folds what the sync sent into the snapshot on a thread of its own (``fold_behind``), while the trainer
+    goes on: on a GPU trainer the snapshot is host memory and the fold a host scatter of every changed element,
+    seconds on a large model, which the sync's caller would otherwise wait for. Anything that reads the snapshot
+    (:attr:`snapshot`) waits for that fold first."""
+
+    def __init__(self, device: Optional[torch.device] = None, fold_behind: bool = True):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.link = _HostLink(self.device)
-        self.snapshot: Dict[str, torch.Tensor] = {}
+        self.fold_behind = fold_behind
+        self._snapshot: Dict[str, torch.Tensor] = {}
+        self._folding: Optional[threading.Thread] = None
+        self._fold_error: Optional[BaseException] = None
         self.version = 0  # committed: every engine acknowledged it (0 = nothing synced yet)
         self.staged: Dict[str, torch.Tensor] = {}  # positions sent by unacknowledged syncs (sorted int64)
         self._copies: Dict[str, torch.Tensor] = {}  # this sync's new params, whole
         self._sent: List[Tuple[List[str], List[int], torch.Tensor, torch.Tensor]] = []  # (names, counts, idx, values)
+
+    @property
+    def snapshot(self) -> Dict[str, torch.Tensor]:
+        """The snapshot of :attr:`version`, its last commit folded in (waits for that)."""
+        self.settle()
+        return self._snapshot
+
+    @snapshot.setter
+    def snapshot(self, value: Dict[str, torch.Tensor]) -> None:
+        self.settle()
+        self._snapshot = value
+
+    def settle(self) -> None:
+        """Wait for the last commit's fold. If it failed, the snapshot is dropped (every param then has no base: a
+        sender gives every engine a full sync) and this raises the failure, once."""
+        folding, self._folding = self._folding, None
+        if folding is not None:
+            folding.join()
+        error, self._fold_error = self._fold_error, None
+        if error is not None:
+            self._snapshot = {}
+            raise DeltaError(f"folding version {self.version} into the snapshot failed: {error!r}")
 
     def host_bytes(self) -> int:
         """Host memory the snapshot holds (pinned on CUDA): each slab or own allocation once. Torch's pinned
@@ -242,34 +273,51 @@ class DeltaState:
             self._sent.append(([chunk[k][0] for k in f.ks], f.counts, idx, values))
 
     def commit(self, version: int) -> None:
-        """Every engine acknowledged ``version``: fold what it sent into the snapshot, one scatter per slab."""
+        """Every engine acknowledged ``version``: fold what it sent into the snapshot (behind, see the class), one
+        scatter per slab, or with the native kernels one per recorded run."""
         self.link.synchronize()
         self.snapshot.update(self._copies)
+        sent, self._sent = self._sent, []
+        self._copies.clear()
+        self.staged.clear()
+        self.version = version
+        if not sent:
+            return
+        if not self.fold_behind:
+            return self._fold(sent)
+        self._folding = threading.Thread(target=self._fold_quietly, args=(sent,), name="delta-snapshot-fold",
+                                         daemon=True)
+        self._folding.start()
+
+    def _fold_quietly(self, sent: list) -> None:
+        try:
+            self._fold(sent)
+        except BaseException as e:  # noqa: BLE001 - raised by settle(), before the snapshot is read again
+            self._fold_error = e
+
+    def _fold(self, sent: list) -> None:
         folds: Dict[Tuple[int, torch.dtype], list] = {}
-        runner = kernels.KERNELS.ready(SENDER, self.device, sum(s[2].numel() for s in self._sent)) \
+        snapshot = self._snapshot
+        runner = kernels.KERNELS.ready(SPARSE, self.device, sum(s[2].numel() for s in sent)) \
             if self.device.type == "cpu" else None
-        for names, counts, idx, values in self._sent:
+        for names, counts, idx, values in sent:
             if not idx.numel():
                 continue
             if runner is not None and idx.dtype == torch.int64 and idx.is_contiguous() and values.is_contiguous():
                 try:  # one native call for the run: each tensor's positions checked, then written
-                    runner.fold([self.snapshot[n] for n in names], counts, idx, values)
+                    runner.scatter([snapshot[n] for n in names], counts, idx, values)
                     continue
                 except Exception as e:  # noqa: BLE001 - checked before any write: the torch ops fold it instead
-                    kernels.KERNELS.failed(SENDER, self.device, e)
+                    kernels.KERNELS.failed(SPARSE, self.device, e)
                     runner = None
             live = [k for k, n in enumerate(counts) if n]  # a run covers every param it compared, changed or not
             if len(live) < len(counts):
                 names, counts = [names[k] for k in live], [counts[k] for k in live]
-            snaps = [self.snapshot[n] for n in names]
+            snaps = [snapshot[n] for n in names]
             for run in _by_storage(snaps, counts, idx, values):
                 folds.setdefault((run[0][0].untyped_storage().data_ptr(), values.dtype), []).append(run)
         for runs in folds.values():
             _fold(runs)
-        self._copies.clear()
-        self._sent.clear()
-        self.staged.clear()
-        self.version = version
 
     def stage(self) -> None:
         """Some engine did not acknowledge: the next sync re-sends these positions with current values."""
@@ -454,7 +502,7 @@ class DeltaSender:
         self.state = DeltaState(device)
         self.version = 0  # last sync attempted
         self._metrics: Dict[str, float] = {}
-        self._counters = {"failures": 0, "resyncs": 0, "fingerprint_mismatches": 0}
+        self._counters = dict.fromkeys(("failures", "resyncs", "fingerprint_mismatches", "snapshot_fold_failures"), 0)
         self.fingerprint_every = fingerprint_every  # check engines' weight fingerprints every K syncs (0: never)
         self.attach(transport, engines, stages)
 
@@ -507,6 +555,14 @@ class DeltaSender:
             return self._update(segments)
 
     def _update(self, segments: Sequence[Callable[[], Iterable[Chunk]]]) -> Dict[int, Tuple[bool, str]]:
+        try:
+            self.state.settle()
+            fold_failed = 0
+        except DeltaError:  # the snapshot is gone: every engine gets a full sync, which makes it again
+            logger.exception("the last sync's snapshot fold failed: full syncs now")
+            fold_failed = 1
+            for st in self.status.values():
+                st.needs_full = True
         if self.stages is None or self.stages.first:
             unknown = [i for i, s in self.status.items() if not s.max_request_bytes]
             if unknown:
@@ -578,6 +634,7 @@ class DeltaSender:
         self._metrics = run.metrics(t_encode, t_finalize)
         self._metrics["perf/update_weights_xor"] = float(run.encodings.get("delta") == DeltaEncoding.XOR_ZSTD.value)
         self._count("failures", len(failed))
+        self._count("snapshot_fold_failures", fold_failed)
         self._count("resyncs", resyncs)
         self._count("fingerprint_mismatches", 0)
         timings = getattr(self.transport, "timings", None)

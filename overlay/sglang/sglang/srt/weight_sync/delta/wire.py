@@ -672,7 +672,7 @@ def encode_positions_many(idxs: Sequence[torch.Tensor], encoding: str, device: O
         counts = [[i.numel()] for i in idxs]
     lengths = list(itertools.chain.from_iterable(counts))
     device = idxs[0].device if idxs else (device or torch.device("cpu"))
-    runner = kernels.KERNELS.ready(SENDER, device, sum(lengths)) if device.type == "cpu" and idxs else None
+    runner = kernels.KERNELS.ready(SPARSE, device, sum(lengths)) if device.type == "cpu" and idxs else None
     if runner is not None:  # on CPU the native kernel, once ready: two passes, no temporaries
         pieces = [i.reshape(-1) for i in idxs]
         if all(p.dtype == torch.int64 and p.is_contiguous() for p in pieces):
@@ -682,7 +682,7 @@ def encode_positions_many(idxs: Sequence[torch.Tensor], encoding: str, device: O
             except DeltaError:
                 raise
             except Exception as e:  # noqa: BLE001 - the torch ops encode them instead
-                kernels.KERNELS.failed(SENDER, device, e)
+                kernels.KERNELS.failed(SPARSE, device, e)
     return _encode_positions_torch(idxs, enc, device, lengths)
 
 
@@ -1552,11 +1552,11 @@ def _small_cpu_diffs(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], extra: 
 
 def _native_diffs(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], extra: Sequence[Optional[torch.Tensor]],
                   want_olds: bool) -> Optional[List[Found]]:
-    """The CPU pairs without staged positions diffed by the native kernel (:data:`SENDER`), one call per dtype for
+    """The CPU pairs without staged positions diffed by the native kernel (:data:`SPARSE`), one call per dtype for
     all of them, large or small: one :class:`Found` per dtype. None while the kernels are not ready in this process
     (or once they failed): then numpy diffs them."""
     cpu = torch.device("cpu")
-    runner = kernels.KERNELS.ready(SENDER, cpu, sum(new.numel() for _, new in pairs))
+    runner = kernels.KERNELS.ready(SPARSE, cpu, sum(new.numel() for _, new in pairs))
     if runner is None:
         return None
     groups: Dict[torch.dtype, List[int]] = {}
@@ -1573,17 +1573,17 @@ def _native_diffs(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], extra: Seq
             idx, values, olds, counts = runner.diff(*sides, want_olds)
             out.append(Found(ks, counts, idx, values, olds))
     except Exception as e:  # noqa: BLE001 - a kernel that cannot run leaves numpy's diff, never a wrong one
-        kernels.KERNELS.failed(SENDER, cpu, e)
+        kernels.KERNELS.failed(SPARSE, cpu, e)
         return None
     return out
 
 
-def _test_sender(runner, device: torch.device) -> None:
-    """The native sender kernels against the torch and numpy ops they replace, bit for bit; raises on any
+def _test_sparse(runner, device: torch.device) -> None:
+    """The native sparse kernels against the numpy and torch ops they replace, bit for bit; raises on any
     difference. The diff for every width: tensors of odd lengths (empty, shorter than a word, longer than a step),
     hits in every lane, a whole word and a whole tensor changed, shares that cut tensors and slots that fill up
     mid-tensor (more parts). Its positions encoded both ways (gaps of both widths, a param without positions), and
-    folded into copies of the old tensors, which must then equal the new ones."""
+    scattered with its values into copies of the old tensors, which must then equal the new ones."""
     g = torch.Generator().manual_seed(11)
     for width, iv in INT_VIEW.items():
         sizes = [0, 1, 3, 8, 9, 4097, 70001, 300000, 1 << 20, 5]
@@ -1614,14 +1614,16 @@ def _test_sender(runner, device: torch.device) -> None:
             if not torch.equal(got[0], want_blob[0]) or got[1] != want_blob[1]:
                 raise RuntimeError(f"native positions: the {encoding} blob differs from torch's")
         folded = [t.clone() for t in olds]
-        runner.fold(folded, counts, idx, values)
+        runner.scatter(folded, counts, idx, values)
         if not all(torch.equal(a, b) for a, b in zip(folded, news)):
-            raise RuntimeError(f"native fold: {width}-byte tensors differ from the diffed ones")
+            raise RuntimeError(f"native scatter: {width}-byte tensors differ from the diffed ones")
 
 
-# The sender's native CPU kernels (diff, positions, snapshot fold): built and tested like the mix64 kernels
-# (:mod:`kernels`), CPU only (a device runs torch's ops: :func:`_joined_diff`)
-SENDER = kernels.Kernel("sender", None, (), _test_sender, cpu=native.SENDER)
+# The native CPU sparse kernels (the sender's diff, the positions' encoding, the scatter of its snapshot fold): built
+# and tested like the mix64 kernels (:mod:`kernels`), CPU only (a device runs torch's ops). The engine's direct writes
+# stay ``index_copy_``: at a few percent density they touch most cache lines of a tensor, so memory decides their
+# time, and this scatter measured no faster there.
+SPARSE = kernels.Kernel("sparse", None, (), _test_sparse, cpu=native.SPARSE)
 
 
 _JOIN_BYTES = 64 << 20  # device diff: params are compared joined in batches of about this many bytes per side
