@@ -31,6 +31,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import operator
 import threading
 import time
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -62,6 +63,7 @@ from sglang.srt.weight_sync.delta.wire import (
 
 logger = logging.getLogger(__name__)
 
+_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
 _SLAB, _ALIGN = 64 << 20, 64  # snapshot slabs (bytes; a power of two) and the alignment of tensors in them
 _EXPERT_SUBPASSES = 4  # expert params are published in this many segments so apply overlaps encode
 
@@ -250,8 +252,13 @@ class DeltaState:
         unacknowledged sync) with the new values there, and with ``olds`` the snapshot's (``xor_zstd``), as
         ``wire.changes_many`` finds them: runs, ``ks`` indexing ``chunk``. A param without a snapshot (or one of
         another shape or dtype) is in none. One diff for the whole chunk."""
-        diffable = [k for k, ((_, t), b) in enumerate(zip(chunk, bases))
-                    if b is not None and b.shape == t.shape and b.dtype == t.dtype]
+        news = [t for _, t in chunk]
+        if not any(map(operator.is_, bases, itertools.repeat(None))) and list(map(_SHAPE, bases)) == \
+                list(map(_SHAPE, news)) and list(map(_DTYPE, bases)) == list(map(_DTYPE, news)):
+            diffable = list(range(len(chunk)))  # the usual chunk: every param has its like in the snapshot
+        else:
+            diffable = [k for k, (t, b) in enumerate(zip(news, bases))
+                        if b is not None and b.shape == t.shape and b.dtype == t.dtype]
         found = changes_many([(bases[k], chunk[k][1]) for k in diffable],
                              [self.staged.get(chunk[k][0]) for k in diffable] if self.staged else None, olds)
         for f in found:
@@ -298,8 +305,8 @@ class DeltaState:
     def _fold(self, sent: list) -> None:
         folds: Dict[Tuple[int, torch.dtype], list] = {}
         snapshot = self._snapshot
-        runner = kernels.KERNELS.ready(SPARSE, self.device, sum(s[2].numel() for s in sent)) \
-            if self.device.type == "cpu" else None
+        host = torch.device("cpu")  # the snapshot and what was sent are host memory on every device (pinned on CUDA)
+        runner = kernels.KERNELS.ready(SPARSE, host, sum(s[2].numel() for s in sent))
         for names, counts, idx, values in sent:
             if not idx.numel():
                 continue
@@ -308,7 +315,7 @@ class DeltaState:
                     runner.scatter([snapshot[n] for n in names], counts, idx, values)
                     continue
                 except Exception as e:  # noqa: BLE001 - checked before any write: the torch ops fold it instead
-                    kernels.KERNELS.failed(SPARSE, self.device, e)
+                    kernels.KERNELS.failed(SPARSE, host, e)
                     runner = None
             live = [k for k, n in enumerate(counts) if n]  # a run covers every param it compared, changed or not
             if len(live) < len(counts):

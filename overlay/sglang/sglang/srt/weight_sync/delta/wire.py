@@ -678,7 +678,7 @@ def encode_positions_many(idxs: Sequence[torch.Tensor], encoding: str, device: O
         if all(p.dtype == torch.int64 and p.is_contiguous() for p in pieces):
             try:
                 return runner.positions(pieces, counts, enc is not DeltaEncoding.INDICES,
-                                        lambda tops: [_pos_width(enc, t) for t in tops])
+                                        functools.partial(_pos_widths, enc))
             except DeltaError:
                 raise
             except Exception as e:  # noqa: BLE001 - the torch ops encode them instead
@@ -732,6 +732,15 @@ def _pos_width(enc: DeltaEncoding, biggest: int) -> int:
     if biggest > _U32_MAX:
         raise DeltaError(f"gap {biggest} does not fit 4 bytes")
     return 2 if biggest <= _U16_MAX else 4
+
+
+def _pos_widths(enc: DeltaEncoding, tops: np.ndarray) -> np.ndarray:
+    """:func:`_pos_width` of each param's largest int in ``tops``, at once."""
+    if len(tops) and int(tops.max()) > _U32_MAX:
+        _pos_width(enc, int(tops.max()))  # raises, naming it
+    if enc is DeltaEncoding.INDICES:
+        return np.full(len(tops), 4, dtype=np.int64)
+    return np.where(tops <= _U16_MAX, 2, 4).astype(np.int64)
 
 
 def _segment_max(ints: torch.Tensor, firsts: List[int]) -> list:
@@ -1550,24 +1559,35 @@ def _small_cpu_diffs(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], extra: 
     return out
 
 
+_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
+
+
 def _native_diffs(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], extra: Sequence[Optional[torch.Tensor]],
                   want_olds: bool) -> Optional[List[Found]]:
     """The CPU pairs without staged positions diffed by the native kernel (:data:`SPARSE`), one call per dtype for
     all of them, large or small: one :class:`Found` per dtype. None while the kernels are not ready in this process
     (or once they failed): then numpy diffs them."""
     cpu = torch.device("cpu")
-    runner = kernels.KERNELS.ready(SPARSE, cpu, sum(new.numel() for _, new in pairs))
+    olds, news = zip(*pairs)
+    runner = kernels.KERNELS.ready(SPARSE, cpu, sum(map(torch.Tensor.numel, news)))
     if runner is None:
         return None
+    dtypes = list(map(_DTYPE, news))
+    if list(map(_SHAPE, olds)) != list(map(_SHAPE, news)) or list(map(_DTYPE, olds)) != dtypes:
+        for old, new in pairs:  # the first that differs, refused by name
+            _check_pair(old, new)
     groups: Dict[torch.dtype, List[int]] = {}
-    for k, ((old, new), more) in enumerate(zip(pairs, extra)):
-        _check_pair(old, new)
-        if more is None or not more.numel():
-            groups.setdefault(new.dtype, []).append(k)
+    if extra.count(None) == len(extra) and dtypes.count(dtypes[0]) == len(dtypes):  # the usual chunk: one call
+        groups[dtypes[0]] = list(range(len(dtypes)))
+    else:
+        for k, (dtype, more) in enumerate(zip(dtypes, extra)):
+            if more is None or not more.numel():
+                groups.setdefault(dtype, []).append(k)
     out = []
     try:
         for dtype, ks in groups.items():
-            sides = [[pairs[k][j] for k in ks] for j in (0, 1)]  # read by address: a view's order needs a copy
+            sides = [olds, news] if len(ks) == len(pairs) else [[pairs[k][j] for k in ks] for j in (0, 1)]
+            # read by address: a view's order needs a copy
             sides = [ts if all(map(torch.Tensor.is_contiguous, ts)) else
                      [t if t.is_contiguous() else t.detach().contiguous() for t in ts] for ts in sides]
             idx, values, olds, counts = runner.diff(*sides, want_olds)
@@ -1609,7 +1629,7 @@ def _test_sparse(runner, device: torch.device) -> None:
             enc = DeltaEncoding(encoding)
             got = runner.positions([idx[:counts[0] + counts[1] + counts[2]], idx[sum(counts[:3]):]],
                                    [counts[:3], counts[3:]], enc is not DeltaEncoding.INDICES,
-                                   lambda tops: [_pos_width(enc, t) for t in tops])
+                                   functools.partial(_pos_widths, enc))
             want_blob = _encode_positions_torch([idx], enc, device, counts)
             if not torch.equal(got[0], want_blob[0]) or got[1] != want_blob[1]:
                 raise RuntimeError(f"native positions: the {encoding} blob differs from torch's")
