@@ -196,12 +196,15 @@ def _sender_sync(snapshot, new, encoding: str, version: int, raw):
 
     state = DeltaState(torch.device("cpu"))
     state.snapshot = snapshot
-    bucket, payloads = DeltaBucket(encoding, BUFFER_BYTES), []
+    bucket, payloads, raw = DeltaBucket(encoding, BUFFER_BYTES), [], frozenset(raw)
     items = list(new.items())
     xor = encoding == "xor_zstd"
     for at in range(0, len(items), CHUNK_PARAMS):  # the chunks a trainer hands over: one diff per chunk
         chunk = items[at:at + CHUNK_PARAMS]
         found = state.changes(chunk, [snapshot[name] for name, _ in chunk], olds=xor)
+        if not (xor and not raw.isdisjoint(name for name, _ in chunk)) and bucket.add_chunk(chunk, found):
+            state.record(chunk, found)  # as DeltaSender does: a one-run chunk below the bound goes in whole
+            continue
         member = {k: (f, j) for f in found for j, k in enumerate(f.ks)}
         for k, (name, t) in enumerate(chunk):  # as DeltaSender does: unchanged params are left out
             f, j = member[k]

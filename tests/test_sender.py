@@ -523,6 +523,42 @@ def test_a_failed_snapshot_fold_is_counted_and_turns_the_next_sync_into_a_full_o
         assert_params_equal(engine.host.model, reference(cfg, state))
 
 
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("encoding", ["deltas", "xor_zstd"])
+def test_a_chunk_added_whole_flushes_as_param_by_param(monkeypatch, encoding, native):
+    """The sender's usual chunk (one diff run over all of it, in order) goes into the bucket whole, with no call per
+    param: its flush is the one ``add_found`` param by param makes (spec, positions, values, bases), unchanged
+    params left out. A chunk that would reach the bucket's bound is refused whole (nothing added), so the caller's
+    param-by-param loop puts the flush boundaries where they belong."""
+    from sglang.srt.weight_sync.delta.sender import DeltaBucket, DeltaState
+
+    sparse_kernels(monkeypatch, native)
+    g = torch.Generator().manual_seed(9)
+    old = {f"layers.{k // 3}.w{k % 3}": torch.randn(50 + k, generator=g).to(torch.bfloat16) for k in range(12)}
+    new = {n: t.clone() for n, t in old.items()}
+    for k, t in enumerate(new.values()):
+        if k not in (0, 5, 11):  # unchanged, first, middle and last
+            t[k % 4::5] += 1
+    state = DeltaState(torch.device("cpu"))
+    state.record(list(old.items()), [])
+    state.commit(1)
+    chunk = list(new.items())
+    found = state.changes(chunk, [state.snapshot[n] for n, _ in chunk], olds=encoding == "xor_zstd")
+    whole, each = DeltaBucket(encoding, 1 << 20), DeltaBucket(encoding, 1 << 20)
+    assert whole.add_chunk(chunk, found)
+    (f,) = found
+    for j, (name, t) in enumerate(chunk):
+        if f.counts[j]:
+            each.add_found(f, j, name, list(t.shape))
+    assert len(whole) == len(each) == 9 and whole.nbytes == each.nbytes and whole.last == each.last
+    (a,), (b,) = whole.take(version=2, base_version=1), each.take(version=2, base_version=1)
+    assert a.spec.to_json() == b.spec.to_json() and torch.equal(a.positions, b.positions)
+    assert torch.equal(a.values.view(torch.int16), b.values.view(torch.int16))
+    assert (a.base is None) == (encoding != "xor_zstd") and (a.base is None or torch.equal(a.base, b.base))
+    small = DeltaBucket(encoding, f.idx.numel() * 6)  # the chunk would reach it
+    assert not small.add_chunk(chunk, found) and len(small) == 0 and small.nbytes == 0
+
+
 @pytest.mark.parametrize("encoding", ["deltas", "xor_zstd"])
 def test_a_diff_run_stays_one_bucket_entry_from_diff_to_flush(monkeypatch, encoding):
     """Params one diff found together stay joined in the bucket (views of the run, not one entry per param): a flush

@@ -422,6 +422,29 @@ class DeltaBucket:
         self.nbytes += n * (4 + dtype.itemsize)
         self.last = name
 
+    def add_chunk(self, chunk: Chunk, found: Sequence[Found]) -> bool:
+        """A chunk whose diff is one run over all of it, in order, added whole when the bucket holds it below its
+        bound (no flush boundary falls inside): its changed params as one span, what :meth:`add_found` makes param by
+        param, with no per-param call. False (nothing added) otherwise: the caller goes param by param."""
+        if len(found) != 1 or found[0].ks != list(range(len(chunk))):
+            return False
+        f = found[0]
+        dtype = f.values.dtype
+        if self.nbytes + f.idx.numel() * (4 + dtype.itemsize) >= self.max_bytes:
+            return False
+        live = [j for j, n in enumerate(f.counts) if n]
+        if not live:
+            return True
+        self._close(dtype)
+        span = self._open[dtype] = _Span(f, 0)
+        span.end = len(chunk)
+        span.names = [chunk[j][0] for j in live]
+        span.shapes = [list(chunk[j][1].shape) for j in live]
+        span.counts = [f.counts[j] for j in live]
+        self.nbytes += f.idx.numel() * (4 + dtype.itemsize)
+        self.last = span.names[-1]
+        return True
+
     def _close(self, dtype: torch.dtype) -> None:
         span = self._open.pop(dtype, None)
         if span is not None:
@@ -772,8 +795,22 @@ class _SyncRun:
         bases = state.link.ready(handles)
         xor = self.encodings.get("delta") == DeltaEncoding.XOR_ZSTD.value
         found = state.changes(chunk, bases, olds=xor)
-        member: Dict[int, Tuple[Found, int]] = {k: (f, j) for f in found for j, k in enumerate(f.ks)}
         delta, full = self.buckets.get("delta"), self.buckets.get("full")
+        if full is None and delta is not None and self._whole(chunk, found, xor) and delta.add_chunk(chunk, found):
+            self.elements += sum(t.numel() for _, t in chunk)  # the usual chunk of a delta sync: no call per param
+            self.nnz += found[0].idx.numel()
+        else:
+            self._params(chunk, found, bases, xor)
+        state.record(chunk, found)
+        if self.fingerprints is not None:  # hashed where the tensors live (on the GPU during training), per chunk
+            t0 = time.perf_counter()
+            self.fingerprints.update(fingerprint.tensor_shares(chunk))
+            self.fingerprint_s += time.perf_counter() - t0
+
+    def _params(self, chunk: Chunk, found: Sequence[Found], bases, xor: bool) -> None:
+        """A chunk's params into the buckets one by one: flush boundaries, dense params, ``xor_raw`` ones."""
+        delta, full = self.buckets.get("delta"), self.buckets.get("full")
+        member: Dict[int, Tuple[Found, int]] = {k: (f, j) for f in found for j, k in enumerate(f.ks)}
         sparse_dtypes: Dict[torch.dtype, Tuple[bool, bool]] = {}
         for k, (name, tensor) in enumerate(chunk):
             f, j = member.get(k, (None, 0))
@@ -796,11 +833,17 @@ class _SyncRun:
                     delta.add(name, tensor, idx, self._xor_base(name, tensor, bases[k], idx, old), values)
             if full is not None:
                 full.add(name, tensor, None)
-        state.record(chunk, found)
-        if self.fingerprints is not None:  # hashed where the tensors live (on the GPU during training), per chunk
-            t0 = time.perf_counter()
-            self.fingerprints.update(fingerprint.tensor_shares(chunk))
-            self.fingerprint_s += time.perf_counter() - t0
+
+    def _whole(self, chunk: Chunk, found: Sequence[Found], xor: bool) -> bool:
+        """Whether every param of a one-run chunk goes sparse into the delta bucket, as the loop in :meth:`_process`
+        would decide param by param: its dtype travels sparse, no engine keeps one of its names dense, and none is
+        ``xor_raw`` when the encoding is ``xor_zstd``."""
+        if len(found) != 1:
+            return False
+        dtype = found[0].values.dtype
+        names = [n for n, _ in chunk]
+        return sparse_allowed(dtype) and (nan_sentinel(dtype) or self.dense.isdisjoint(names)) and \
+            not (xor and not self.xor_raw.isdisjoint(names))
 
     def _xor_base(self, name: str, tensor: torch.Tensor, base: Optional[torch.Tensor],
                   idx: Optional[torch.Tensor], at_idx: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
