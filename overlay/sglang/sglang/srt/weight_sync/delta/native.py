@@ -1,5 +1,6 @@
-"""The mix64 kernels and the sparse kernels (diff, positions, scatter) on CPU: :data:`SOURCE` (C++) built into a shared library once per machine
-and called through ctypes on all of torch's threads, each on a share of the words, rows or elements.
+"""The mix64 kernels and the sparse kernels (diff, positions, scatter) on CPU: :data:`SOURCE` (C++) built into a
+shared library once per machine and called through ctypes on all of torch's threads, each on a share of the words,
+rows or elements.
 
 Why not the AOTInductor packages CUDA runs: below AVX-512 torch's CPU vector classes multiply 64-bit lanes one at a
 time through memory, so inductor's kernels for these 64-bit multiply hashes run scalar. A compiler vectorizes the
@@ -160,7 +161,8 @@ DIFF(diff_int64, uint64_t)
 
 /* Positions to the wire, per param k (cnt[k] sorted positions at pos[k]): gaps (pos[i] - pos[i-1] - 1, from -1) or,
  * `gaps` 0, the positions. pos_top: the largest int each param writes (0 if none). pos_write: each param's ints at
- * out + at[k], wid[k] (2 or 4) bytes each, little-endian (the low bytes: each fits, by its top). */
+ * out + at[k], wid[k] (2 or 4) bytes each, little-endian (the low bytes: each fits, by its top); stored through
+ * memcpy, as a u32 param after an odd count of u16 ones starts 2 bytes off a 4-byte boundary. */
 API void pos_top(const int64_t *pos, const int64_t *cnt, int64_t n, int64_t gaps, int64_t *top) {
   for (int64_t k = 0; k < n; k++) {
     const int64_t *p = (const int64_t *)pos[k];
@@ -179,16 +181,17 @@ API void pos_write(const int64_t *pos, const int64_t *cnt, int64_t n, int64_t ga
   for (int64_t k = 0; k < n; k++) {
     const int64_t *p = (const int64_t *)pos[k];
     int64_t prev = -1;
+    uint8_t *o = out + at[k];
     if (wid[k] == 2) {
-      uint16_t *o = (uint16_t *)(out + at[k]);
       for (int64_t i = 0; i < cnt[k]; i++) {
-        o[i] = (uint16_t)(gaps ? p[i] - prev - 1 : p[i]);
+        const uint16_t v = (uint16_t)(gaps ? p[i] - prev - 1 : p[i]);
+        memcpy(o + 2 * i, &v, 2);
         prev = p[i];
       }
     } else {
-      uint32_t *o = (uint32_t *)(out + at[k]);
       for (int64_t i = 0; i < cnt[k]; i++) {
-        o[i] = (uint32_t)(gaps ? p[i] - prev - 1 : p[i]);
+        const uint32_t v = (uint32_t)(gaps ? p[i] - prev - 1 : p[i]);
+        memcpy(o + 4 * i, &v, 4);
         prev = p[i];
       }
     }
@@ -457,8 +460,9 @@ def _param_shares(counts: np.ndarray) -> list:
 def positions_runner(pieces: Sequence[torch.Tensor], counts: Sequence[Sequence[int]], gaps: bool, widths):
     """Params' sorted int64 positions (``pieces``: contiguous, each the joined positions of ``counts[i]`` params) to
     the wire: ``widths(tops)`` turns each param's largest int (its largest gap, or with ``gaps`` False its largest
-    position; an int64 array) into its width in bytes, 2 or 4; returns (the uint8 blob, each param's (byte start, byte end, width)).
-    Two passes over the positions (the tops, then the ints written at their widths) into one fresh blob."""
+    position; an int64 array) into its width in bytes, 2 or 4; returns (the uint8 blob, each param's (byte start,
+    byte end, width)). Two passes over the positions (the tops, then the ints written at their widths) into one fresh
+    blob."""
     lib = library()
     _contiguous(pieces, 8)
     if len(pieces) != len(counts) or any(p.dtype != torch.int64 or p.numel() != sum(cs)
