@@ -154,6 +154,12 @@ def test_a_flush_encodes_each_params_positions_as_if_alone(monkeypatch, encoding
         assert [r[2] for r in ranges] == [2, 2, 4, 4, 2, 2]
     with pytest.raises(DeltaError, match="does not fit"):
         encode_positions_many([torch.tensor([0, 1 << 33])], encoding)
+    # what no width encodes: a narrowed negative gap would decode to another, still increasing, position
+    bad = [torch.tensor([-1, 2])] + ([torch.tensor([5, 3]), torch.tensor([4, 4])] if encoding == "deltas" else [])
+    for idx in bad:
+        with pytest.raises(DeltaError, match="param 1 of the flush: (negative position|its positions are not "
+                                             "increasing and unique)"):
+            encode_positions_many([torch.tensor([1, 2]), idx], encoding)
 
 
 def test_a_sparse_kernel_that_differs_from_the_numpy_and_torch_ops_is_never_used(monkeypatch):

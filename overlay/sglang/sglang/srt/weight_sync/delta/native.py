@@ -160,19 +160,22 @@ DIFF(diff_int32, uint32_t)
 DIFF(diff_int64, uint64_t)
 
 /* Positions to the wire, per param k (cnt[k] sorted positions at pos[k]): gaps (pos[i] - pos[i-1] - 1, from -1) or,
- * `gaps` 0, the positions. pos_top: the largest int each param writes (0 if none). pos_write: each param's ints at
+ * `gaps` 0, the positions. pos_top: the largest and the smallest int each param writes (0 if none; a negative one
+ * means positions out of order or repeated, which no width encodes). pos_write: each param's ints at
  * out + at[k], wid[k] (2 or 4) bytes each, little-endian (the low bytes: each fits, by its top); stored through
  * memcpy, as a u32 param after an odd count of u16 ones starts 2 bytes off a 4-byte boundary. */
-API void pos_top(const int64_t *pos, const int64_t *cnt, int64_t n, int64_t gaps, int64_t *top) {
+API void pos_top(const int64_t *pos, const int64_t *cnt, int64_t n, int64_t gaps, int64_t *top, int64_t *low) {
   for (int64_t k = 0; k < n; k++) {
     const int64_t *p = (const int64_t *)pos[k];
-    int64_t t = 0, prev = -1;
+    int64_t t = 0, l = 0, prev = -1;
     for (int64_t i = 0; i < cnt[k]; i++) {
       const int64_t v = gaps ? p[i] - prev - 1 : p[i];
       t = v > t ? v : t;
+      l = v < l ? v : l;
       prev = p[i];
     }
     top[k] = t;
+    low[k] = l;
   }
 }
 
@@ -274,7 +277,7 @@ def library() -> ctypes.CDLL:
         fn.argtypes, fn.restype = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR], _I64
         fn = getattr(lib, f"scatter_{name}")
         fn.argtypes, fn.restype = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64], _I64
-    lib.pos_top.argtypes = [_PTR, _PTR, _I64, _I64, _PTR]
+    lib.pos_top.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _PTR]
     lib.pos_write.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR]
     return lib
 
@@ -459,8 +462,8 @@ def _param_shares(counts: np.ndarray) -> list:
 
 def positions_runner(pieces: Sequence[torch.Tensor], counts: Sequence[Sequence[int]], gaps: bool, widths):
     """Params' sorted int64 positions (``pieces``: contiguous, each the joined positions of ``counts[i]`` params) to
-    the wire: ``widths(tops)`` turns each param's largest int (its largest gap, or with ``gaps`` False its largest
-    position; an int64 array) into its width in bytes, 2 or 4; returns (the uint8 blob, each param's (byte start,
+    the wire: ``widths(tops, lows)`` turns each param's largest and smallest int (gaps, or with ``gaps`` False
+    positions; int64 arrays) into its width in bytes, 2 or 4, refusing what no width encodes; returns (the uint8 blob, each param's (byte start,
     byte end, width)). Two passes over the positions (the tops, then the ints written at their widths) into one fresh
     blob."""
     lib = library()
@@ -471,11 +474,11 @@ def positions_runner(pieces: Sequence[torch.Tensor], counts: Sequence[Sequence[i
     cnt = np.fromiter((c for cs in counts for c in cs), dtype=np.int64)
     pos = np.concatenate([_addresses(p, np.asarray(cs, dtype=np.int64)) for p, cs in zip(pieces, counts)]) \
         if len(cnt) else np.zeros(0, dtype=np.int64)
-    top = np.zeros(len(cnt), dtype=np.int64)
+    top, low = np.zeros(len(cnt), dtype=np.int64), np.zeros(len(cnt), dtype=np.int64)
     shares = _param_shares(cnt)
     _run(lambda a, b: lib.pos_top(pos.ctypes.data + 8 * a, cnt.ctypes.data + 8 * a, b - a, int(gaps),
-                                  top.ctypes.data + 8 * a), shares)
-    wid = np.asarray(widths(top), dtype=np.int64)
+                                  top.ctypes.data + 8 * a, low.ctypes.data + 8 * a), shares)
+    wid = np.asarray(widths(top, low), dtype=np.int64)
     ends = np.cumsum(cnt * wid)
     at = ends - cnt * wid
     blob = empty(int(ends[-1]) if len(ends) else 0, torch.uint8)

@@ -56,6 +56,7 @@ from sglang.srt.weight_sync.delta.wire import (
     encode_flush,
     encode_gathered,
     gc_paused,
+    like_pairs,
     nan_sentinel,
     shifted_cat,
     sparse_allowed,
@@ -63,7 +64,6 @@ from sglang.srt.weight_sync.delta.wire import (
 
 logger = logging.getLogger(__name__)
 
-_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
 _SLAB, _ALIGN = 64 << 20, 64  # snapshot slabs (bytes; a power of two) and the alignment of tensors in them
 _EXPERT_SUBPASSES = 4  # expert params are published in this many segments so apply overlaps encode
 
@@ -253,8 +253,7 @@ class DeltaState:
         ``wire.changes_many`` finds them: runs, ``ks`` indexing ``chunk``. A param without a snapshot (or one of
         another shape or dtype) is in none. One diff for the whole chunk."""
         news = [t for _, t in chunk]
-        if not any(map(operator.is_, bases, itertools.repeat(None))) and list(map(_SHAPE, bases)) == \
-                list(map(_SHAPE, news)) and list(map(_DTYPE, bases)) == list(map(_DTYPE, news)):
+        if not any(map(operator.is_, bases, itertools.repeat(None))) and like_pairs(bases, news):
             diffable = list(range(len(chunk)))  # the usual chunk: every param has its like in the snapshot
         else:
             diffable = [k for k, (t, b) in enumerate(zip(news, bases))

@@ -691,7 +691,7 @@ def _encode_positions_torch(idxs: Sequence[torch.Tensor], enc: DeltaEncoding, de
     """:func:`encode_positions_many` in torch ops (any device)."""
     pieces = [i.reshape(-1) for i in idxs if i.numel()]
     live = [k for k, n in enumerate(lengths) if n]
-    tops = [0] * len(lengths)
+    tops, lows = np.zeros(len(lengths), dtype=np.int64), np.zeros(len(lengths), dtype=np.int64)
     if live:
         flat = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).to(torch.int64)
         firsts = list(itertools.accumulate([lengths[k] for k in live], initial=0))
@@ -704,9 +704,8 @@ def _encode_positions_torch(idxs: Sequence[torch.Tensor], enc: DeltaEncoding, de
             ints.sub_(1)
             at = to_device(firsts[:-1], device)
             ints[at] = flat[at]  # a param's first gap counts from -1, not from the previous param's last position
-        for k, t in zip(live, _segment_max(ints, firsts)):
-            tops[k] = t
-    widths = [_pos_width(enc, t) for t in tops]
+        lows[live], tops[live] = _segment_range(ints, firsts)
+    widths = _pos_widths(enc, tops, lows).tolist()
     # Narrowing keeps the low bytes (values fit unsigned width), and tensors are little-endian on every platform torch
     # runs on: the int16/int32 bytes are the wire's u16/u32. One conversion per run of params of one width.
     parts, ranges, at, elem = [], [], 0, 0
@@ -723,35 +722,39 @@ def _encode_positions_torch(idxs: Sequence[torch.Tensor], enc: DeltaEncoding, de
     return blob, ranges
 
 
-def _pos_width(enc: DeltaEncoding, biggest: int) -> int:
-    """Bytes per position int of a param whose largest int (position or gap) is ``biggest``."""
+def _pos_widths(enc: DeltaEncoding, tops: np.ndarray, lows: np.ndarray) -> np.ndarray:
+    """Bytes per position int of each param, from its largest and smallest int (position, or gap to the one before):
+    4 for ``indices``, else 2 where the gaps fit 16 bits and 4 where they fit 32. Refuses a negative one (positions
+    out of order or repeated: a narrowed negative gap would decode to another, increasing, position) and one that
+    fits no width."""
+    if len(lows) and int(lows.min()) < 0:
+        k = int(np.argmin(lows))
+        if enc is DeltaEncoding.INDICES:
+            raise DeltaError(f"param {k} of the flush: negative position {int(lows[k])}")
+        raise DeltaError(f"param {k} of the flush: its positions are not increasing and unique (gap {int(lows[k])})")
+    biggest = int(tops.max()) if len(tops) else 0
     if enc is DeltaEncoding.INDICES:
         if biggest > _U32_MAX:
             raise DeltaError(f"position {biggest} does not fit the 4-byte 'indices' encoding")
-        return 4
+        return np.full(len(tops), 4, dtype=np.int64)
     if biggest > _U32_MAX:
         raise DeltaError(f"gap {biggest} does not fit 4 bytes")
-    return 2 if biggest <= _U16_MAX else 4
-
-
-def _pos_widths(enc: DeltaEncoding, tops: np.ndarray) -> np.ndarray:
-    """:func:`_pos_width` of each param's largest int in ``tops``, at once."""
-    if len(tops) and int(tops.max()) > _U32_MAX:
-        _pos_width(enc, int(tops.max()))  # raises, naming it
-    if enc is DeltaEncoding.INDICES:
-        return np.full(len(tops), 4, dtype=np.int64)
     return np.where(tops <= _U16_MAX, 2, 4).astype(np.int64)
 
 
-def _segment_max(ints: torch.Tensor, firsts: List[int]) -> list:
-    """The largest of each run ``ints[firsts[k]:firsts[k + 1]]`` (none empty), read to the host: the one host read
-    of :func:`encode_positions_many`. CPU: numpy's ``maximum.reduceat``, one pass with no scratch; elsewhere one
-    ``scatter_reduce`` over the runs' ids."""
+def _segment_range(ints: torch.Tensor, firsts: List[int]) -> Tuple[np.ndarray, np.ndarray]:
+    """The smallest and the largest of each run ``ints[firsts[k]:firsts[k + 1]]`` (none empty), read to the host
+    together: the one host read of :func:`encode_positions_many`. CPU: numpy's ``reduceat``, passes with no scratch;
+    elsewhere a ``scatter_reduce`` each over the runs' ids."""
     if ints.device.type == "cpu":
-        return np.maximum.reduceat(ints.numpy(), firsts[:-1]).tolist()
+        x = ints.numpy()
+        return np.minimum.reduceat(x, firsts[:-1]), np.maximum.reduceat(x, firsts[:-1])
     seg = repeat_counts(torch.arange(len(firsts) - 1, device=ints.device), list(map(operator.sub, firsts[1:], firsts)))
-    top = torch.full((len(firsts) - 1,), -1, dtype=torch.int64, device=ints.device)
-    return host_values(top.scatter_reduce_(0, seg, ints, "amax"))
+    out = torch.zeros((2, len(firsts) - 1), dtype=torch.int64, device=ints.device)
+    out[0].scatter_reduce_(0, seg, ints, "amin", include_self=False)
+    out[1].scatter_reduce_(0, seg, ints, "amax", include_self=False)
+    low, top = host_values(out)
+    return np.asarray(low, dtype=np.int64), np.asarray(top, dtype=np.int64)
 
 
 def decode_positions(blob: torch.Tensor, width: int, encoding: str) -> torch.Tensor:
@@ -1562,6 +1565,12 @@ def _small_cpu_diffs(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], extra: 
 _SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
 
 
+def like_pairs(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor]) -> bool:
+    """Whether each ``olds[k]`` has ``news[k]``'s shape and dtype, in C-level maps (a chunk of a MoE model holds
+    thousands of tensors: a Python call per pair costs more than the diff of a small one)."""
+    return list(map(_SHAPE, olds)) == list(map(_SHAPE, news)) and list(map(_DTYPE, olds)) == list(map(_DTYPE, news))
+
+
 def _native_diffs(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], extra: Sequence[Optional[torch.Tensor]],
                   want_olds: bool) -> Optional[List[Found]]:
     """The CPU pairs without staged positions diffed by the native kernel (:data:`SPARSE`), one call per dtype for
@@ -1572,10 +1581,10 @@ def _native_diffs(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], extra: Seq
     runner = kernels.KERNELS.ready(SPARSE, cpu, sum(map(torch.Tensor.numel, news)))
     if runner is None:
         return None
-    dtypes = list(map(_DTYPE, news))
-    if list(map(_SHAPE, olds)) != list(map(_SHAPE, news)) or list(map(_DTYPE, olds)) != dtypes:
+    if not like_pairs(olds, news):
         for old, new in pairs:  # the first that differs, refused by name
             _check_pair(old, new)
+    dtypes = list(map(_DTYPE, news))
     groups: Dict[torch.dtype, List[int]] = {}
     if extra.count(None) == len(extra) and dtypes.count(dtypes[0]) == len(dtypes):  # the usual chunk: one call
         groups[dtypes[0]] = list(range(len(dtypes)))
@@ -1590,8 +1599,8 @@ def _native_diffs(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], extra: Seq
             # read by address: a view's order needs a copy
             sides = [ts if all(map(torch.Tensor.is_contiguous, ts)) else
                      [t if t.is_contiguous() else t.detach().contiguous() for t in ts] for ts in sides]
-            idx, values, olds, counts = runner.diff(*sides, want_olds)
-            out.append(Found(ks, counts, idx, values, olds))
+            idx, values, at_old, counts = runner.diff(*sides, want_olds)
+            out.append(Found(ks, counts, idx, values, at_old))
     except Exception as e:  # noqa: BLE001 - a kernel that cannot run leaves numpy's diff, never a wrong one
         kernels.KERNELS.failed(SPARSE, cpu, e)
         return None
