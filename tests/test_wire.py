@@ -657,7 +657,7 @@ def test_positions_off_their_alignment_in_a_file_decode_through_an_aligned_buffe
 
 
 def test_a_flush_whose_counts_or_bases_do_not_pair_with_its_blobs_is_not_encoded():
-    """The spec is made from each entry's counts and then signed by the checksum, so a count off its own positions,
+    """The spec is made from each entry's names, shapes and counts and then signed by the checksum, so a count off its own positions,
     values or bases would be a consistent lie: refused per entry, also when two entries' errors cancel in total (one
     base a value long, the next one short)."""
     from sglang.srt.weight_sync.delta.wire import Gathered, encode_gathered
@@ -677,3 +677,6 @@ def test_a_flush_whose_counts_or_bases_do_not_pair_with_its_blobs_is_not_encoded
     with pytest.raises(DeltaError, match="counts 6, values 6, positions 6 and bases 7"):
         encode_gathered([entry([3, 3], base=torch.zeros(7, dtype=torch.bfloat16)),
                          entry([3, 3], base=torch.zeros(5, dtype=torch.bfloat16))], "xor_zstd")
+    # names, shapes and counts are joined across entries: one entry a name short would shift every later param
+    with pytest.raises(DeltaError, match=r"params \['a'\]: 1 names, 2 shapes and 2 counts do not pair"):
+        encode_gathered([entry([3, 3]), Gathered(["a"], [[4], [4]], [3, 3], v, i)], "deltas")

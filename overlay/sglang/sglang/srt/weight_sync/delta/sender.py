@@ -68,6 +68,7 @@ _SLAB, _ALIGN = 64 << 20, 64  # snapshot slabs (bytes; a power of two) and the a
 _EXPERT_SUBPASSES = 4  # expert params are published in this many segments so apply overlaps encode
 
 Chunk = Sequence[Tuple[str, torch.Tensor]]
+_SHAPE = operator.attrgetter("shape")
 
 
 # ---------------------------------------------------------------- host <-> device
@@ -252,14 +253,15 @@ class DeltaState:
         unacknowledged sync) with the new values there, and with ``olds`` the snapshot's (``xor_zstd``), as
         ``wire.changes_many`` finds them: runs, ``ks`` indexing ``chunk``. A param without a snapshot (or one of
         another shape or dtype) is in none. One diff for the whole chunk."""
-        news = [t for _, t in chunk]
+        news = list(map(operator.itemgetter(1), chunk))
         if not any(map(operator.is_, bases, itertools.repeat(None))) and like_pairs(bases, news):
-            diffable = list(range(len(chunk)))  # the usual chunk: every param has its like in the snapshot
-        else:
-            diffable = [k for k, (t, b) in enumerate(zip(news, bases))
-                        if b is not None and b.shape == t.shape and b.dtype == t.dtype]
-        found = changes_many([(bases[k], chunk[k][1]) for k in diffable],
-                             [self.staged.get(chunk[k][0]) for k in diffable] if self.staged else None, olds)
+            return changes_many(list(zip(bases, news)), [self.staged.get(name) for name, _ in chunk]
+                                if self.staged else None, olds, alike=True)  # the usual chunk: all have their like
+        diffable = [k for k, (t, b) in enumerate(zip(news, bases))
+                    if b is not None and b.shape == t.shape and b.dtype == t.dtype]
+        found = changes_many([(bases[k], news[k]) for k in diffable],
+                             [self.staged.get(chunk[k][0]) for k in diffable] if self.staged else None, olds,
+                             alike=True)
         for f in found:
             f.ks = [diffable[j] for j in f.ks]
         return found
@@ -437,8 +439,9 @@ class DeltaBucket:
         self._close(dtype)
         span = self._open[dtype] = _Span(f, 0)
         span.end = len(chunk)
-        span.names = [chunk[j][0] for j in live]
-        span.shapes = [list(chunk[j][1].shape) for j in live]
+        live_params = chunk if len(live) == len(chunk) else [chunk[j] for j in live]
+        span.names = list(map(operator.itemgetter(0), live_params))
+        span.shapes = list(map(list, map(_SHAPE, map(operator.itemgetter(1), live_params))))
         span.counts = [f.counts[j] for j in live]
         self.nbytes += f.idx.numel() * (4 + dtype.itemsize)
         self.last = span.names[-1]

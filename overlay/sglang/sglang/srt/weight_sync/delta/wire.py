@@ -1562,7 +1562,7 @@ def _small_cpu_diffs(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], extra: 
     return out
 
 
-_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
+_SHAPE, _DTYPE, _IS_CPU = operator.attrgetter("shape"), operator.attrgetter("dtype"), operator.attrgetter("is_cpu")
 
 
 def like_pairs(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor]) -> bool:
@@ -1572,7 +1572,7 @@ def like_pairs(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor]) -> bo
 
 
 def _native_diffs(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], extra: Sequence[Optional[torch.Tensor]],
-                  want_olds: bool) -> Optional[List[Found]]:
+                  want_olds: bool, alike: bool) -> Optional[List[Found]]:
     """The CPU pairs without staged positions diffed by the native kernel (:data:`SPARSE`), one call per dtype for
     all of them, large or small: one :class:`Found` per dtype. None while the kernels are not ready in this process
     (or once they failed): then numpy diffs them."""
@@ -1581,7 +1581,7 @@ def _native_diffs(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], extra: Seq
     runner = kernels.KERNELS.ready(SPARSE, cpu, sum(map(torch.Tensor.numel, news)))
     if runner is None:
         return None
-    if not like_pairs(olds, news):
+    if not alike and not like_pairs(olds, news):
         for old, new in pairs:  # the first that differs, refused by name
             _check_pair(old, new)
     dtypes = list(map(_DTYPE, news))
@@ -1659,22 +1659,24 @@ _JOIN_BYTES = 64 << 20  # device diff: params are compared joined in batches of 
 
 
 def changes_many(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]],
-                 extra: Optional[Sequence[Optional[torch.Tensor]]] = None, want_olds: bool = False) -> List[Found]:
+                 extra: Optional[Sequence[Optional[torch.Tensor]]] = None, want_olds: bool = False,
+                 alike: bool = False) -> List[Found]:
     """What changed in each ``(old, new)`` pair: the positions whose bytes differ, united with its ``extra``
     positions (sorted, unique), ``new``'s values there, and with ``want_olds`` ``old``'s (for ``xor_zstd``) — as
     :class:`Found` runs that cover every pair once, in no particular order. On a device, per batch of params
     (:func:`_joined_diff`): a constant number of ops and two host reads, whatever the params' count — a per-param
     op is a kernel launch each, a per-param ``nonzero`` a host synchronization each. On CPU small params are
-    joined per dtype, large ones diffed alone (numpy, on all cores)."""
+    joined per dtype, large ones diffed alone (numpy, on all cores). ``alike``: the caller found every pair alike in
+    shape and dtype (:func:`like_pairs`), which the native diff then does not check again."""
     extra = list(extra) if extra is not None else [None] * len(pairs)
     if not pairs:
         return []
-    if _NUMPY_DIFF and all(new.is_cpu for _, new in pairs):
-        out = _native_diffs(pairs, extra, want_olds)
+    if _NUMPY_DIFF and all(map(_IS_CPU, map(operator.itemgetter(1), pairs))):
+        out = _native_diffs(pairs, extra, want_olds, alike)
         if out is None:
             out = _small_cpu_diffs(pairs, extra, want_olds)
         joined = set(itertools.chain.from_iterable(f.ks for f in out))
-        for k, ((old, new), more) in enumerate(zip(pairs, extra)):
+        for k, ((old, new), more) in enumerate(zip(pairs, extra) if len(joined) < len(pairs) else ()):
             if k in joined:
                 continue
             _check_pair(old, new)
@@ -1825,6 +1827,9 @@ def encode_gathered(items: Sequence[Gathered], encoding: str, sealed: bool = Tru
         raise DeltaError("xor_zstd needs base_version's values of every param (bases)")
     for g in items:  # the spec is made from counts the checksum then signs: a count off its blobs is caught here
         n = g.values.numel()
+        if not len(g.names) == len(g.shapes) == len(g.counts):
+            raise DeltaError(f"params {g.names[:3]}: {len(g.names)} names, {len(g.shapes)} shapes and "
+                             f"{len(g.counts)} counts do not pair")
         if sum(g.counts) != n or any(t is not None and t.numel() != n for t in (g.idx, g.base)):
             raise DeltaError(f"params {g.names[:3]}: counts {sum(g.counts)}, values {n}, positions "
                              f"{None if g.idx is None else g.idx.numel()} and bases "
@@ -1839,14 +1844,20 @@ def encode_gathered(items: Sequence[Gathered], encoding: str, sealed: bool = Tru
     if sparse and not sparse_allowed(dtype):
         raise DeltaError(f"param {sparse[0].names[0]!r}: {name} params travel dense")
     positions, ranges = encode_positions_many([g.idx for g in sparse], encoding, device, [g.counts for g in sparse])
-    encoded = iter(ranges)  # the sparse params' bytes in item order: dense params have none
-    params, pos_at, val_at = [], 0, 0
+    rows, at, pos_at = [], 0, 0  # (pos_start, pos_end, pos_width) per param: items are runs, not params
     for g in items:
-        for pname, shape, n in zip(g.names, g.shapes, g.counts):
-            start, end, width = (pos_at, pos_at, 0) if g.idx is None else next(encoded)
-            params.append(DeltaParam(pname, name, shape, start, end, width, val_at, val_at + n))
-            pos_at = end
-            val_at += n
+        k = len(g.names)
+        if g.idx is None:  # a dense param has no positions: an empty range where the last sparse one ended
+            rows += [(pos_at, pos_at, 0)] * k
+        elif k:
+            rows += ranges[at:at + k]
+            at, pos_at = at + k, ranges[at + k - 1][1]
+    counts = list(itertools.chain.from_iterable(g.counts for g in items))
+    val_ends = list(itertools.accumulate(counts))
+    params = list(itertools.starmap(DeltaParam, zip(
+        itertools.chain.from_iterable(g.names for g in items), [name] * len(counts),
+        itertools.chain.from_iterable(g.shapes for g in items), *(zip(*rows) if rows else ((), (), ())),
+        [0, *val_ends][:-1], val_ends, strict=True)))
     values = _cat([g.values for g in items], dtype, device)
     base = None
     if xor:
