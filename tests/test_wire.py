@@ -106,8 +106,11 @@ def test_gap_boundaries(gap):
     assert width == 4 and torch.equal(decode_positions(blob, width, "indices"), idx)
 
 
-def test_indices_in_any_order_are_valid_and_duplicates_are_not():
-    """Our encoder sends sorted positions; an independent one may not: unique and in range is what counts."""
+@pytest.mark.parametrize("native", [False, True])
+def test_indices_in_any_order_are_valid_and_duplicates_are_not(monkeypatch, native):
+    """Our encoder sends sorted positions; an independent one may not: unique and in range is what counts (the
+    torch ops' check or the native decode's)."""
+    sparse_kernels(monkeypatch, native)
     old = torch.zeros(1000, dtype=torch.bfloat16)
     new = old.clone()
     new[[5, 7, 900]] = 1
@@ -164,8 +167,9 @@ def test_a_flush_encodes_each_params_positions_as_if_alone(monkeypatch, encoding
 
 def test_a_sparse_kernel_that_differs_from_the_numpy_and_torch_ops_is_never_used(monkeypatch):
     """The native sparse kernels are self-tested against numpy's diff and torch's encode and scatter before any use:
-    a diff that misses the last hit of a word, an encoder off by one in a gap, a scatter that skips a tensor — each
-    is refused. One that fails at run time leaves numpy's diff for the rest of the process, with the same result."""
+    a diff that misses the last hit of a word, an encoder off by one in a gap, a scatter that skips a tensor, a
+    decoder off by one or blind to a position out of range — each is refused. One that fails at run time leaves
+    numpy's diff for the rest of the process, with the same result."""
     from sglang.srt.weight_sync.delta import kernels, native, wire
 
     cpu = torch.device("cpu")
@@ -185,9 +189,19 @@ def test_a_sparse_kernel_that_differs_from_the_numpy_and_torch_ops_is_never_used
         n = sum(counts[:-1])
         native.scatter_runner(dsts[:-1], counts[:-1], idx[:n], values[:n])
 
-    for broken in (dict(diff=drop_last), dict(positions=off_by_one), dict(scatter=skip_last)):
+    def unflagged(*a, **k):
+        return native.decode_runner(*a, **k)[0], torch.tensor(False)
+
+    def last_off(blob, at, wid, cnt, numel, gaps, out):
+        tops, bad = native.decode_runner(blob, at, wid, cnt, numel, gaps, out)
+        if out is not None:
+            out[sum(cnt) - 1] += 1
+        return tops, bad
+
+    for broken in (dict(diff=drop_last), dict(positions=off_by_one), dict(scatter=skip_last), dict(decode=unflagged),
+                   dict(decode=last_off)):
         runner = types.SimpleNamespace(**{**vars(native.SPARSE), **broken})
-        with pytest.raises(RuntimeError, match="native (diff|positions|scatter)"):
+        with pytest.raises(RuntimeError, match="native (diff|positions|scatter|decode)"):
             wire._test_sparse(runner, cpu)
 
     sparse_kernels(monkeypatch, True)
@@ -592,15 +606,18 @@ def test_plane_transposition_batches_small_segments_and_keeps_every_byte(seed):
     assert any(isinstance(r, list) for r in wire._plane_runs(segments)) or len(segments) < 3
 
 
+@pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("encoding", ["indices", "deltas"])
 @pytest.mark.parametrize("run", [1, 5, 300, 1 << 20])
-def test_positions_checked_in_one_pass_and_decoded_again_run_by_run(monkeypatch, seed, encoding, run):
+def test_positions_checked_in_one_pass_and_decoded_again_run_by_run(monkeypatch, seed, encoding, run, native):
     """Runs of one param, of a few, of all (kept from the checking pass): widths that alternate within a run, empty
-    and dense params between sparse ones, a blob at an odd offset; every param's positions equal its own decode,
-    through the writes' runs (over any subset) and one by one. A position out of range in the last run is refused."""
+    and dense params between sparse ones, a blob at an odd offset; every param's positions equal its own decode
+    (torch's ops), through the writes' runs (over any subset) and one by one, by the torch ops or the native
+    decode. A position out of range in the last run is refused."""
     from sglang.srt.weight_sync.delta import wire
 
+    sparse_kernels(monkeypatch, native)
     monkeypatch.setattr(wire, "_DECODE_RUN", run)
     rng = random.Random(seed)
     entries = []
@@ -657,9 +674,9 @@ def test_positions_off_their_alignment_in_a_file_decode_through_an_aligned_buffe
 
 
 def test_a_flush_whose_counts_or_bases_do_not_pair_with_its_blobs_is_not_encoded():
-    """The spec is made from each entry's names, shapes and counts and then signed by the checksum, so a count off its own positions,
-    values or bases would be a consistent lie: refused per entry, also when two entries' errors cancel in total (one
-    base a value long, the next one short)."""
+    """The spec is made from each entry's names, shapes and counts and then signed by the checksum, so a count off
+    its own positions, values or bases would be a consistent lie: refused per entry, also when two entries' errors
+    cancel in total (one base a value long, the next one short)."""
     from sglang.srt.weight_sync.delta.wire import Gathered, encode_gathered
 
     v, i = torch.arange(6, dtype=torch.bfloat16), torch.arange(6)

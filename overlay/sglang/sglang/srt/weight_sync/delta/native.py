@@ -202,6 +202,45 @@ API void pos_write(const int64_t *pos, const int64_t *cnt, int64_t n, int64_t ga
   }
 }
 
+/* Positions off the wire (the engine's check and decode), per param k: cnt[k] ints of U at blob + at[k], read
+ * through memcpy (any alignment: a file's blob sits wherever its writer put it); `GAPS`: each position is the one
+ * before plus the int plus 1, the first from -1; else the int itself. top[k] = the last position. Returns 1 where a
+ * param has a position at or past numel[k] or, not `GAPS`, one not above the one before (the engine then checks the
+ * flush param by param), else 0. `OUT`: the positions to out + o[k]. */
+template <typename U, int GAPS, int OUT>
+static int64_t decode_one(const uint8_t *b, int64_t n, int64_t numel, int64_t *out, int64_t *top) {
+  int64_t prev = -1, bad = 0;
+  for (int64_t i = 0; i < n; i++) {
+    U v;
+    memcpy(&v, b + i * sizeof(U), sizeof(U));
+    const int64_t x = GAPS ? prev + (int64_t)v + 1 : (int64_t)v;
+    if (!GAPS) bad |= x <= prev;
+    if (OUT) out[i] = x;
+    prev = x;
+  }
+  *top = prev;
+  return bad | (n > 0 && prev >= numel);
+}
+
+template <int GAPS, int OUT>
+static int64_t decode_many(const uint8_t *blob, const int64_t *at, const int64_t *wid, const int64_t *cnt,
+                           const int64_t *numel, int64_t n, int64_t *out, const int64_t *o, int64_t *top) {
+  int64_t bad = 0;
+  for (int64_t k = 0; k < n; k++)
+    bad |= wid[k] == 2 ? decode_one<uint16_t, GAPS, OUT>(blob + at[k], cnt[k], numel[k], OUT ? out + o[k] : 0, top + k)
+                       : decode_one<uint32_t, GAPS, OUT>(blob + at[k], cnt[k], numel[k], OUT ? out + o[k] : 0, top + k);
+  return bad;
+}
+
+API int64_t pos_decode(const uint8_t *blob, const int64_t *at, const int64_t *wid, const int64_t *cnt,
+                       const int64_t *numel, int64_t n, int64_t gaps, int64_t *out, const int64_t *o, int64_t *top) {
+  if (gaps)
+    return out ? decode_many<1, 1>(blob, at, wid, cnt, numel, n, out, o, top)
+               : decode_many<1, 0>(blob, at, wid, cnt, numel, n, out, o, top);
+  return out ? decode_many<0, 1>(blob, at, wid, cnt, numel, n, out, o, top)
+             : decode_many<0, 0>(blob, at, wid, cnt, numel, n, out, o, top);
+}
+
 /* The scatter (the sender's snapshot fold), per tensor k: ((T *)dst[k])[pos[k][i]] =
  * ((T *)val[k])[i] for cnt[k] positions. `check`: write nothing, return the first k with a position outside
  * [0, numel[k]) (-1: none), so a caller checks all first. */
@@ -280,6 +319,7 @@ def library() -> ctypes.CDLL:
         fn.argtypes, fn.restype = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64], _I64
     lib.pos_top.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _PTR]
     lib.pos_write.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR]
+    lib.pos_decode.argtypes, lib.pos_decode.restype = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR], _I64
     return lib
 
 
@@ -520,4 +560,33 @@ def scatter_runner(dsts: Sequence[torch.Tensor], counts: Sequence[int], idx: tor
     _run(functools.partial(share, 0), shares)
 
 
-SPARSE = types.SimpleNamespace(diff=diff_runner, positions=positions_runner, scatter=scatter_runner)
+def decode_runner(blob: torch.Tensor, at: Sequence[int], wid: Sequence[int], cnt: Sequence[int],
+                  numel: Sequence[int], gaps: bool, out: Optional[torch.Tensor]):
+    """Params' positions off the wire (the uint8 ``blob``; per param its byte start, width 2 or 4, count and element
+    count): (each param's last position as an int64 tensor, whether any param has a position out of range or, not
+    ``gaps``, out of order: a 0-d bool tensor); with ``out`` (int64) the positions there, joined. One pass."""
+    lib = library()
+    at, wid, cnt, numel = (np.asarray(x, dtype=np.int64) for x in (at, wid, cnt, numel))
+    if blob.dtype != torch.uint8 or not blob.is_contiguous() or not blob.is_cpu or \
+            not len(at) == len(wid) == len(cnt) == len(numel) or not np.isin(wid, (2, 4)).all() or \
+            (len(at) and (at.min() < 0 or (at + cnt * wid).max() > blob.numel() or cnt.min() < 0)) or \
+            (out is not None and (out.dtype != torch.int64 or not out.is_contiguous() or not out.is_cpu
+                                  or out.numel() < int(cnt.sum()))):
+        raise ValueError("native decode: the params do not fit the blob or the output")
+    o = np.zeros(len(cnt), dtype=np.int64)
+    np.cumsum(cnt[:-1], out=o[1:])
+    top = np.zeros(len(cnt), dtype=np.int64)
+    bad = []
+
+    def share(a: int, b: int) -> None:
+        bad.append(lib.pos_decode(blob.data_ptr(), at.ctypes.data + 8 * a, wid.ctypes.data + 8 * a,
+                                  cnt.ctypes.data + 8 * a, numel.ctypes.data + 8 * a, b - a, int(gaps),
+                                  None if out is None else out.data_ptr(), o.ctypes.data + 8 * a,
+                                  top.ctypes.data + 8 * a))
+
+    _run(share, _param_shares(cnt))
+    return torch.from_numpy(top), torch.tensor(any(bad))
+
+
+SPARSE = types.SimpleNamespace(diff=diff_runner, positions=positions_runner, scatter=scatter_runner,
+                               decode=decode_runner)

@@ -1089,11 +1089,17 @@ def _decode_all(payload: DeltaPayload, sparse: List[DeltaParam], clamp: bool = F
     buffer.take(max(sizes, default=0))  # once: runs differ in size, and each growth is fresh pages
     flags, tops, kept = [], [], [] if keep else None
     for run, counts in runs:
-        top = _scan_run(pos, run, counts, gaps, buffer, flags)
+        x = torch.empty(sum(counts), dtype=torch.int64, device=pos.device) if keep else None
+        native = _native_decode(pos, run, counts, gaps, x)  # checked (and kept: decoded) in one pass
+        if native is not None:
+            top = native[0]
+            flags.append(native[1])
+        else:
+            top = _scan_run(pos, run, counts, gaps, buffer, flags)
+            if keep:
+                x = _decode_run(pos, run, counts, gaps, x, top, buffer)
         tops.append(top)
         if keep:
-            x = _decode_run(pos, run, counts, gaps, torch.empty(sum(counts), dtype=torch.int64, device=pos.device),
-                            top, buffer)
             if clamp:  # one op for the run, not one per param
                 x = torch.minimum(x, repeat_counts(to_device([p.numel - 1 for p in run], pos.device), counts))
             kept.append(Run(run, x, list(itertools.accumulate(counts[:-1], initial=0))))
@@ -1116,6 +1122,25 @@ def _load_run(pos: torch.Tensor, run: Sequence[DeltaParam], counts: List[int], o
         out[at:at + n].copy_(raw.view(torch.uint16 if width == 2 else torch.uint32))  # little-endian, as encoded
         at += n
     return out[:at]
+
+
+def _native_decode(pos: torch.Tensor, run: Sequence[DeltaParam], counts: List[int], gaps: bool,
+                   out: Optional[torch.Tensor]) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """:data:`SPARSE`'s decode of a run on CPU, once ready: (each param's last position, the run's fault flag), the
+    positions into ``out`` unless None. One pass over the wire ints, no int64 copy of them to widen, sum or check.
+    None where it does not run (a device; not ready; failed): the torch ops then do it."""
+    runner = kernels.KERNELS.ready(SPARSE, pos.device, sum(counts)) if pos.device.type == "cpu" else None
+    if runner is None:
+        return None
+    try:
+        return runner.decode(pos, list(map(_POS_START, run)), list(map(_POS_WIDTH, run)), counts,
+                             [p.numel for p in run], gaps, out)
+    except Exception as e:  # noqa: BLE001 - a kernel that cannot run leaves the torch ops, never a wrong decode
+        kernels.KERNELS.failed(SPARSE, pos.device, e)
+        return None
+
+
+_POS_START, _POS_WIDTH = operator.attrgetter("pos_start"), operator.attrgetter("pos_width")
 
 
 def _scan_run(pos: torch.Tensor, run: Sequence[DeltaParam], counts: List[int], gaps: bool, buffer: _RunBuffer,
@@ -1154,6 +1179,8 @@ def _decode_run(pos: torch.Tensor, run: Sequence[DeltaParam], counts: List[int],
     """One run's positions, in ``out``. Gaps: each param's first (gap + 1) less the last position of the param
     before it in the run, plus 1 (from :func:`_scan_run`'s ``top``), so that one running sum over the whole run
     restarts at every param's start: no per-param pass, no repeat."""
+    if _native_decode(pos, run, counts, gaps, out) is not None:
+        return out[:sum(counts)]
     x = _load_run(pos, run, counts, out, buffer)
     if gaps:
         x += 1
@@ -1611,7 +1638,8 @@ def _test_sparse(runner, device: torch.device) -> None:
     """The native sparse kernels against the numpy and torch ops they replace, bit for bit; raises on any
     difference. The diff for every width: tensors of odd lengths (empty, shorter than a word, longer than a step),
     hits in every lane, a whole word and a whole tensor changed, shares that cut tensors and slots that fill up
-    mid-tensor (more parts). Its positions encoded both ways (gaps of both widths, a param without positions), and
+    mid-tensor (more parts). Its positions encoded both ways (gaps of both widths, a param without positions) and
+    decoded again from an unaligned copy (a position past its tensor and ``indices`` out of order flagged), and
     scattered with its values into copies of the old tensors, which must then equal the new ones."""
     g = torch.Generator().manual_seed(11)
     for width, iv in INT_VIEW.items():
@@ -1642,6 +1670,24 @@ def _test_sparse(runner, device: torch.device) -> None:
             want_blob = _encode_positions_torch([idx], enc, device, counts)
             if not torch.equal(got[0], want_blob[0]) or got[1] != want_blob[1]:
                 raise RuntimeError(f"native positions: the {encoding} blob differs from torch's")
+            shifted = torch.empty(got[0].numel() + 1, dtype=torch.uint8)[1:].copy_(got[0])  # off any alignment
+            out = torch.full((idx.numel(),), -7, dtype=torch.int64)
+            numel = [t.numel() for t in olds]
+            tops, bad = runner.decode(shifted, [a for a, _, _ in got[1]], [w for _, _, w in got[1]], counts, numel,
+                                      enc is not DeltaEncoding.INDICES, out)
+            lasts = [int(w[-1]) if w.size else -1 for w in want]
+            if not torch.equal(out, idx) or tops.tolist() != lasts or bool(bad):
+                raise RuntimeError(f"native decode: the {encoding} positions differ from the encoded ones")
+            k = next(k for k, n in enumerate(counts) if n)  # its last position one past a tensor that short
+            if not bool(runner.decode(shifted, [a for a, _, _ in got[1]], [w for _, _, w in got[1]], counts,
+                                      numel[:k] + [lasts[k]] + numel[k + 1:], enc is not DeltaEncoding.INDICES,
+                                      None)[1]):
+                raise RuntimeError(f"native decode: a {encoding} position out of range is not flagged")
+        tiny = torch.tensor([5, 3], dtype=torch.int32).view(torch.uint8)  # indices out of order; gaps to 5, 9
+        if not bool(runner.decode(tiny, [0], [4], [2], [10], False, None)[1]) or \
+                bool(runner.decode(tiny, [0], [4], [2], [10], True, None)[1]) or \
+                runner.decode(tiny, [0], [4], [2], [10], True, None)[0].tolist() != [9]:
+            raise RuntimeError("native decode: positions out of order are not flagged, or gaps decode wrong")
         folded = [t.clone() for t in olds]
         runner.scatter(folded, counts, idx, values)
         if not all(torch.equal(a, b) for a, b in zip(folded, news)):
