@@ -4,8 +4,13 @@ import random
 import pytest
 import torch
 
-from sglang.srt.weight_sync.delta import wire
-from sglang.srt.weight_sync.delta.views import Direct, block_plan, write_direct, write_run
+import types
+
+from cpu_harness import Host, delta_flushes, full_flushes, hf_config, nan_filled, rl_states, sglang_model
+from delta_helpers import assert_params_equal, sparse_kernels
+from sglang.srt.weight_sync.delta import kernels, native, wire
+from sglang.srt.weight_sync.delta.receiver import receiver_state
+from sglang.srt.weight_sync.delta.views import Direct, block_plan, write_direct, write_off_wire, write_run
 from sglang.srt.weight_sync.delta.wire import encode_flush, validate_payload
 
 
@@ -20,10 +25,14 @@ LAYOUT = {"p0": (100, [("a", 0)]), "q0": (100, [("b", 0)]), "t": (50, [("c", 10)
           "p3": (50, [("a", 350)])}
 
 
+@pytest.mark.parametrize("native_write", [False, True])
 @pytest.mark.parametrize("run", [1, 1 << 20])
 @pytest.mark.parametrize("below", [0, 40, 1 << 30])
 @pytest.mark.parametrize("seed", range(4))
-def test_writes_batched_per_storage_land_as_one_write_per_param_in_order(monkeypatch, seed, below, run):
+def test_writes_batched_per_storage_land_as_one_write_per_param_in_order(monkeypatch, seed, below, run, native_write):
+    """``native_write``: the whole-block params first straight off the wire (``write_off_wire``, the native kernel),
+    the rest through the runs."""
+    sparse_kernels(monkeypatch, native_write)
     monkeypatch.setattr(wire, "CPU_BATCH_BELOW", below)  # large ones alone, all batched, or all alone
     monkeypatch.setattr(wire, "_DECODE_RUN", run)  # positions kept, or decoded again a param at a time
     rng = random.Random(seed)
@@ -43,7 +52,10 @@ def test_writes_batched_per_storage_land_as_one_write_per_param_in_order(monkeyp
     assert set(blocks.at) == {"p0", "p1", "p2", "p3", "t"}  # overlapping blocks and two views: one write each
     positions = validate_payload(payload, manifest)
     rest = []
-    for r in positions.runs([p for p in payload.spec.params if p.nnz]):
+    live = [p for p in payload.spec.params if p.nnz]
+    left = write_off_wire(blocks, live, positions, payload.values)
+    assert [p.name for p in left] == [p.name for p in live if not native_write or p.name not in blocks.at]
+    for r in positions.runs(left):
         write_run(blocks, direct, r, payload.values, rest)
         if not positions.kept:
             write_direct(rest)
@@ -52,3 +64,44 @@ def test_writes_batched_per_storage_land_as_one_write_per_param_in_order(monkeyp
     for s in want:
         assert torch.equal(got[s].view(torch.int16 if got[s].dtype == torch.bfloat16 else torch.int32),
                            want[s].view(torch.int16 if want[s].dtype == torch.bfloat16 else torch.int32)), s
+
+
+def test_a_native_write_that_fails_leaves_the_engine_dirty_and_the_torch_ops_write_after_a_full_sync(monkeypatch):
+    """The native kernel writes whole-block params straight off the wire, after the flush was checked. One that
+    fails part-way (half its params written) fails the apply: the engine is dirty, takes only a full sync, and the
+    kernel is not used again; the next delta, through the torch ops, lands bit-identical."""
+    sparse_kernels(monkeypatch, True)
+    cfg = hf_config("qwen3")
+    states = rl_states(cfg, 2, seed=0)
+    host = Host(nan_filled(sglang_model(cfg)))
+    for pl in full_flushes(states[0], version=1):
+        ok, msg = host.call("_apply_delta_payload", [pl])
+        assert ok, msg
+    assert receiver_state(host.model).blocks.at  # whole-block views: the native write takes them
+
+    def half_then_fail(flats, sid, *rest):
+        k = len(sid) // 2
+        native.write_runner(flats, sid[:k], *(r[:k] if isinstance(r, tuple) else r for r in rest))
+        raise RuntimeError("the kernel broke mid-way")
+
+    monkeypatch.setitem(kernels.KERNELS.runner, ("sparse", "cpu"),
+                        types.SimpleNamespace(**{**vars(native.SPARSE), "write": half_then_fail}))
+    (pl,) = delta_flushes(states[0], states[1], "deltas", version=2, base_version=1)
+    ok, msg = host.call("_apply_delta_payload", [pl])
+    assert not ok and "engine is dirty and needs a full sync: RuntimeError('the kernel broke mid-way')" in msg, msg
+    assert receiver_state(host.model).dirty
+    assert kernels.kernel_state("cpu", wire.SPARSE).startswith("failed: RuntimeError: the kernel broke mid-way")
+    monkeypatch.setenv(kernels.MODE_ENV, "auto")  # as a server runs: a kernel that failed is not built again
+    (pl,) = delta_flushes(states[1], states[2], "deltas", version=3, base_version=2)
+    ok, msg = host.call("_apply_delta_payload", [pl])
+    assert not ok and "dirty" in msg, msg
+    for pl in full_flushes(states[1], version=3):
+        ok, msg = host.call("_apply_delta_payload", [pl])
+        assert ok, msg
+    (pl,) = delta_flushes(states[1], states[2], "deltas", version=4, base_version=3)
+    ok, msg = host.call("_apply_delta_payload", [pl])
+    assert ok, msg
+    assert kernels.kernel_state("cpu", wire.SPARSE).startswith("failed")
+    ref = nan_filled(sglang_model(cfg))
+    ref.load_weights(list(states[2].items()))
+    assert_params_equal(host.model, ref)

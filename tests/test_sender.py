@@ -54,10 +54,11 @@ def reference(cfg, state):
 @pytest.mark.parametrize("arch, encoding, native", [
     ("qwen2", "deltas_zstd", False), ("qwen3-tied", "indices", False), ("qwen2-moe", "deltas", False),
     ("qwen3-moe", "deltas_zstd", False), ("qwen3-tied", "xor_zstd", False), ("qwen3-moe", "xor_zstd", False),
-    ("qwen2", "planes_zstd", False), ("qwen3-moe", "xor_zstd", True), ("qwen3-tied", "indices", True)])
+    ("qwen2", "planes_zstd", False), ("qwen3-moe", "xor_zstd", True), ("qwen3-tied", "indices", True),
+    ("qwen2-moe", "deltas", True)])
 def test_training_loop_into_inprocess_receivers(tmp_path, monkeypatch, arch, encoding, native):
     """Syncs after real training steps, each engine param bit-identical to a plain load of the trainer's state; the
-    sender's CPU path with numpy's diff and torch's ops, or with its native kernels (``native``)."""
+    CPU paths of sender and engine with numpy's diff and torch's ops, or with the native kernels (``native``)."""
     sparse_kernels(monkeypatch, native)
     cfg = hf_config(arch)
     trainer = hf_model(cfg)

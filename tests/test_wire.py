@@ -168,7 +168,8 @@ def test_a_flush_encodes_each_params_positions_as_if_alone(monkeypatch, encoding
 def test_a_sparse_kernel_that_differs_from_the_numpy_and_torch_ops_is_never_used(monkeypatch):
     """The native sparse kernels are self-tested against numpy's diff and torch's encode and scatter before any use:
     a diff that misses the last hit of a word, an encoder off by one in a gap, a scatter that skips a tensor, a
-    decoder off by one or blind to a position out of range — each is refused. One that fails at run time leaves
+    decoder off by one or blind to a position out of range, a writer that skips a param or writes past a block —
+    each is refused. One that fails at run time leaves
     numpy's diff for the rest of the process, with the same result."""
     from sglang.srt.weight_sync.delta import kernels, native, wire
 
@@ -198,10 +199,20 @@ def test_a_sparse_kernel_that_differs_from_the_numpy_and_torch_ops_is_never_used
             out[sum(cnt) - 1] += 1
         return tops, bad
 
+    def write_but_last(flats, sid, doff, numel, blob, at, wid, cnt, values, val_start, gaps):
+        native.write_runner(flats, sid[:-1], doff[:-1], numel[:-1], blob, at[:-1], wid[:-1], cnt[:-1], values,
+                            val_start[:-1], gaps)
+
+    def write_unchecked(*a):  # silent where a position lies past its block
+        try:
+            native.write_runner(*a)
+        except ValueError:
+            pass
+
     for broken in (dict(diff=drop_last), dict(positions=off_by_one), dict(scatter=skip_last), dict(decode=unflagged),
-                   dict(decode=last_off)):
+                   dict(decode=last_off), dict(write=write_but_last), dict(write=write_unchecked)):
         runner = types.SimpleNamespace(**{**vars(native.SPARSE), **broken})
-        with pytest.raises(RuntimeError, match="native (diff|positions|scatter|decode)"):
+        with pytest.raises(RuntimeError, match="native (diff|positions|scatter|decode|write)"):
             wire._test_sparse(runner, cpu)
 
     sparse_kernels(monkeypatch, True)

@@ -241,6 +241,44 @@ API int64_t pos_decode(const uint8_t *blob, const int64_t *at, const int64_t *wi
              : decode_many<0, 0>(blob, at, wid, cnt, numel, n, out, o, top);
 }
 
+/* The engine's direct writes of whole-block params straight off the wire, per param k: its cnt[k] ints decoded as
+ * pos_decode does, ((T *)dst[k])[position] = ((T *)val[k])[i] (values read through memcpy). Returns -1, or the
+ * first k with a position outside [0, numel[k]), its earlier writes done (the flush was checked before any write:
+ * that is a broken invariant, and the engine goes dirty). */
+template <typename T, typename U, int GAPS>
+static int64_t write_one(T *d, const uint8_t *b, const uint8_t *v, int64_t n, int64_t numel) {
+  int64_t prev = -1;
+  for (int64_t i = 0; i < n; i++) {
+    U g;
+    memcpy(&g, b + i * sizeof(U), sizeof(U));
+    const int64_t x = GAPS ? prev + (int64_t)g + 1 : (int64_t)g;
+    if ((uint64_t)x >= (uint64_t)numel) return 1;
+    memcpy(d + x, v + i * sizeof(T), sizeof(T));
+    prev = x;
+  }
+  return 0;
+}
+
+#define WRITE(NAME, T)                                                                                              \
+  API int64_t NAME(const int64_t *dst, const uint8_t *blob, const int64_t *at, const int64_t *wid,                 \
+                   const int64_t *cnt, const int64_t *val, const int64_t *numel, int64_t n, int64_t gaps) {          \
+    for (int64_t k = 0; k < n; k++) {                                                                               \
+      T *d = (T *)dst[k];                                                                                           \
+      const uint8_t *b = blob + at[k], *v = (const uint8_t *)val[k];                                                \
+      const int64_t bad = gaps ? (wid[k] == 2 ? write_one<T, uint16_t, 1>(d, b, v, cnt[k], numel[k])               \
+                                              : write_one<T, uint32_t, 1>(d, b, v, cnt[k], numel[k]))              \
+                               : (wid[k] == 2 ? write_one<T, uint16_t, 0>(d, b, v, cnt[k], numel[k])               \
+                                              : write_one<T, uint32_t, 0>(d, b, v, cnt[k], numel[k]));             \
+      if (bad) return k;                                                                                            \
+    }                                                                                                               \
+    return -1;                                                                                                      \
+  }
+
+WRITE(write_uint8, uint8_t)
+WRITE(write_int16, uint16_t)
+WRITE(write_int32, uint32_t)
+WRITE(write_int64, uint64_t)
+
 /* The scatter (the sender's snapshot fold), per tensor k: ((T *)dst[k])[pos[k][i]] =
  * ((T *)val[k])[i] for cnt[k] positions. `check`: write nothing, return the first k with a position outside
  * [0, numel[k]) (-1: none), so a caller checks all first. */
@@ -317,6 +355,8 @@ def library() -> ctypes.CDLL:
         fn.argtypes, fn.restype = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR], _I64
         fn = getattr(lib, f"scatter_{name}")
         fn.argtypes, fn.restype = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64], _I64
+        fn = getattr(lib, f"write_{name}")
+        fn.argtypes, fn.restype = [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64], _I64
     lib.pos_top.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _PTR]
     lib.pos_write.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR]
     lib.pos_decode.argtypes, lib.pos_decode.restype = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR], _I64
@@ -588,5 +628,43 @@ def decode_runner(blob: torch.Tensor, at: Sequence[int], wid: Sequence[int], cnt
     return torch.from_numpy(top), torch.tensor(any(bad))
 
 
+def write_runner(flats: Sequence[torch.Tensor], sid, doff, numel, blob: torch.Tensor, at, wid, cnt,
+                 values: torch.Tensor, val_start, gaps: bool) -> None:
+    """Params written straight off the wire into whole blocks of their storages: per param its storage's flat
+    tensor ``flats[sid]``, its block's start there and element count, its ints' byte start in ``blob``, width (2 or
+    4) and count, its values' start in ``values`` (of the flats' dtype); ``gaps`` as the encoding. No int64
+    positions made, no index op: one pass over the wire ints and values. Everything is checked to fit before the
+    library is called; a position out of its block (which the engine's checks exclude) raises, its param's earlier
+    writes done."""
+    sid, doff, numel, at, wid, cnt, val_start = (np.asarray(x, dtype=np.int64)
+                                                 for x in (sid, doff, numel, at, wid, cnt, val_start))
+    size = values.element_size()
+    fn = getattr(library(), f"write_{_WIDTHS[size]}")
+    _contiguous(flats, size)
+    _contiguous([blob], 1)
+    _contiguous([values], size)
+    lens = np.fromiter(map(torch.Tensor.numel, flats), dtype=np.int64, count=len(flats))
+    if blob.dtype != torch.uint8 or not len(sid) == len(doff) == len(numel) == len(at) == len(wid) == len(cnt) == \
+            len(val_start) or not np.isin(wid, (2, 4)).all() or len(sid) and (
+                sid.min() < 0 or sid.max() >= len(flats) or doff.min() < 0 or (doff + numel > lens[sid]).any()
+                or at.min() < 0 or (at + cnt * wid).max() > blob.numel() or cnt.min() < 0 or val_start.min() < 0
+                or (val_start + cnt).max() > values.numel()):
+        raise ValueError("native write: the params do not fit their storages, the blob or the values")
+    ptrs = np.fromiter(map(torch.Tensor.data_ptr, flats), dtype=np.int64, count=len(flats))
+    dst, val = ptrs[sid] + doff * size, values.data_ptr() + val_start * size
+    bad = []
+
+    def share(a: int, b: int) -> None:
+        k = fn(dst.ctypes.data + 8 * a, blob.data_ptr(), at.ctypes.data + 8 * a, wid.ctypes.data + 8 * a,
+               cnt.ctypes.data + 8 * a, val.ctypes.data + 8 * a, numel.ctypes.data + 8 * a, b - a, int(gaps))
+        if k >= 0:
+            bad.append(a + k)
+
+    _run(share, _param_shares(cnt))
+    if bad:
+        raise ValueError(f"native write: a position of param {min(bad)} is outside its {int(numel[min(bad)])} "
+                         "elements")
+
+
 SPARSE = types.SimpleNamespace(diff=diff_runner, positions=positions_runner, scatter=scatter_runner,
-                               decode=decode_runner)
+                               decode=decode_runner, write=write_runner)

@@ -60,6 +60,7 @@ from sglang.srt.weight_sync.delta.views import (
     direct_plan,
     rebuild_xor,
     write_direct,
+    write_off_wire,
     write_run,
 )
 from sglang.srt.weight_sync.delta.wire import (
@@ -251,7 +252,7 @@ def _apply_request(self, payloads: Sequence[DeltaPayload], weight_version: Optio
         with torch.no_grad():
             rest = []  # write_direct's: one write for the request where positions are kept; else one per run
             for positions, values, viewed in via_views:
-                for run in positions.runs(viewed):
+                for run in positions.runs(write_off_wire(state.blocks, viewed, positions, values)):
                     write_run(state.blocks, direct, run, values, rest)
                     if not positions.kept:
                         write_direct(rest)

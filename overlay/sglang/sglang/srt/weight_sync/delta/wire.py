@@ -995,6 +995,11 @@ class Positions:
         self._where = None if kept is None else {  # name -> (its run, its start there)
             p.name: (r, a) for r, run in enumerate(kept) for p, a in zip(run.params, run.starts)}
 
+    def wire(self) -> Tuple[torch.Tensor, bool]:
+        """The flush's positions as they arrived (checked) and whether they are gaps: for a writer that decodes them
+        as it writes."""
+        return self._pos, self._gaps
+
     @property
     def kept(self) -> bool:
         """Whether every param's positions are held (else a run's tensors hold only until the next run)."""
@@ -1639,8 +1644,10 @@ def _test_sparse(runner, device: torch.device) -> None:
     difference. The diff for every width: tensors of odd lengths (empty, shorter than a word, longer than a step),
     hits in every lane, a whole word and a whole tensor changed, shares that cut tensors and slots that fill up
     mid-tensor (more parts). Its positions encoded both ways (gaps of both widths, a param without positions) and
-    decoded again from an unaligned copy (a position past its tensor and ``indices`` out of order flagged), and
-    scattered with its values into copies of the old tensors, which must then equal the new ones."""
+    decoded again from an unaligned copy (a position past its tensor and ``indices`` out of order flagged) and
+    written from there with the values into blocks of one storage holding the old tensors, which must then equal the
+    new ones (a position past its block refused); the diff scattered with its values into copies of the old tensors,
+    which must equal the new ones too."""
     g = torch.Generator().manual_seed(11)
     for width, iv in INT_VIEW.items():
         sizes = [0, 1, 3, 8, 9, 4097, 70001, 300000, 1 << 20, 5]
@@ -1683,6 +1690,18 @@ def _test_sparse(runner, device: torch.device) -> None:
                                       numel[:k] + [lasts[k]] + numel[k + 1:], enc is not DeltaEncoding.INDICES,
                                       None)[1]):
                 raise RuntimeError(f"native decode: a {encoding} position out of range is not flagged")
+            flat, firsts = torch.cat(olds), list(itertools.accumulate(numel, initial=0))[:-1]  # blocks of a storage
+            args = ([0] * len(olds), firsts, numel, shifted, [a for a, _, _ in got[1]], [w for _, _, w in got[1]],
+                    counts, values, list(itertools.accumulate(counts, initial=0))[:-1], enc is not DeltaEncoding.INDICES)
+            runner.write([flat], *args)
+            if not torch.equal(flat, torch.cat(news)):
+                raise RuntimeError(f"native write: the {encoding} positions wrote other elements than the diff's")
+            try:
+                runner.write([flat.clone()], *args[:2], numel[:k] + [lasts[k]] + numel[k + 1:], *args[3:])
+            except ValueError:
+                pass
+            else:
+                raise RuntimeError(f"native write: a {encoding} position out of its block is written")
         tiny = torch.tensor([5, 3], dtype=torch.int32).view(torch.uint8)  # indices out of order; gaps to 5, 9
         if not bool(runner.decode(tiny, [0], [4], [2], [10], False, None)[1]) or \
                 bool(runner.decode(tiny, [0], [4], [2], [10], True, None)[1]) or \
