@@ -19,10 +19,11 @@ def storages():
             "c": torch.zeros(60, dtype=torch.bfloat16), "d": torch.zeros(70, dtype=torch.float32)}
 
 
-# name: (elements, [(storage, block start)]); q0/q1 overlap in "b", u has two views, t sits at an offset in "c"
+# name: (elements, [(storage, block start)]); q0/q1 overlap in "b", u has two views, t sits at an offset in "c", f is a
+# block of an fp32 storage (its bf16 values are cast as the loader's copy does)
 LAYOUT = {"p0": (100, [("a", 0)]), "q0": (100, [("b", 0)]), "t": (50, [("c", 10)]), "p1": (100, [("a", 100)]),
           "u": (60, [("c", 0), ("d", 5)]), "q1": (100, [("b", 80)]), "p2": (150, [("a", 200)]),
-          "p3": (50, [("a", 350)])}
+          "p3": (50, [("a", 350)]), "f": (5, [("d", 65)])}
 
 
 @pytest.mark.parametrize("native_write", [False, True])
@@ -38,7 +39,7 @@ def test_writes_batched_per_storage_land_as_one_write_per_param_in_order(monkeyp
     rng = random.Random(seed)
     entries, want, got = [], storages(), storages()
     for name, (numel, views) in LAYOUT.items():
-        n = rng.choice([0, 1, 7, numel // 2, numel])
+        n = min(numel, rng.choice([0, 1, 7, numel // 2, numel]))
         idx = torch.tensor(sorted(rng.sample(range(numel), n)), dtype=torch.int64)
         new = torch.zeros(numel, dtype=torch.bfloat16)
         new[idx] = torch.randn(n).to(torch.bfloat16)
@@ -49,12 +50,13 @@ def test_writes_batched_per_storage_land_as_one_write_per_param_in_order(monkeyp
     manifest = {name: ([numel], "bfloat16") for name, (numel, _) in LAYOUT.items()}
     direct = {name: [Direct(got[s], 0, at, numel, []) for s, at in views] for name, (numel, views) in LAYOUT.items()}
     blocks = block_plan(direct, manifest)
-    assert set(blocks.at) == {"p0", "p1", "p2", "p3", "t"}  # overlapping blocks and two views: one write each
+    assert set(blocks.at) == {"p0", "p1", "p2", "p3", "t", "f"}  # overlapping blocks and two views: one write each
     positions = validate_payload(payload, manifest)
     rest = []
     live = [p for p in payload.spec.params if p.nnz]
     left = write_off_wire(blocks, live, positions, payload.values)
-    assert [p.name for p in left] == [p.name for p in live if not native_write or p.name not in blocks.at]
+    off_wire = {"p0", "p1", "p2", "p3", "t"} if native_write else set()  # blocks of the values' dtype
+    assert [p.name for p in left] == [p.name for p in live if p.name not in off_wire]
     for r in positions.runs(left):
         write_run(blocks, direct, r, payload.values, rest)
         if not positions.kept:
@@ -64,6 +66,32 @@ def test_writes_batched_per_storage_land_as_one_write_per_param_in_order(monkeyp
     for s in want:
         assert torch.equal(got[s].view(torch.int16 if got[s].dtype == torch.bfloat16 else torch.int32),
                            want[s].view(torch.int16 if want[s].dtype == torch.bfloat16 else torch.int32)), s
+
+
+def test_a_native_write_refused_before_writing_leaves_the_params_to_the_torch_ops(monkeypatch):
+    """A native write that refuses its arguments has written nothing: the same apply writes every param through
+    the torch ops (bit-identical, the engine clean), and the kernel is not used again."""
+    sparse_kernels(monkeypatch, True)
+    cfg = hf_config("qwen3")
+    states = rl_states(cfg, 1, seed=0)
+    host = Host(nan_filled(sglang_model(cfg)))
+    for pl in full_flushes(states[0], version=1):
+        ok, msg = host.call("_apply_delta_payload", [pl])
+        assert ok, msg
+
+    def refuse(*a):
+        raise ValueError("native write: the params do not fit their storages, the blob or the values")
+
+    monkeypatch.setitem(kernels.KERNELS.runner, ("sparse", "cpu"),
+                        types.SimpleNamespace(**{**vars(native.SPARSE), "write": refuse}))
+    (pl,) = delta_flushes(states[0], states[1], "deltas", version=2, base_version=1)
+    ok, msg = host.call("_apply_delta_payload", [pl])
+    assert ok, msg
+    assert receiver_state(host.model).version == 2 and not receiver_state(host.model).dirty
+    assert kernels.kernel_state("cpu", wire.SPARSE).startswith("failed: ValueError: native write")
+    ref = nan_filled(sglang_model(cfg))
+    ref.load_weights(list(states[1].items()))
+    assert_params_equal(host.model, ref)
 
 
 def test_a_native_write_that_fails_leaves_the_engine_dirty_and_the_torch_ops_write_after_a_full_sync(monkeypatch):

@@ -632,21 +632,23 @@ def write_runner(flats: Sequence[torch.Tensor], sid, doff, numel, blob: torch.Te
                  values: torch.Tensor, val_start, gaps: bool) -> None:
     """Params written straight off the wire into whole blocks of their storages: per param its storage's flat
     tensor ``flats[sid]``, its block's start there and element count, its ints' byte start in ``blob``, width (2 or
-    4) and count, its values' start in ``values`` (of the flats' dtype); ``gaps`` as the encoding. No int64
+    4) and count, its values' start in ``values`` (of those flats' width); ``gaps`` as the encoding. No int64
     positions made, no index op: one pass over the wire ints and values. Everything is checked to fit before the
-    library is called; a position out of its block (which the engine's checks exclude) raises, its param's earlier
-    writes done."""
+    library is called (ValueError: nothing written); a position out of its block, which the engine's checks
+    exclude, raises RuntimeError with the writes before it done."""
     sid, doff, numel, at, wid, cnt, val_start = (np.asarray(x, dtype=np.int64)
                                                  for x in (sid, doff, numel, at, wid, cnt, val_start))
     size = values.element_size()
     fn = getattr(library(), f"write_{_WIDTHS[size]}")
-    _contiguous(flats, size)
+    if len(sid) and (sid.min() < 0 or sid.max() >= len(flats)):
+        raise ValueError("native write: a storage index is out of range")
+    _contiguous([flats[s] for s in np.unique(sid).tolist()], size)
     _contiguous([blob], 1)
     _contiguous([values], size)
     lens = np.fromiter(map(torch.Tensor.numel, flats), dtype=np.int64, count=len(flats))
     if blob.dtype != torch.uint8 or not len(sid) == len(doff) == len(numel) == len(at) == len(wid) == len(cnt) == \
             len(val_start) or not np.isin(wid, (2, 4)).all() or len(sid) and (
-                sid.min() < 0 or sid.max() >= len(flats) or doff.min() < 0 or (doff + numel > lens[sid]).any()
+                doff.min() < 0 or (doff + numel > lens[sid]).any()
                 or at.min() < 0 or (at + cnt * wid).max() > blob.numel() or cnt.min() < 0 or val_start.min() < 0
                 or (val_start + cnt).max() > values.numel()):
         raise ValueError("native write: the params do not fit their storages, the blob or the values")
@@ -662,8 +664,8 @@ def write_runner(flats: Sequence[torch.Tensor], sid, doff, numel, blob: torch.Te
 
     _run(share, _param_shares(cnt))
     if bad:
-        raise ValueError(f"native write: a position of param {min(bad)} is outside its {int(numel[min(bad)])} "
-                         "elements")
+        raise RuntimeError(f"native write: a position of param {min(bad)} is outside its {int(numel[min(bad)])} "
+                           "elements")
 
 
 SPARSE = types.SimpleNamespace(diff=diff_runner, positions=positions_runner, scatter=scatter_runner,

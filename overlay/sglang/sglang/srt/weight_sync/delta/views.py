@@ -173,7 +173,8 @@ def write_off_wire(blocks: Blocks, params: List[DeltaParam], positions: Position
     view is a whole block of a storage of the values' dtype (:class:`Blocks`: most dense weights, every expert),
     written straight off the wire ints with their values in one pass, no int64 positions made and no index op
     (0.5B shape: about half the time of decoding runs and ``index_copy_``). Returns the others, for the runs. A
-    kernel that fails raises (the engine goes dirty: a full sync follows) and is not used again in this process."""
+    kernel that fails is not used again in this process: refusing its arguments (nothing written), it leaves every
+    param to the runs; failing while writing, it raises (the engine goes dirty: a full sync follows)."""
     blob, gaps = positions.wire()
     runner = kernels.KERNELS.ready(SPARSE, blob.device, values.numel()) if blob.is_cpu and params else None
     if runner is None:
@@ -190,6 +191,9 @@ def write_off_wire(blocks: Blocks, params: List[DeltaParam], positions: Position
         sid, doff, numel, at, wid, cnt, val_start = zip(*rows)
         try:
             runner.write(flats, sid, doff, numel, blob, at, wid, cnt, values, val_start, gaps)
+        except ValueError as e:  # refused before any write
+            kernels.KERNELS.failed(SPARSE, blob.device, e)
+            return params
         except Exception as e:
             kernels.KERNELS.failed(SPARSE, blob.device, e)
             raise
