@@ -68,52 +68,53 @@ def test_writes_batched_per_storage_land_as_one_write_per_param_in_order(monkeyp
                            want[s].view(torch.int16 if want[s].dtype == torch.bfloat16 else torch.int32)), s
 
 
-def test_a_native_write_refused_before_writing_leaves_the_params_to_the_torch_ops(monkeypatch):
-    """A native write that refuses its arguments has written nothing: the same apply writes every param through
-    the torch ops (bit-identical, the engine clean), and the kernel is not used again."""
+def synced_with_native_write(monkeypatch, steps: int, write):
+    """(config, states, engine): a qwen3 engine after a full sync of the first of ``steps`` + 1 trained states, with
+    the native kernels ready and their direct write replaced by ``write``."""
     sparse_kernels(monkeypatch, True)
     cfg = hf_config("qwen3")
-    states = rl_states(cfg, 1, seed=0)
+    states = rl_states(cfg, steps, seed=0)
     host = Host(nan_filled(sglang_model(cfg)))
     for pl in full_flushes(states[0], version=1):
         ok, msg = host.call("_apply_delta_payload", [pl])
         assert ok, msg
+    assert receiver_state(host.model).blocks.at  # whole-block views: the native write takes them
+    monkeypatch.setitem(kernels.KERNELS.runner, ("sparse", "cpu"),
+                        types.SimpleNamespace(**{**vars(native.SPARSE), "write": write}))
+    return cfg, states, host
 
+
+def assert_holds(cfg, host, state) -> None:
+    ref = nan_filled(sglang_model(cfg))
+    ref.load_weights(list(state.items()))
+    assert_params_equal(host.model, ref)
+
+
+def test_a_native_write_refused_before_writing_leaves_the_params_to_the_torch_ops(monkeypatch):
+    """A native write that refuses its arguments has written nothing: the same apply writes every param through
+    the torch ops (bit-identical, the engine clean), and the kernel is not used again."""
     def refuse(*a):
         raise ValueError("native write: the params do not fit their storages, the blob or the values")
 
-    monkeypatch.setitem(kernels.KERNELS.runner, ("sparse", "cpu"),
-                        types.SimpleNamespace(**{**vars(native.SPARSE), "write": refuse}))
+    cfg, states, host = synced_with_native_write(monkeypatch, 1, refuse)
     (pl,) = delta_flushes(states[0], states[1], "deltas", version=2, base_version=1)
     ok, msg = host.call("_apply_delta_payload", [pl])
     assert ok, msg
     assert receiver_state(host.model).version == 2 and not receiver_state(host.model).dirty
     assert kernels.kernel_state("cpu", wire.SPARSE).startswith("failed: ValueError: native write")
-    ref = nan_filled(sglang_model(cfg))
-    ref.load_weights(list(states[1].items()))
-    assert_params_equal(host.model, ref)
+    assert_holds(cfg, host, states[1])
 
 
 def test_a_native_write_that_fails_leaves_the_engine_dirty_and_the_torch_ops_write_after_a_full_sync(monkeypatch):
     """The native kernel writes whole-block params straight off the wire, after the flush was checked. One that
     fails part-way (half its params written) fails the apply: the engine is dirty, takes only a full sync, and the
     kernel is not used again; the next delta, through the torch ops, lands bit-identical."""
-    sparse_kernels(monkeypatch, True)
-    cfg = hf_config("qwen3")
-    states = rl_states(cfg, 2, seed=0)
-    host = Host(nan_filled(sglang_model(cfg)))
-    for pl in full_flushes(states[0], version=1):
-        ok, msg = host.call("_apply_delta_payload", [pl])
-        assert ok, msg
-    assert receiver_state(host.model).blocks.at  # whole-block views: the native write takes them
-
     def half_then_fail(flats, sid, *rest):
         k = len(sid) // 2
         native.write_runner(flats, sid[:k], *(r[:k] if isinstance(r, tuple) else r for r in rest))
         raise RuntimeError("the kernel broke mid-way")
 
-    monkeypatch.setitem(kernels.KERNELS.runner, ("sparse", "cpu"),
-                        types.SimpleNamespace(**{**vars(native.SPARSE), "write": half_then_fail}))
+    cfg, states, host = synced_with_native_write(monkeypatch, 2, half_then_fail)
     (pl,) = delta_flushes(states[0], states[1], "deltas", version=2, base_version=1)
     ok, msg = host.call("_apply_delta_payload", [pl])
     assert not ok and "engine is dirty and needs a full sync: RuntimeError('the kernel broke mid-way')" in msg, msg
@@ -130,6 +131,4 @@ def test_a_native_write_that_fails_leaves_the_engine_dirty_and_the_torch_ops_wri
     ok, msg = host.call("_apply_delta_payload", [pl])
     assert ok, msg
     assert kernels.kernel_state("cpu", wire.SPARSE).startswith("failed")
-    ref = nan_filled(sglang_model(cfg))
-    ref.load_weights(list(states[2].items()))
-    assert_params_equal(host.model, ref)
+    assert_holds(cfg, host, states[2])
