@@ -1,6 +1,6 @@
-"""The mix64 kernels and the sparse kernels (diff, positions, scatter) on CPU: :data:`SOURCE` (C++) built into a
-shared library once per machine and called through ctypes on all of torch's threads, each on a share of the words,
-rows or elements.
+"""The mix64 kernels and the sparse kernels (the sender's diff, positions and scatter; the engine's decode and
+writes) on CPU: :data:`SOURCE` (C++) built into a shared library once per machine and called through ctypes on all of
+torch's threads, each on a share of the words, rows or elements.
 
 Why not the AOTInductor packages CUDA runs: below AVX-512 torch's CPU vector classes multiply 64-bit lanes one at a
 time through memory, so inductor's kernels for these 64-bit multiply hashes run scalar. A compiler vectorizes the
