@@ -202,18 +202,25 @@ API void pos_write(const int64_t *pos, const int64_t *cnt, int64_t n, int64_t ga
   }
 }
 
-/* Positions off the wire (the engine's check and decode), per param k: cnt[k] ints of U at blob + at[k], read
- * through memcpy (any alignment: a file's blob sits wherever its writer put it); `GAPS`: each position is the one
- * before plus the int plus 1, the first from -1; else the int itself. top[k] = the last position. Returns 1 where a
- * param has a position at or past numel[k] or, not `GAPS`, one not above the one before (the engine then checks the
- * flush param by param), else 0. `OUT`: the positions to out + o[k]. */
+/* Position i of a param off the wire: its int of U at b, read through memcpy (any alignment: a file's blob sits
+ * wherever its writer put it); `GAPS`: the position before (`prev`, -1 for the first) plus the int plus 1; else the
+ * int itself. The one decode rule of the engine's native check and writes. */
+template <typename U, int GAPS>
+static inline int64_t wire_position(const uint8_t *b, int64_t i, int64_t prev) {
+  U v;
+  memcpy(&v, b + i * sizeof(U), sizeof(U));
+  return GAPS ? prev + (int64_t)v + 1 : (int64_t)v;
+}
+
+/* Positions off the wire (the engine's check and decode), per param k: cnt[k] ints of U at blob + at[k].
+ * top[k] = the last position. Returns 1 where a param has a position at or past numel[k] or, not `GAPS`, one not
+ * above the one before (the engine then checks the flush param by param), else 0. `OUT`: the positions to
+ * out + o[k]. */
 template <typename U, int GAPS, int OUT>
 static int64_t decode_one(const uint8_t *b, int64_t n, int64_t numel, int64_t *out, int64_t *top) {
   int64_t prev = -1, bad = 0;
   for (int64_t i = 0; i < n; i++) {
-    U v;
-    memcpy(&v, b + i * sizeof(U), sizeof(U));
-    const int64_t x = GAPS ? prev + (int64_t)v + 1 : (int64_t)v;
+    const int64_t x = wire_position<U, GAPS>(b, i, prev);
     if (!GAPS) bad |= x <= prev;
     if (OUT) out[i] = x;
     prev = x;
@@ -241,17 +248,15 @@ API int64_t pos_decode(const uint8_t *blob, const int64_t *at, const int64_t *wi
              : decode_many<0, 0>(blob, at, wid, cnt, numel, n, out, o, top);
 }
 
-/* The engine's direct writes of whole-block params straight off the wire, per param k: its cnt[k] ints decoded as
- * pos_decode does, ((T *)dst[k])[position] = ((T *)val[k])[i] (values read through memcpy). Returns -1, or the
+/* The engine's direct writes of whole-block params straight off the wire, per param k: its cnt[k] positions
+ * (wire_position), ((T *)dst[k])[position] = ((T *)val[k])[i] (values read through memcpy). Returns -1, or the
  * first k with a position outside [0, numel[k]), its earlier writes done (the flush was checked before any write:
  * that is a broken invariant, and the engine goes dirty). */
 template <typename T, typename U, int GAPS>
 static int64_t write_one(T *d, const uint8_t *b, const uint8_t *v, int64_t n, int64_t numel) {
   int64_t prev = -1;
   for (int64_t i = 0; i < n; i++) {
-    U g;
-    memcpy(&g, b + i * sizeof(U), sizeof(U));
-    const int64_t x = GAPS ? prev + (int64_t)g + 1 : (int64_t)g;
+    const int64_t x = wire_position<U, GAPS>(b, i, prev);
     if ((uint64_t)x >= (uint64_t)numel) return 1;
     memcpy(d + x, v + i * sizeof(T), sizeof(T));
     prev = x;
@@ -600,6 +605,14 @@ def scatter_runner(dsts: Sequence[torch.Tensor], counts: Sequence[int], idx: tor
     _run(functools.partial(share, 0), shares)
 
 
+def _fits_blob(blob: torch.Tensor, at: np.ndarray, wid: np.ndarray, cnt: np.ndarray) -> bool:
+    """Whether params' wire ints (byte start, width 2 or 4, count each) lie inside the contiguous CPU uint8 ``blob``:
+    what the engine's kernels read by address."""
+    return blob.dtype == torch.uint8 and blob.is_contiguous() and blob.is_cpu and len(at) == len(wid) == len(cnt) \
+        and bool(np.isin(wid, (2, 4)).all()) and (not len(at) or (
+            at.min() >= 0 and cnt.min() >= 0 and (at + cnt * wid).max() <= blob.numel()))
+
+
 def decode_runner(blob: torch.Tensor, at: Sequence[int], wid: Sequence[int], cnt: Sequence[int],
                   numel: Sequence[int], gaps: bool, out: Optional[torch.Tensor]):
     """Params' positions off the wire (the uint8 ``blob``; per param its byte start, width 2 or 4, count and element
@@ -607,9 +620,7 @@ def decode_runner(blob: torch.Tensor, at: Sequence[int], wid: Sequence[int], cnt
     ``gaps``, out of order: a 0-d bool tensor); with ``out`` (int64) the positions there, joined. One pass."""
     lib = library()
     at, wid, cnt, numel = (np.asarray(x, dtype=np.int64) for x in (at, wid, cnt, numel))
-    if blob.dtype != torch.uint8 or not blob.is_contiguous() or not blob.is_cpu or \
-            not len(at) == len(wid) == len(cnt) == len(numel) or not np.isin(wid, (2, 4)).all() or \
-            (len(at) and (at.min() < 0 or (at + cnt * wid).max() > blob.numel() or cnt.min() < 0)) or \
+    if not _fits_blob(blob, at, wid, cnt) or len(numel) != len(cnt) or \
             (out is not None and (out.dtype != torch.int64 or not out.is_contiguous() or not out.is_cpu
                                   or out.numel() < int(cnt.sum()))):
         raise ValueError("native decode: the params do not fit the blob or the output")
@@ -643,14 +654,11 @@ def write_runner(flats: Sequence[torch.Tensor], sid, doff, numel, blob: torch.Te
     if len(sid) and (sid.min() < 0 or sid.max() >= len(flats)):
         raise ValueError("native write: a storage index is out of range")
     _contiguous([flats[s] for s in np.unique(sid).tolist()], size)
-    _contiguous([blob], 1)
     _contiguous([values], size)
     lens = np.fromiter(map(torch.Tensor.numel, flats), dtype=np.int64, count=len(flats))
-    if blob.dtype != torch.uint8 or not len(sid) == len(doff) == len(numel) == len(at) == len(wid) == len(cnt) == \
-            len(val_start) or not np.isin(wid, (2, 4)).all() or len(sid) and (
-                doff.min() < 0 or (doff + numel > lens[sid]).any()
-                or at.min() < 0 or (at + cnt * wid).max() > blob.numel() or cnt.min() < 0 or val_start.min() < 0
-                or (val_start + cnt).max() > values.numel()):
+    if not _fits_blob(blob, at, wid, cnt) or not len(sid) == len(doff) == len(numel) == len(cnt) == len(val_start) \
+            or len(sid) and (doff.min() < 0 or (doff + numel > lens[sid]).any() or val_start.min() < 0
+                             or (val_start + cnt).max() > values.numel()):
         raise ValueError("native write: the params do not fit their storages, the blob or the values")
     ptrs = np.fromiter(map(torch.Tensor.data_ptr, flats), dtype=np.int64, count=len(flats))
     dst, val = ptrs[sid] + doff * size, values.data_ptr() + val_start * size
