@@ -169,8 +169,8 @@ def test_a_sparse_kernel_that_differs_from_the_numpy_and_torch_ops_is_never_used
     """The native sparse kernels are self-tested against numpy's diff and torch's encode and scatter before any use:
     a diff that misses the last hit of a word, an encoder off by one in a gap, a scatter that skips a tensor, a
     decoder off by one or blind to a position out of range, a writer that skips a param or writes past a block —
-    each is refused. One that fails at run time leaves
-    numpy's diff for the rest of the process, with the same result."""
+    each is refused. One that fails at run time leaves numpy's diff for the rest of the process, with the same
+    result."""
     from sglang.srt.weight_sync.delta import kernels, native, wire
 
     cpu = torch.device("cpu")
