@@ -170,7 +170,7 @@ CHUNK_PARAMS = 128
 
 def snapshot_of(state: dict) -> dict:
     """A copy of ``state`` laid out as the sender keeps its snapshot (tensors cut from shared slabs)."""
-    from sglang.srt.weight_sync.delta.sender import _HostLink
+    from sglang.srt.weight_sync.delta.snapshot import _HostLink
 
     link = _HostLink(torch.device("cpu"))
     return {k: link.host_copy(v) for k, v in state.items()}
@@ -184,15 +184,16 @@ def sender_sync(snapshot, new, encoding: str, version: int, raw=()):
     (``xor_zstd``: the snapshot's values at the changed positions go along; ``raw``: the engine's ``xor_raw``).
     The fold into the snapshot, which ``DeltaSender`` leaves running behind its sync, is waited for here and its
     time appended to :data:`FOLD_S`."""
-    from sglang.srt.weight_sync.delta.wire import gc_paused
+    from sglang.srt.weight_sync.delta.ops import gc_paused
 
     with gc_paused():  # as DeltaSender.update runs
         return _sender_sync(snapshot, new, encoding, version, raw)
 
 
 def _sender_sync(snapshot, new, encoding: str, version: int, raw):
-    from sglang.srt.weight_sync.delta.sender import DeltaBucket, DeltaState
-    from sglang.srt.weight_sync.delta.wire import as_parts
+    from sglang.srt.weight_sync.delta.bucket import DeltaBucket
+    from sglang.srt.weight_sync.delta.snapshot import DeltaState
+    from sglang.srt.weight_sync.delta.files import as_parts
 
     state = DeltaState(torch.device("cpu"))
     state.snapshot = snapshot
@@ -230,7 +231,9 @@ def serialize(payloads, encoding: str):
     """The file bytes of each flush, as the disk transport's writer produces them (the encoding's zstd level), with
     the cyclic collector paused as it is while the writer runs inside ``DeltaSender.update``: the plane layouts build
     a tuple per param, and a collection they set off here would scan the engine's whole heap."""
-    from sglang.srt.weight_sync.delta.wire import flush_file, gc_paused, zstd_level
+    from sglang.srt.weight_sync.delta.files import flush_file
+    from sglang.srt.weight_sync.delta.ops import gc_paused
+    from sglang.srt.weight_sync.delta.wire import zstd_level
 
     with gc_paused():
         return [flush_file(p, zstd_level(encoding)) for p in payloads]
@@ -241,7 +244,7 @@ def whole_tensor_xor_bytes(old, new) -> int:
     here on the same states (slime's updater itself runs in ``make bench-slime``)."""
     import zstandard
 
-    from sglang.srt.weight_sync.delta.wire import INT_VIEW
+    from sglang.srt.weight_sync.delta.ops import INT_VIEW
 
     z = zstandard.ZstdCompressor(level=1)
     total = 0
@@ -256,7 +259,7 @@ def plain_load(model, state: dict):
     """Upstream ``model.load_weights`` of a whole state: the baseline every apply and full sync is compared with.
     The cyclic collector is paused, as it is while the receiver applies: a collection inside the load scans the
     engine's whole heap, and how many fall in it varies (measured on the 30B-A3B topology: 15-40% longer)."""
-    from sglang.srt.weight_sync.delta.wire import gc_paused
+    from sglang.srt.weight_sync.delta.ops import gc_paused
 
     with gc_paused():
         return model.load_weights(list(state.items()))
@@ -266,9 +269,11 @@ def measure(paths: list, shape: str, out_json: str, check: bool) -> None:
     from safetensors.torch import load_file
 
     from cpu_harness import Host, SyncCounter, full_flushes, receiver_class, sglang_model
-    from sglang.srt.weight_sync.delta import fingerprint, kernels, mix64, wire
+    from sglang.srt.weight_sync.delta import diff, fingerprint
     from sglang.srt.weight_sync.delta.receiver import delta_status, receiver_state
-    from sglang.srt.weight_sync.delta.wire import DeltaPayload, DeltaSpec, changed_positions, gc_paused, received_params
+    from sglang.srt.weight_sync.delta.diff import changed_positions
+    from sglang.srt.weight_sync.delta.ops import gc_paused
+    from sglang.srt.weight_sync.delta.wire import DeltaPayload, DeltaSpec, received_params
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     states = [load_file(p) for p in paths]
@@ -291,14 +296,10 @@ def measure(paths: list, shape: str, out_json: str, check: bool) -> None:
                 for text, p in requests])
 
     receiver_class()  # imported before the clock starts: the one-time import of SGLang's runner is not a sync's cost
-    os.environ[kernels.MODE_ENV] = "eager"  # what a process does until its compiled checksum kernel is ready
-    eager, res["full_wire_eager_s"], _ = measured(broadcast_apply, received(full_flushes(states[0], version=1)))
-    os.environ[kernels.MODE_ENV] = "compiled"  # the rest: a long run's steady state
-    res["mix64_ready_s"] = sum(kernels.warm("cpu", k) for k in (mix64.SUM, *mix64.FINGERPRINT.values(), wire.SPARSE))
-    compiled = [measured(broadcast_apply, received(full_flushes(states[0], version=v))) for v in (2, 3, 4)]
-    assert eager[0] and all(ok for (ok, _), _, _ in compiled), (eager, compiled)
-    res["full_wire_s"] = statistics.median(t for _, t, _ in compiled)  # as the plain load below: median of three
-    res["full_wire_mem"] = max(m for _, _, m in compiled)
+    full = [measured(broadcast_apply, received(full_flushes(states[0], version=v))) for v in (1, 2, 3)]
+    assert all(ok for (ok, _), _, _ in full), full
+    res["full_wire_s"] = statistics.median(t for _, t, _ in full)  # as the plain load below: median of three
+    res["full_wire_mem"] = max(m for _, _, m in full)
     full = [measured(plain_load, model, states[0]) for _ in range(3)]
     res["full_load_s"] = statistics.median(t for _, t, _ in full)
     res["full_load_mem"] = max(m for _, _, m in full)
@@ -339,7 +340,7 @@ def measure(paths: list, shape: str, out_json: str, check: bool) -> None:
                "whole_tensor_xor_bytes": whole_tensor_xor_bytes(old, new) if check else 0}
         trainer = {k: fingerprint.tensor_fingerprint(k, v) for k, v in new.items()} if check else None
         _, row["memcpy_s"], _ = measured(lambda: [copies[k].copy_(t) for k, t in new.items()])
-        _, row["diff_s"], _ = measured(lambda: wire.changes_many([(old[k], new[k]) for k in new]))
+        _, row["diff_s"], _ = measured(lambda: diff.changes_many([(old[k], new[k]) for k in new]))
         for i, encoding in enumerate(ENCODINGS):
             snapshot = snapshot_of(old)
             version += 1
@@ -387,7 +388,7 @@ def _pieces(state: dict, count: int) -> dict:
 
 def _one_bit_each(state: dict) -> dict:
     """``state`` with the lowest bit of every tensor's first element flipped (a finite float stays finite)."""
-    from sglang.srt.weight_sync.delta.wire import INT_VIEW
+    from sglang.srt.weight_sync.delta.ops import INT_VIEW
 
     out = {k: t.clone() for k, t in state.items()}
     for t in out.values():
@@ -402,21 +403,16 @@ def measure_overhead(state: dict, version: int, apply, model=None) -> dict:
     bytes as 1/32 as many tensors, the time difference per tensor left over. Engine: `deltas` syncs over the broadcast
     path that change one element of every tensor (back and forth), per tensor; with ``model`` each one is checked
     bit-identical by the fingerprint."""
-    from sglang.srt.weight_sync.delta import fingerprint, wire
+    from sglang.srt.weight_sync.delta import fingerprint
     from sglang.srt.weight_sync.delta.receiver import receiver_state
 
     n = len(state)
     other = _one_bit_each(state)
     pieces = (_pieces(state, n // 32), _pieces(other, n // 32))
-    out = {"tensors": n, "pieces": len(pieces[1]), "sender_s": {}, "sender_pieces_s": {}}
-    for path, numpy_diff in (("cpu", True), ("device", False)):
-        was, wire._NUMPY_DIFF = wire._NUMPY_DIFF, numpy_diff
-        try:
-            for key, (old, new) in (("sender_s", (state, other)), ("sender_pieces_s", pieces)):
-                out[key][path] = statistics.median(
-                    measured(sender_sync, snapshot_of(old), new, "deltas", version + 1)[1] for _ in range(3))
-        finally:
-            wire._NUMPY_DIFF = was
+    out = {"tensors": n, "pieces": len(pieces[1]), "sender_s": 0.0, "sender_pieces_s": 0.0}
+    for key, (old, new) in (("sender_s", (state, other)), ("sender_pieces_s", pieces)):
+        out[key] = statistics.median(
+            measured(sender_sync, snapshot_of(old), new, "deltas", version + 1)[1] for _ in range(3))
     times, held = [], state
     for _ in range(4):
         target = other if held is state else state
@@ -444,7 +440,7 @@ def measure_fp8(bf16_states: list, shape: str, wire_dir: str, check: bool) -> di
     from cpu_harness import FP8_BLOCK, Host, fp8_block_quantize, full_flushes, sglang_model
     from sglang.srt.weight_sync.delta import fingerprint
     from sglang.srt.weight_sync.delta.receiver import delta_status, receiver_state
-    from sglang.srt.weight_sync.delta.wire import changed_positions
+    from sglang.srt.weight_sync.delta.diff import changed_positions
 
     states = [fp8_block_quantize(s) for s in bf16_states]
     model = sglang_model(model_config(shape), FP8_BLOCK)
@@ -621,8 +617,7 @@ def report(t: dict, m: dict, args, env: str) -> str:
     L += [
         "",
         "- **sender ms**: diff against the snapshot + encode into ≤512 MiB buckets + advance the snapshot "
-        "(`DeltaState`, `DeltaBucket`; on CPU the sender's native kernels: one pass over both sides per chunk and "
-        "dtype for the diff, two over the positions for their encoding, one call per run for the snapshot fold), "
+        "(`DeltaState`, `DeltaBucket`: the torch ops a GPU runs, batched per chunk, dtype and flush), "
         "plus for `disk` serializing the files (safetensors; zstd level "
         + ", ".join(f"{zstd_level(e)} for `{e}`" for e in ENCODINGS if zstd_level(e) is not None) + "). "
         f"**vs memcpy**: the throughput of that as a ratio to copying the same {mb(full_bytes)} into memory "
@@ -732,11 +727,8 @@ def report(t: dict, m: dict, args, env: str) -> str:
         f"wire (as a broadcast delivers it: the spec's parse, checksum, checks, recorder, write watch; median of "
         f"three, as the plain load) takes "
         f"{ms(t['full_wire_s'])} ms, "
-        f"{t['full_wire_s'] / t['full_load_s']:.1f}x a plain `load_weights` of the same state, with the compiled "
-        f"`mix64` kernels (checksum and fingerprint: ready {t['mix64_ready_s']:.1f} s after this process asked for "
-        "them, built once per machine and cached, then loaded and self-tested by each process); hashing eagerly, as a "
-        f"process does until its kernels are ready, {ms(t['full_wire_eager_s'])} ms "
-        f"({t['full_wire_eager_s'] / t['full_load_s']:.1f}x).",
+        f"{t['full_wire_s'] / t['full_load_s']:.1f}x a plain `load_weights` of the same state (the `mix64` checksum "
+        "and fingerprint in torch's integer ops, as a GPU runs them).",
         "",
         "| encoding | tensors named per sync | sender µs / tensor | engine µs / tensor | host syncs per apply |",
         "|---|---:|---:|---:|---:|",
@@ -747,15 +739,13 @@ def report(t: dict, m: dict, args, env: str) -> str:
                  f"{1e6 * s['apply'] / t['tensors']:,.1f} | {s['host_syncs']} |")
     o = t["overhead"]
     if args.shape.endswith("-topology"):  # not for a few hundred large tensors: there the difference is noise
-        per = {p: 1e6 * (o["sender_s"][p] - o["sender_pieces_s"][p]) / (o["tensors"] - o["pieces"])
-               for p in o["sender_s"]}
+        per = 1e6 * (o["sender_s"] - o["sender_pieces_s"]) / (o["tensors"] - o["pieces"])
         L += [
             "",
             "These figures include each tensor's share of the per-element work. Without it, on the last step's state "
-            f"(`deltas`): the sender takes {ms(o['sender_s']['cpu'])} ms for the model's {o['tensors']:,} tensors and "
-            f"{ms(o['sender_pieces_s']['cpu'])} ms for the same bytes as {o['pieces']:,} tensors, "
-            f"**{per['cpu']:.1f} µs per tensor** more (the device diff's code run on CPU, whose joins copy on the host: "
-            f"{per['device']:.1f} µs; medians of three); the engine applies a sync that changes one element of every "
+            f"(`deltas`): the sender takes {ms(o['sender_s'])} ms for the model's {o['tensors']:,} tensors and "
+            f"{ms(o['sender_pieces_s'])} ms for the same bytes as {o['pieces']:,} tensors, "
+            f"**{per:.1f} µs per tensor** more (medians of three); the engine applies a sync that changes one element of every "
             f"tensor in {ms(o['engine_s'])} ms, **{1e6 * o['engine_s'] / o['tensors']:.1f} µs per tensor** (the spec's "
             "parse, the checks and the writes; median of four, each checked bit-identical by the fingerprint).",
         ]

@@ -17,7 +17,8 @@ from typing import Dict, Iterator, List, Optional, Sequence
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sglang.srt.weight_sync.delta.wire import DeltaPayload, changed_positions, encode_flush
+from sglang.srt.weight_sync.delta.diff import changed_positions, encode_flush
+from sglang.srt.weight_sync.delta.wire import DeltaPayload
 
 
 def free_port(below: int = 65536) -> int:
@@ -494,7 +495,7 @@ def flip_a_value_bit(version_dir: str, prefix: str) -> str:
     first file named ``prefix*`` (any kind's directory), written back uncompressed. Returns its path."""
     import glob
 
-    from sglang.srt.weight_sync.delta.wire import maybe_zstd_decompress, read_safetensors, write_safetensors
+    from sglang.srt.weight_sync.delta.files import maybe_zstd_decompress, read_safetensors, write_safetensors
 
     path = sorted(glob.glob(os.path.join(version_dir, "**", prefix + "*.safetensors"), recursive=True))[0]
     with open(path, "rb") as f:

@@ -35,14 +35,9 @@ from cpu_harness import (  # noqa: E402
 
 from sglang.srt.weight_sync.delta.sender import DeltaSender  # noqa: E402
 from sglang.srt.weight_sync.delta.transport import DiskTransport, HttpEngine, NcclTransport  # noqa: E402
-from sglang.srt.weight_sync.delta.wire import (  # noqa: E402
-    DeltaEncoding,
-    changed_positions,
-    encode_flush,
-    flush_file,
-    write_safetensors,
-    zstd_level,
-)
+from sglang.srt.weight_sync.delta.diff import changed_positions, encode_flush
+from sglang.srt.weight_sync.delta.files import flush_file, write_safetensors
+from sglang.srt.weight_sync.delta.wire import DeltaEncoding, zstd_level
 
 ENCODINGS = [e.value for e in DeltaEncoding]
 

@@ -234,21 +234,20 @@ def _sums_and_flags(device) -> tuple:
 
 
 def check_hashes(report, device) -> None:
-    """The checksum and the fingerprint give the host's numbers on the device (nothing to compare on a CPU run),
-    eagerly and with the compiled mix64 kernel (built here: AOTInductor, Triton on CUDA)."""
-    from sglang.srt.weight_sync.delta import fingerprint, kernels, mix64
+    """The checksum and the fingerprint give the host's numbers on the device (nothing to compare on a CPU run), and
+    their throughput there: the figures that decide whether a compiled kernel would be worth having."""
+    from sglang.srt.weight_sync.delta import fingerprint, mix64
 
     what = ("mix64 blob sums equal on CPU and device (empty, partial-word, odd and multi-block blobs)",
             "weight fingerprint equal on CPU and device (a large tensor, and 600 small ones hashed together)",
-            "the checksum pass's NaN flag on the device (a NaN in the first, a middle and the last value)",
-            "compiled mix64 kernel built on the device and equal to the eager sums (its self-test)")
+            "the checksum pass's NaN flag on the device (a NaN in the first, a middle and the last value)")
     if device.type == "cpu":
         for w in what:
             report.skip(w, "no device")
         return
     same, flags = _sums_and_flags(device)
-    report.check(same, what[0] + ", eager")
-    report.check(flags, what[2] + ", eager")
+    report.check(same, what[0])
+    report.check(flags, what[2])
     g = torch.Generator().manual_seed(1)
     # one large tensor (hashed alone) and many small ones, whole rows and less than one (joined, a key per row)
     items = [("w", torch.randn(3000, 257, generator=g).to(torch.bfloat16))] + [
@@ -258,34 +257,18 @@ def check_hashes(report, device) -> None:
         got = fingerprint.read_shares(fingerprint.tensor_shares([(n, t.to(device)) for n, t in items]))
         return {n: (s.total, s.coverage) for n, s in got.items()}
 
-    a = shares(torch.device("cpu"))
-    report.check(shares(device) == a, what[1])
-    try:
-        built = kernels.warm(device, mix64.SUM)
-        built_fp = sum(kernels.warm(device, mix64.FINGERPRINT[w]) for w in (torch.int16, mix64.PAIRS))
-    except Exception as e:  # noqa: BLE001 - reported: the engine would hash eagerly
-        report.check(False, f"{what[3]}: {e!r}"[:800])
-        return
-    report.check(kernels.kernel_state(device, mix64.SUM) == "compiled", f"{what[3]} ({built:.1f} s; the bf16 fingerprint "
-                 f"kernels {built_fp:.1f} s)")
-    report.check(shares(device) == a, what[1] + ", compiled kernel")
-    same, flags = _sums_and_flags(device)
-    report.check(same, what[0] + ", compiled kernel")
-    report.check(flags, what[2] + ", compiled kernel")
+    report.check(shares(device) == shares(torch.device("cpu")), what[1])
     blob = torch.randint(0, 256, (1 << 30,), dtype=torch.uint8, device=device)
-    words, _ = mix64.words_of(blob)
-    lanes = mix64.nan_lanes(torch.bfloat16)
-    runs = []
-    for fn in (lambda: mix64._eager_sum(words, 5, lanes), lambda: mix64.blob_sum(blob, 5, torch.bfloat16)):
+    weight = blob.view(torch.bfloat16).view(-1, 4096)
+    for label, fn in (("checksum (mix64 + NaN pass)", lambda: mix64.blob_sum(blob, 5, torch.bfloat16)),
+                      ("fingerprint (bf16)", lambda: fingerprint.read_shares(fingerprint.tensor_shares([("w", weight)])))):
         fn()  # warm-up
         torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        out = fn()
+        fn()
         torch.cuda.synchronize(device)
-        runs.append((time.perf_counter() - t0, [int(x) for x in out]))
-    (t_eager, eager), (t_compiled, compiled) = runs
-    report.check(eager == compiled, f"mix64 + NaN pass over 1 GiB on the device: eager {1e3 * t_eager:.2f} ms, "
-                 f"compiled {1e3 * t_compiled:.2f} ms ({t_eager / t_compiled:.1f}x), equal sums")
+        dt = time.perf_counter() - t0
+        report.add(f"- {label} over 1 GiB on the device: {1e3 * dt:.2f} ms ({1 / dt:.0f} GiB/s)")
 
 
 def check_stranded_broadcast(report, cfg, device, backend, engine_device, states, ref) -> None:
@@ -340,7 +323,8 @@ def check_fp8(report, args, device, workdir) -> None:
         rl_steps, segments, sglang_model
     from sglang.srt.weight_sync.delta.sender import DeltaSender
     from sglang.srt.weight_sync.delta.transport import DiskTransport
-    from sglang.srt.weight_sync.delta.wire import changed_positions, zstd_level
+    from sglang.srt.weight_sync.delta.diff import changed_positions
+    from sglang.srt.weight_sync.delta.wire import zstd_level
 
     hidden = max(256, args.hidden // 128 * 128)  # 128x128 blocks must tile every projection
     cfg = hf_config("qwen3-moe", vocab=args.vocab, hidden=hidden, layers=args.layers)
@@ -381,9 +365,11 @@ def run(args, device, report) -> None:
     from cpu_harness import InProcessEngine, bf16_state, delta_flushes, full_flushes, hf_config, hf_model, rl_steps, \
         segments, sglang_model
     from sglang.srt.weight_sync.delta import receiver
-    from sglang.srt.weight_sync.delta.sender import DeltaBucket, DeltaSender
+    from sglang.srt.weight_sync.delta.bucket import DeltaBucket
+    from sglang.srt.weight_sync.delta.sender import DeltaSender
     from sglang.srt.weight_sync.delta.transport import DiskTransport, NcclTransport
-    from sglang.srt.weight_sync.delta.wire import changed_positions, changes_many, zstd_level
+    from sglang.srt.weight_sync.delta.diff import changed_positions, changes_many
+    from sglang.srt.weight_sync.delta.wire import zstd_level
 
     check_hashes(report, device)
     cfg = hf_config("qwen3", vocab=args.vocab, hidden=args.hidden, layers=args.layers)

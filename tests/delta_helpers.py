@@ -34,21 +34,8 @@ def copy_from_a_temporary(host, name: str = "model.norm.weight"):
     return host
 
 
-def sparse_kernels(monkeypatch, native: bool) -> None:
-    """The CPU path of sender and engine for one test: the native sparse kernels built and self-tested (``native``),
-    or none (numpy's diff, torch's encode and scatters), in a registry of this test's own (no kernel outlives the
-    test)."""
-    from sglang.srt.weight_sync.delta import kernels, wire
-
-    monkeypatch.setattr(kernels, "KERNELS", kernels._Kernels())
-    monkeypatch.setenv(kernels.MODE_ENV, "compiled" if native else "eager")
-    if native:
-        kernels.warm("cpu", wire.SPARSE)
-        assert kernels.kernel_state("cpu", wire.SPARSE) == "compiled"
-
-
 def per_param(found, n: int) -> list:
-    """``wire.changes_many``'s runs cut back per pair: ``[(positions, values, olds)]`` in pair order (None where no
+    """``diff.changes_many``'s runs cut back per pair: ``[(positions, values, olds)]`` in pair order (None where no
     run covers a pair)."""
     out = [None] * n
     for f in found:

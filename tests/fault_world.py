@@ -16,7 +16,7 @@ from cpu_harness import Server, bf16_state, engine_mismatch, hf_config, hf_model
 from sglang.srt.weight_sync.delta import fingerprint
 from sglang.srt.weight_sync.delta.sender import DeltaSender
 from sglang.srt.weight_sync.delta.transport import DiskTransport, HttpEngine
-from sglang.srt.weight_sync.delta.wire import read_safetensors, write_safetensors
+from sglang.srt.weight_sync.delta.files import read_safetensors, write_safetensors
 
 SERVER_FLAGS = ["--update-weight-delta-chunk-bytes", "16384", "--update-weight-group-timeout", "5"]
 

@@ -15,7 +15,8 @@ def scenario(root: str) -> None:
     import sglang
     from cpu_harness import bf16_state, delta_flushes, free_port, full_flushes, hf_config, hf_model, rl_states, write_hf_checkpoint
     from sglang.srt.utils.common import init_custom_process_group
-    from sglang.srt.weight_sync.delta.wire import POSITIONS, VALUES, dtype_to_str, write_safetensors
+    from sglang.srt.weight_sync.delta.files import write_safetensors
+    from sglang.srt.weight_sync.delta.wire import POSITIONS, VALUES, dtype_to_str
 
     cfg = hf_config("llama", vocab=300)
     states = rl_states(cfg, 3)

@@ -22,7 +22,8 @@ from cpu_harness import free_port, join_update_group, segments
 from fault_world import World, blob_range, fault, first_file, flip_bit, positions_of, resigned, sparse_param
 from sglang.srt.weight_sync.delta.sender import DeltaSender
 from sglang.srt.weight_sync.delta.transport import HttpEngine, NcclTransport
-from sglang.srt.weight_sync.delta.wire import POSITIONS, VALUES, dtype_to_str, read_safetensors, write_safetensors
+from sglang.srt.weight_sync.delta.files import read_safetensors, write_safetensors
+from sglang.srt.weight_sync.delta.wire import POSITIONS, VALUES, dtype_to_str
 
 
 @pytest.fixture(scope="module")

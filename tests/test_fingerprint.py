@@ -1,5 +1,5 @@
-"""The weight fingerprint's hashes: against the documented definition, through the views an engine records, eagerly
-and with the compiled kernels; the coverage signature's closed form against its sum."""
+"""The weight fingerprint's hashes: against the documented definition and through the views an engine records; the
+coverage signature's closed form against its sum."""
 import hashlib
 import random
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cpu_harness import SyncCounter
-from sglang.srt.weight_sync.delta import fingerprint, kernels, mix64
+from sglang.srt.weight_sync.delta import fingerprint, mix64
 from test_checksum import C1, C2, C3, M, ref_mix  # the mix, as docs/wire-format.md defines it
 from test_sync_counts import AllOps
 
@@ -33,29 +33,16 @@ def sample(dtype, n, seed=0):
     return t
 
 
-@pytest.fixture(params=["eager", "compiled"])
-def kernel(request, monkeypatch):
-    """Every fingerprint kernel on CPU (built or loaded from the cache dir, self-tested), or none."""
-    monkeypatch.setattr(kernels, "KERNELS", kernels._Kernels())
-    monkeypatch.setenv(kernels.MODE_ENV, request.param)
-    if request.param == "compiled":
-        for k in mix64.FINGERPRINT.values():
-            kernels.warm("cpu", k)
-    return request.param
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_matches_the_documented_definition(kernel, dtype):
+def test_matches_the_documented_definition(dtype):
     t = sample(dtype, 3 * 1024 + 21)  # whole rows of the trainer's 2-D blocks and a rest
     share = fingerprint.tensor_fingerprint("model.layers.0.mlp.down_proj.weight", t.reshape(3, -1))
     assert (share.total, share.coverage, share.count) == (*ref_fingerprint("model.layers.0.mlp.down_proj.weight", t),
                                                           t.numel())
-    want = "compiled" if kernel == "compiled" else "eager"
-    assert kernels.kernel_state("cpu", mix64.FINGERPRINT[fingerprint.INT_VIEW[t.element_size()]]) == want
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_strided_tensors_are_hashed_by_their_values(kernel, dtype):
+def test_strided_tensors_are_hashed_by_their_values(dtype):
     """A trainer's tensor that is a strided view (every other element; a transposed matrix), large and small: the
     numbers of its values, not of the memory around them."""
     base = sample(dtype, 2 * (3 * 1024 + 21), 7)
@@ -67,7 +54,7 @@ def test_strided_tensors_are_hashed_by_their_values(kernel, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_an_engine_reading_through_recorded_views_gets_the_trainers_numbers(kernel, dtype):
+def test_an_engine_reading_through_recorded_views_gets_the_trainers_numbers(dtype):
     """A param filled through views the way loaders do (a transposed copy, a TP-style column shard, rows of a fused
     param, a permuted source that no 2-D geometry covers, a 1-D tensor into a column): the recorded views give back every HF tensor's share; a
     flipped bit inside one view changes that name alone, one outside every view changes none."""
@@ -113,7 +100,7 @@ def recorded_in_one_store(hf):
 
 
 @pytest.mark.parametrize("params", [3, 300])
-def test_a_fingerprint_reads_the_host_once_whatever_the_param_count(kernel, params):
+def test_a_fingerprint_reads_the_host_once_whatever_the_param_count(params):
     """Both sides: every name's sum stays on the device until one read (a per-param read is a stall each on a GPU)."""
     hf = {f"layers.{k}.w": sample(torch.bfloat16, 64 * 8 + k, k).reshape(-1, 1) for k in range(params)}
     rec = recorded_in_one_store(hf)
@@ -125,31 +112,22 @@ def test_a_fingerprint_reads_the_host_once_whatever_the_param_count(kernel, para
     assert fingerprint.compare_shares(mine, theirs, hf) == ([], [])
 
 
-def test_a_fingerprints_calls_follow_the_bytes_not_the_tensor_count(monkeypatch):
-    """Both sides, 3 and 300 small tensors (whole rows, and less than one row) in one store: small tensors of one kind are joined, so the compiled kernel runs as often for 300 as for 3, and the
-    computing ops are as many. Views: the trainer's one per tensor inside the C++ call that joins them, the engine's
-    one per recorded copy (its rows in the param's bits)."""
-    runs, ops = {}, {}
-    for width in (torch.int16, mix64.PAIRS):
-        kernels.warm("cpu", mix64.FINGERPRINT[width])
-        key = (mix64.FINGERPRINT[width].name, "cpu")
-        monkeypatch.setitem(kernels.KERNELS.runner, key, lambda *a, run=kernels.KERNELS.runner[key], w=width: (
-            runs.__setitem__(w, runs.get(w, 0) + 1), run(*a))[1])
-    monkeypatch.setenv(kernels.MODE_ENV, "compiled")
+def test_a_fingerprints_ops_follow_the_bytes_not_the_tensor_count():
+    """Both sides, 3 and 300 small tensors (whole rows, and less than one row) in one store: small tensors of one
+    kind are joined, so the computing ops are as many for 300 as for 3. Views: the trainer's one per tensor inside
+    the C++ call that joins them, the engine's one per recorded copy (its rows in the param's bits)."""
+    ops = {}
     for params in (3, 300):
         hf = {f"layers.{k}.w{j}": sample(torch.bfloat16, n, k * 2 + j).reshape(-1, 16)
               for k in range(params) for j, n in enumerate((2 * 1024, 16))}
         rec = recorded_in_one_store(hf)
-        runs.clear()
         with AllOps() as trainer_ops:
             mine = fingerprint.tensor_shares(list(hf.items()))
         with AllOps() as engine_ops:
             theirs = fingerprint.engine_shares(rec.copies)
         assert fingerprint.compare_shares(fingerprint.read_shares(mine), theirs, hf) == ([], [])
-        ops[params] = (dict(runs), trainer_ops.compute, trainer_ops.views - len(hf), engine_ops.compute,
-                       engine_ops.views - len(hf))
+        ops[params] = (trainer_ops.compute, trainer_ops.views - len(hf), engine_ops.compute, engine_ops.views - len(hf))
     assert ops[3] == ops[300], ops
-    assert ops[3][0] == {mix64.PAIRS: 4}  # rows of 1024 and rows of 16, one call each per side
 
 
 def test_the_coverage_closed_form_equals_the_sum():
@@ -164,68 +142,35 @@ def test_the_coverage_closed_form_equals_the_sum():
         assert mix64.coverage(shape, strides, offset) == want, (shape, strides, offset)
 
 
-@pytest.mark.parametrize("width", [torch.int16, mix64.PAIRS], ids=str)
 @pytest.mark.parametrize("threads", [1, 2, 5])
-def test_the_fingerprint_kernel_gives_one_sum_whatever_the_thread_count(threads, width):
-    """As the checksum kernel: each thread hashes a share of the rows, and every row's sum is the eager one."""
-    kernel = mix64.FINGERPRINT[width]
-    kernels.warm("cpu", kernel)
-    runner = kernels.KERNELS.runner[(kernel.name, "cpu")]
-    bits = sample(torch.bfloat16, (1 << 21) + 1024, threads).view(torch.int16).reshape(-1, 1024)
+def test_the_row_sums_are_the_view_sum_whatever_the_thread_count(threads):
+    """Each row's sum with its own key adds up to the hash of the whole 2-D view, on any thread count."""
+    bits = sample(torch.bfloat16, (1 << 18) + 1024, threads).view(torch.int16).reshape(-1, 1024)
     (ka, kb), key0 = mix64.fingerprint_keys((1024, 1), 5, 77)
     row_keys = torch.arange(bits.shape[0]) * ka + key0
     was = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = mix64.run_rows(runner, bits if width == torch.int16 else mix64.as_pairs(bits), row_keys,
-                             torch.tensor([kb, 0xFFFF]))
+        got = mix64.row_sums(bits, row_keys, kb, 0xFFFF)
     finally:
         torch.set_num_threads(was)
-    assert torch.equal(got, mix64.eager_rows(bits, row_keys, kb, 0xFFFF))
-    assert int(got.sum()) == int(mix64.eager_fingerprint(bits.to(torch.int64).reshape(-1), bits.shape, (ka, kb), key0,
-                                                         0xFFFF))
+    assert int(got.sum()) == int(mix64.view_sum(bits.to(torch.int64).reshape(-1), bits.shape, (ka, kb), key0, 0xFFFF))
 
 
-@pytest.mark.parametrize("width", [torch.int16, mix64.PAIRS], ids=str)
-def test_a_fingerprint_kernel_that_differs_is_never_used(width):
-    kernel = mix64.FINGERPRINT[width]
-    kernels.warm("cpu", kernel)
-    runner = kernels.KERNELS.runner[(kernel.name, "cpu")]
-
-    def wrong(bits, k, rk, g):  # the last row's sum off by one: a row key that a jump between tensors got wrong
-        out = runner(bits, k, rk, g)
-        if out.numel() > 2:
-            out[-1] += 1
-        return out
-
-    with pytest.raises(RuntimeError, match="compiled fingerprint differs from eager on cpu"):
-        kernel.self_test(wrong, torch.device("cpu"))
-
-
-def test_16_bit_rows_of_an_even_length_are_hashed_in_pairs(kernel, monkeypatch):
-    """bf16 rows of an even length go two elements per int32 word; rows of an odd length, and a large tensor whose
-    memory starts off a 4-byte boundary (hashed where it lies), go through the int16 kernel; small tensors are joined
-    into new memory (in pairs whatever their alignment). Every split gives the documented numbers."""
-    calls = {}
-    if kernel == "compiled":
-        for width in (torch.int16, mix64.PAIRS):
-            key = (mix64.FINGERPRINT[width].name, "cpu")
-            run = kernels.KERNELS.runner[key]
-            monkeypatch.setitem(kernels.KERNELS.runner, key, lambda *a, run=run, w=width: (
-                calls.__setitem__(w, calls.get(w, 0) + 1), run(*a))[1])
-    whole = sample(torch.bfloat16, 5 * 1024 + 7, 3)  # five rows of 1024 in pairs, a rest of 7 in int16
-    shifted = sample(torch.bfloat16, 2 * 1024 + 1, 4)[1:]  # two rows starting 2 bytes into the storage, joined with
-    row = sample(torch.bfloat16, 1024, 6)  # this one into new memory: in pairs
-    large = sample(torch.bfloat16, (fingerprint._JOIN // 1024 + 1) * 1024 + 1, 5)[1:]  # off a boundary, alone
-    assert mix64.as_pairs(shifted[:1024].view(torch.int16).reshape(1, -1)) is None
+def test_misaligned_and_odd_rows_give_the_documented_numbers():
+    """bf16 rows of an even and an odd length, a tensor whose memory starts off a 4-byte boundary, a large one
+    hashed where it lies and small ones joined into new memory: every split gives the documented numbers."""
+    whole = sample(torch.bfloat16, 5 * 1024 + 7, 3)
+    shifted = sample(torch.bfloat16, 2 * 1024 + 1, 4)[1:]
+    row = sample(torch.bfloat16, 1024, 6)
+    large = sample(torch.bfloat16, (fingerprint._JOIN // 1024 + 1) * 1024 + 1, 5)[1:]
     items = [("a", whole), ("b", shifted), ("c", large), ("d", row)]
     got = fingerprint.read_shares(fingerprint.tensor_shares(items))
     for name, t in items:
         assert (got[name].total, got[name].coverage) == ref_fingerprint(name, t)
-    assert calls == ({torch.int16: 2, mix64.PAIRS: 2} if kernel == "compiled" else {})
 
 
-def test_a_chunk_hashed_together_gives_each_tensor_its_own_numbers(kernel):
+def test_a_chunk_hashed_together_gives_each_tensor_its_own_numbers():
     """A trainer's chunk of mixed bit widths, one name given twice: each name's share is that of its last tensor alone."""
     items = [(f"w{k}", sample(dtype, 1024 * (k + 1) + 5 * k, k)) for k, dtype in enumerate(DTYPES)]
     items.append(("w0", sample(DTYPES[0], 77, 99)))

@@ -12,7 +12,7 @@ from cpu_harness import (Host, Server, bf16_state, delta_flushes, engine_mismatc
                          full_flushes, hf_config, hf_model, rl_states, segments, sglang_model, write_hf_checkpoint)
 from delta_helpers import assert_params_equal
 from sglang.srt.weight_sync.delta.receiver import receiver_state
-from sglang.srt.weight_sync.delta.wire import as_parts
+from sglang.srt.weight_sync.delta.files import as_parts
 
 STAGES = 2
 
@@ -93,7 +93,7 @@ def test_a_stage_that_goes_on_after_its_final_request_is_refused(trained, engine
 def test_a_disk_request_without_every_stage_is_refused_untouched(trained, engine, tmp_path):
     """Over disk one request carries a segment of every stage: a stage's files missing is a refusal, not a version
     committed with that stage's layers left behind."""
-    from sglang.srt.weight_sync.delta.wire import flush_file
+    from sglang.srt.weight_sync.delta.files import flush_file
 
     _, s = trained
     before = {n: p.detach().clone() for n, p in engine.model.named_parameters()}

@@ -7,7 +7,8 @@ import torch
 from cpu_harness import Host, delta_flushes, full_flushes, hf_config, nan_filled, rl_states, sglang_model
 from delta_helpers import ARCHS, assert_params_equal, copy_from_a_temporary, gloo_fixture
 from sglang.srt.weight_sync.delta.receiver import receiver_state
-from sglang.srt.weight_sync.delta.wire import POSITIONS, VALUES, DeltaEncoding, dtype_to_str, flush_file
+from sglang.srt.weight_sync.delta.files import flush_file
+from sglang.srt.weight_sync.delta.wire import POSITIONS, VALUES, DeltaEncoding, dtype_to_str
 
 ENCODINGS = ["indices", "deltas", "deltas_zstd", "planes_zstd", "xor_zstd"]
 _TRAINED = {}
@@ -128,13 +129,9 @@ def test_a_loader_copying_a_transformed_tensor_keeps_deltas_on_the_loader_path()
     assert_params_equal(host.model, reference(cfg, new))
 
 
-@pytest.mark.parametrize("below", [0, 1 << 30])
 @pytest.mark.parametrize("encoding", ["deltas", "xor_zstd"])
-def test_direct_writes_and_base_reads_land_the_same_batched_or_one_by_one(tmp_path, monkeypatch, encoding, below):
-    """On CPU only entries below a size are batched per storage: both sides of that threshold, bit-identical."""
-    from sglang.srt.weight_sync.delta import wire
-
-    monkeypatch.setattr(wire, "CPU_BATCH_BELOW", below)
+def test_direct_writes_and_base_reads_batched_per_storage_land_bit_identical(tmp_path, encoding):
+    """Writes and ``xor_zstd`` base reads, batched per storage over a tied model's params, bit-identical."""
     cfg, states = trained("qwen3-tied")
     transport = DiskTransport(str(tmp_path))
     host = Host(nan_filled(sglang_model(cfg)))
@@ -152,9 +149,9 @@ def test_direct_writes_and_base_reads_land_the_same_batched_or_one_by_one(tmp_pa
 def test_a_flush_decoded_again_run_by_run_lands_bit_identical(monkeypatch, arch, encoding, run):
     """A flush larger than one decode run is checked in one pass, then decoded run by run into one buffer as the
     writes take it (CPU): runs of one param and of many, through the direct path and the loader's."""
-    from sglang.srt.weight_sync.delta import wire
+    from sglang.srt.weight_sync.delta import positions
 
-    monkeypatch.setattr(wire, "_DECODE_RUN", run)
+    monkeypatch.setattr(positions, "_DECODE_RUN", run)
     cfg, states = trained(arch)
     host = Host(nan_filled(sglang_model(cfg)))
     ok, msg = host.call("_apply_delta_payload", full_flushes(states[0], version=1))

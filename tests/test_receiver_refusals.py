@@ -7,7 +7,9 @@ import zstandard
 
 from cpu_harness import Host, delta_flushes, full_flushes, hf_config, rl_states, sglang_model
 from sglang.srt.weight_sync.delta.receiver import receiver_state
-from sglang.srt.weight_sync.delta.wire import DeltaParam, as_parts, changed_positions, encode_flush, write_safetensors
+from sglang.srt.weight_sync.delta.diff import changed_positions, encode_flush
+from sglang.srt.weight_sync.delta.files import as_parts, write_safetensors
+from sglang.srt.weight_sync.delta.wire import DeltaParam
 
 _STATES = {}
 

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cpu_harness import delta_flushes, free_port, full_flushes, hf_config, rl_states
-from sglang.srt.weight_sync.delta.wire import as_parts, flush_file
+from sglang.srt.weight_sync.delta.files import as_parts, flush_file
 
 TP = 2
 
@@ -17,11 +17,11 @@ TP = 2
 def _rank_main(rank, init_method, root, n_syncs, errors, encoding, arch, raw, run):
     try:
         from cpu_harness import Host, SyncCounter, init_sglang_inprocess, nan_filled, sglang_model
-        from sglang.srt.weight_sync.delta import wire
+        from sglang.srt.weight_sync.delta import positions
         from sglang.srt.weight_sync.delta.receiver import receiver_state
 
         if run:  # flushes larger than a decode run: each run selects its own shard's entries (one host read each)
-            wire._DECODE_RUN = run
+            positions._DECODE_RUN = run
 
         init_sglang_inprocess(tp_rank=rank, tp_size=TP, init_method=init_method)
         cfg = hf_config(arch, hidden=128)

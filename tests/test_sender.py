@@ -17,11 +17,12 @@ from cpu_harness import (
     sglang_model,
     write_hf_checkpoint,
 )
-from delta_helpers import assert_params_equal, sparse_kernels
+from delta_helpers import assert_params_equal
 from sglang.srt.weight_sync.delta.receiver import delta_status
 from sglang.srt.weight_sync.delta.sender import DeltaSender
 from sglang.srt.weight_sync.delta.transport import DiskTransport, HttpEngine, NcclTransport
-from sglang.srt.weight_sync.delta.wire import DeltaError, DeltaStatus, Refusal, encode_gathered, zstd_level
+from sglang.srt.weight_sync.delta.diff import encode_gathered
+from sglang.srt.weight_sync.delta.wire import DeltaError, DeltaStatus, Refusal, zstd_level
 
 
 class LocalEngine(InProcessEngine):
@@ -51,15 +52,11 @@ def reference(cfg, state):
     return ref
 
 
-@pytest.mark.parametrize("arch, encoding, native", [
-    ("qwen2", "deltas_zstd", False), ("qwen3-tied", "indices", False), ("qwen2-moe", "deltas", False),
-    ("qwen3-moe", "deltas_zstd", False), ("qwen3-tied", "xor_zstd", False), ("qwen3-moe", "xor_zstd", False),
-    ("qwen2", "planes_zstd", False), ("qwen3-moe", "xor_zstd", True), ("qwen3-tied", "indices", True),
-    ("qwen2-moe", "deltas", True)])
-def test_training_loop_into_inprocess_receivers(tmp_path, monkeypatch, arch, encoding, native):
-    """Syncs after real training steps, each engine param bit-identical to a plain load of the trainer's state; the
-    CPU paths of sender and engine with numpy's diff and torch's ops, or with the native kernels (``native``)."""
-    sparse_kernels(monkeypatch, native)
+@pytest.mark.parametrize("arch, encoding", [
+    ("qwen2", "deltas_zstd"), ("qwen3-tied", "indices"), ("qwen2-moe", "deltas"), ("qwen3-moe", "deltas_zstd"),
+    ("qwen3-tied", "xor_zstd"), ("qwen3-moe", "xor_zstd"), ("qwen2", "planes_zstd")])
+def test_training_loop_into_inprocess_receivers(tmp_path, arch, encoding):
+    """Syncs after real training steps, each engine param bit-identical to a plain load of the trainer's state."""
     cfg = hf_config(arch)
     trainer = hf_model(cfg)
     engine = LocalEngine(cfg)
@@ -85,10 +82,6 @@ def test_training_loop_into_inprocess_receivers(tmp_path, monkeypatch, arch, enc
         assert sender.state.version == step
         assert_params_equal(engine.host.model, reference(cfg, state))
     transport.close()
-    if native:  # no native kernel failed and left the rest to numpy and torch
-        from sglang.srt.weight_sync.delta import kernels, wire
-
-        assert kernels.kernel_state("cpu", wire.SPARSE) == "compiled"
 
 
 def test_the_disk_transport_announces_to_every_engine_at_once(tmp_path):
@@ -117,7 +110,7 @@ def test_the_disk_transport_announces_to_every_engine_at_once(tmp_path):
 def test_unchanged_params_are_left_out_of_the_spec(tmp_path):
     import glob
 
-    from sglang.srt.weight_sync.delta.wire import read_safetensors
+    from sglang.srt.weight_sync.delta.files import read_safetensors
 
     cfg = hf_config("qwen2")
     trainer = hf_model(cfg)
@@ -322,11 +315,9 @@ def test_training_loop_into_a_server_over_disk_then_gloo(server):
     nccl.close()
 
 
-@pytest.mark.parametrize("native", [False, True])
-def test_a_sync_aborted_midway_is_counted_and_the_engines_status_decides_what_follows(tmp_path, monkeypatch, native):
+def test_a_sync_aborted_midway_is_counted_and_the_engines_status_decides_what_follows(tmp_path, monkeypatch):
     """Nothing of v2 was announced (its segment never ended): the engine's status says committed version 1, not
     dirty, so the next delta — which re-sends every position v2 staged — makes it bit-identical, no full sync."""
-    sparse_kernels(monkeypatch, native)
     cfg = hf_config("qwen2")
     trainer = hf_model(cfg)
     engine = LocalEngine(cfg)
@@ -430,16 +421,11 @@ def test_the_disk_writer_queue_is_bounded(tmp_path, monkeypatch):
     writer.close()
 
 
-@pytest.mark.parametrize("below, native", [(0, False), (40, False), (1 << 30, False), (40, True)])
-def test_the_snapshot_fold_lands_every_change_joined_or_alone(monkeypatch, below, native):
-    """A commit folds what a sync sent into the snapshot, one slab at a time: on CPU small params joined into one
-    scatter, large ones alone (``wire.CPU_BATCH_BELOW``), or with the native kernels one call per recorded run. At
-    every threshold the snapshot equals the new tensors."""
-    from sglang.srt.weight_sync.delta import wire
-    from sglang.srt.weight_sync.delta.sender import DeltaState
+def test_the_snapshot_fold_lands_every_change_joined():
+    """A commit folds what a sync sent into the snapshot, one scatter per slab: the snapshot equals the new
+    tensors."""
+    from sglang.srt.weight_sync.delta.snapshot import DeltaState
 
-    monkeypatch.setattr(wire, "CPU_BATCH_BELOW", below)
-    sparse_kernels(monkeypatch, native)
     g = torch.Generator().manual_seed(3)
     old = {f"p{k}": torch.randn(n, generator=g).to(torch.bfloat16) for k, n in enumerate([10, 100, 1000, 5000, 7])}
     new = {k: v.clone() for k, v in old.items()}
@@ -462,7 +448,7 @@ def test_a_commit_folds_behind_and_whatever_reads_the_snapshot_waits_for_it(monk
     would leave it) drops the snapshot and is raised once, at the next read, naming the version."""
     import threading
 
-    from sglang.srt.weight_sync.delta.sender import DeltaState
+    from sglang.srt.weight_sync.delta.snapshot import DeltaState
 
     g = torch.Generator().manual_seed(4)
     old = {f"p{k}": torch.randn(n, generator=g).to(torch.bfloat16) for k, n in enumerate([10, 1000, 70000])}
@@ -495,7 +481,7 @@ def test_a_failed_snapshot_fold_is_counted_and_turns_the_next_sync_into_a_full_o
     """The sender runs the fold behind its sync; when it fails, the next sync finds no snapshot to diff against:
     every engine gets a full sync (counted as such and as a fold failure), which makes the snapshot again, and the
     sync after that is a delta. Engines end bit-identical throughout."""
-    from sglang.srt.weight_sync.delta.sender import DeltaState
+    from sglang.srt.weight_sync.delta.snapshot import DeltaState
 
     cfg = hf_config("qwen2")
     trainer = hf_model(cfg)
@@ -524,16 +510,15 @@ def test_a_failed_snapshot_fold_is_counted_and_turns_the_next_sync_into_a_full_o
         assert_params_equal(engine.host.model, reference(cfg, state))
 
 
-@pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("encoding", ["deltas", "xor_zstd"])
-def test_a_chunk_added_whole_flushes_as_param_by_param(monkeypatch, encoding, native):
+def test_a_chunk_added_whole_flushes_as_param_by_param(encoding):
     """The sender's usual chunk (one diff run over all of it, in order) goes into the bucket whole, with no call per
     param: its flush is the one ``add_found`` param by param makes (spec, positions, values, bases), unchanged
     params left out. A chunk that would reach the bucket's bound is refused whole (nothing added), so the caller's
     param-by-param loop puts the flush boundaries where they belong."""
-    from sglang.srt.weight_sync.delta.sender import DeltaBucket, DeltaState
+    from sglang.srt.weight_sync.delta.bucket import DeltaBucket
+    from sglang.srt.weight_sync.delta.snapshot import DeltaState
 
-    sparse_kernels(monkeypatch, native)
     g = torch.Generator().manual_seed(9)
     old = {f"layers.{k // 3}.w{k % 3}": torch.randn(50 + k, generator=g).to(torch.bfloat16) for k in range(12)}
     new = {n: t.clone() for n, t in old.items()}
@@ -567,12 +552,14 @@ def test_a_diff_run_stays_one_bucket_entry_from_diff_to_flush(monkeypatch, encod
     another way (here one sent dense); unchanged params inside it are left out without cutting it. Every flush
     decodes, param by param, to the new tensors' bytes (``xor_zstd``: its bases are the snapshot's bytes there), and
     the recorded runs fold into the snapshot bit for bit."""
-    from sglang.srt.weight_sync.delta import sender
-    from sglang.srt.weight_sync.delta.sender import DeltaBucket, DeltaState
-    from sglang.srt.weight_sync.delta.wire import INT_VIEW, validate_payload
+    from sglang.srt.weight_sync.delta import bucket
+    from sglang.srt.weight_sync.delta.bucket import DeltaBucket
+    from sglang.srt.weight_sync.delta.snapshot import DeltaState
+    from sglang.srt.weight_sync.delta.ops import INT_VIEW
+    from sglang.srt.weight_sync.delta.validate import validate_payload
 
     entries = []
-    monkeypatch.setattr(sender, "encode_gathered", lambda items, *a, **k: (
+    monkeypatch.setattr(bucket, "encode_gathered", lambda items, *a, **k: (
         entries.append([g.names for g in items]), encode_gathered(items, *a, **k))[1])
     g = torch.Generator().manual_seed(7)
     old = {f"m{k}.w": torch.randn(40 + k, generator=g).to(torch.float32 if k == 10 else torch.bfloat16)

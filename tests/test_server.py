@@ -17,7 +17,8 @@ from cpu_harness import (
     write_hf_checkpoint,
 )
 from delta_helpers import SGLANG_VERSION
-from sglang.srt.weight_sync.delta.wire import POSITIONS, VALUES, dtype_to_str, flush_file
+from sglang.srt.weight_sync.delta.files import flush_file
+from sglang.srt.weight_sync.delta.wire import POSITIONS, VALUES, dtype_to_str
 
 SESSIONS = not SGLANG_VERSION.startswith("0.5.15")  # v0.5.23 wraps distributed updates in a session
 

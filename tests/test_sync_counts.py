@@ -11,9 +11,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from delta_helpers import per_param, sparse_kernels
+from delta_helpers import per_param
 from cpu_harness import Host, SyncCounter, delta_flushes, full_flushes, hf_config, rl_states, sglang_model
-from sglang.srt.weight_sync.delta.wire import changed_positions, encode_flush, validate_payload
+from sglang.srt.weight_sync.delta.diff import changed_positions, encode_flush
+from sglang.srt.weight_sync.delta.validate import validate_payload
 
 
 def _flush(n_params: int, encoding: str, numel: int = 4096, changed: int = 40, seed: int = 0):
@@ -96,11 +97,11 @@ def test_the_snapshot_folds_a_sync_in_once_per_slab_not_per_tensor(n, slab, monk
     """The sender's snapshot is cut from shared slabs (exact sizes: no pinned power-of-two rounding per tensor), and
     a sync's changes go in with one scatter per slab and dtype, bit for bit, fp8 included; with small slabs, tensors
     larger than one get their own allocation."""
-    from sglang.srt.weight_sync.delta import sender
-    from sglang.srt.weight_sync.delta.sender import DeltaState
+    from sglang.srt.weight_sync.delta import snapshot
+    from sglang.srt.weight_sync.delta.snapshot import DeltaState
 
     if slab:
-        monkeypatch.setattr(sender, "_SLAB", slab)
+        monkeypatch.setattr(snapshot, "_SLAB", slab)
 
     g = torch.Generator().manual_seed(n)
     dtypes = [torch.bfloat16, torch.float32, torch.float8_e4m3fn]
@@ -111,7 +112,7 @@ def test_the_snapshot_folds_a_sync_in_once_per_slab_not_per_tensor(n, slab, monk
     groups = {(t.untyped_storage().data_ptr(), t.dtype) for t in state.snapshot.values()}
     storages = [t.untyped_storage().data_ptr() for t in state.snapshot.values()]
     big = [t.untyped_storage().data_ptr() for t in state.snapshot.values()
-           if t.numel() * t.element_size() > sender._SLAB]
+           if t.numel() * t.element_size() > snapshot._SLAB]
     assert len(set(storages)) == 1 if not slab else (0 < len(big) < n and len(set(storages)) < n)
     assert all(storages.count(ptr) == 1 for ptr in big)  # a tensor larger than a slab has its own allocation
     new = {}
@@ -135,11 +136,11 @@ def test_a_chunks_snapshot_is_fetched_with_one_copy_per_slab_range(monkeypatch, 
     """The CUDA prefetch's plan, run with host copies: a chunk recorded in one order is fetched with one copy per
     slab it lies in, in any order; a sparse pick of it copies each tensor alone (a span would move >2x its bytes);
     every fetched tensor is bit-identical to its snapshot, and a name without one stays None."""
-    from sglang.srt.weight_sync.delta import sender
-    from sglang.srt.weight_sync.delta.sender import DeltaState, _fetch
+    from sglang.srt.weight_sync.delta import snapshot
+    from sglang.srt.weight_sync.delta.snapshot import DeltaState, _fetch
 
     if slab:
-        monkeypatch.setattr(sender, "_SLAB", slab)
+        monkeypatch.setattr(snapshot, "_SLAB", slab)
     g = torch.Generator().manual_seed(5)
     dtypes = [torch.bfloat16, torch.float32, torch.float8_e4m3fn]
     state = DeltaState(torch.device("cpu"))
@@ -161,13 +162,12 @@ def test_a_chunks_snapshot_is_fetched_with_one_copy_per_slab_range(monkeypatch, 
                 assert torch.equal(v.view(torch.uint8), t.view(torch.uint8))
 
 
-def test_the_device_diff_launches_a_constant_number_of_ops_per_batch(monkeypatch):
-    """The sender's diff on a device (run here on CPU): 10 or 100 params of two dtypes, one with staged positions,
-    take the same ops — compare, gather and split per dtype and batch, never per param — and every param's
-    positions and values are its own diff's."""
-    from sglang.srt.weight_sync.delta import wire
+def test_the_diff_launches_a_constant_number_of_ops_per_batch():
+    """The sender's diff: 10 or 100 params of two dtypes, one with staged positions, take the same ops — compare,
+    gather and split per dtype and batch, never per param — and every param's positions and values are its own
+    diff's."""
+    from sglang.srt.weight_sync.delta import diff
 
-    monkeypatch.setattr(wire, "_NUMPY_DIFF", False)
     counts = []
     for n in (5, 50):
         g = torch.Generator().manual_seed(n)
@@ -178,7 +178,7 @@ def test_the_device_diff_launches_a_constant_number_of_ops_per_batch(monkeypatch
             t[::7] += 1
         staged = [torch.tensor([1, 2])] + [None] * (2 * n - 1)
         with OpCounter() as c:
-            got = wire.changes_many(list(zip(olds, news)), staged)
+            got = diff.changes_many(list(zip(olds, news)), staged)
         counts.append(c.n)
         for k, (old, new, (idx, values, _)) in enumerate(zip(olds, news, per_param(got, len(olds)))):
             want = changed_positions(old, new) if k else torch.tensor([1, 2])
@@ -236,11 +236,8 @@ def test_a_cpu_senders_tensor_ops_do_not_follow_the_params(tmp_path, encoding):
 def test_the_sender_synchronizes_a_constant_number_of_times_per_chunk_and_flush(tmp_path, monkeypatch, encoding):
     """The sender's side of a delta sync (diff against the snapshot, bucket, encode) on a real Qwen3-MoE at 2 and 6
     layers (5x the tensors), one chunk and one flush per dtype: the same count of host synchronizations and of
-    computing ops (a launch each on a GPU; ``xor_zstd``'s base values come out of the diff too). The diff runs its
-    device path (the CPU's numpy fast path has nothing to synchronize, so it would count nothing)."""
-    from sglang.srt.weight_sync.delta import wire
-
-    monkeypatch.setattr(wire, "_NUMPY_DIFF", False)  # DiskTransport calls the engine on its threads (not counted)
+    computing ops (a launch each on a GPU; ``xor_zstd``'s base values come out of the diff too). DiskTransport calls
+    the engine on its threads (not counted)."""
     counts = []
     for layers in (2, 6):
         sender, states = _synced_sender(tmp_path, layers, encoding)
@@ -251,36 +248,3 @@ def test_the_sender_synchronizes_a_constant_number_of_times_per_chunk_and_flush(
         counts.append((ops, launches.n))
         sender.transport.close()
     assert counts[0] == counts[1] and len(counts[1][0]) <= 4, counts  # the chunk's diff: 2; the flush's encode: 2
-
-
-@pytest.mark.parametrize("encoding", ["deltas", "xor_zstd"])
-def test_the_native_sparse_kernels_are_called_per_chunk_not_per_param(tmp_path, monkeypatch, encoding):
-    """With its native CPU kernels the sender's side of a delta sync on a real Qwen3-MoE at 2 and 6 layers (~3x the
-    tensors), one chunk and one flush per dtype: the same calls of each kernel (the diff per chunk and dtype, the
-    positions' encoding per flush, the snapshot fold per recorded run), and the same count of torch ops."""
-    import types
-
-    from sglang.srt.weight_sync.delta import kernels, wire
-
-    sparse_kernels(monkeypatch, True)
-    runner = kernels.KERNELS.runner[("sparse", "cpu")]
-    counts = []
-    for layers in (2, 6):
-        sender, states = _synced_sender(tmp_path, layers, encoding)
-        calls = dict.fromkeys(vars(runner), 0)
-
-        def counted(name, fn):
-            def call(*a, **k):
-                calls[name] += 1
-                return fn(*a, **k)
-            return call
-
-        monkeypatch.setitem(kernels.KERNELS.runner, ("sparse", "cpu"),
-                            types.SimpleNamespace(**{k: counted(k, fn) for k, fn in vars(runner).items()}))
-        with AllOps() as ops:
-            assert sender.update([lambda: [list(states[1].items())]])[0][0]
-        assert sender.state.version == 2 and kernels.kernel_state("cpu", wire.SPARSE) == "compiled"
-        counts.append((len(states[1]), calls, ops.compute))
-        sender.transport.close()
-    (n2, calls2, compute2), (n6, calls6, compute6) = counts
-    assert n6 > 2.5 * n2 and calls2 == calls6 and min(calls2.values()) >= 1 and compute2 == compute6, counts

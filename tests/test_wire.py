@@ -1,32 +1,17 @@
 """Codec properties of the wire module: encode -> decode is exact, and the checksum catches corruption."""
 import random
-import types
 
 import numpy as np
 import pytest
 import torch
-from delta_helpers import per_param, sparse_kernels
+from delta_helpers import per_param
 from hypothesis import given, settings, strategies as st
-from sglang.srt.weight_sync.delta.wire import (
-    POSITIONS,
-    VALUES,
-    DeltaError,
-    DeltaPayload,
-    DeltaSpec,
-    Refusal,
-    any_nan,
-    changed_positions,
-    decode_positions,
-    encode_flush,
-    encode_positions,
-    encode_positions_many,
-    flush_file,
-    maybe_zstd_decompress,
-    read_safetensors,
-    repeat_counts,
-    validate_payload,
-    write_safetensors,
-)
+from sglang.srt.weight_sync.delta.diff import changed_positions, encode_flush
+from sglang.srt.weight_sync.delta.files import flush_file, maybe_zstd_decompress, read_safetensors, write_safetensors
+from sglang.srt.weight_sync.delta.ops import any_nan, repeat_counts
+from sglang.srt.weight_sync.delta.positions import decode_positions, encode_positions, encode_positions_many
+from sglang.srt.weight_sync.delta.validate import validate_payload
+from sglang.srt.weight_sync.delta.wire import POSITIONS, VALUES, DeltaError, DeltaPayload, DeltaSpec, Refusal
 
 ENCODINGS = ["indices", "deltas", "deltas_zstd"]
 FLOATS = [torch.bfloat16, torch.float16, torch.float32]
@@ -106,11 +91,8 @@ def test_gap_boundaries(gap):
     assert width == 4 and torch.equal(decode_positions(blob, width, "indices"), idx)
 
 
-@pytest.mark.parametrize("native", [False, True])
-def test_indices_in_any_order_are_valid_and_duplicates_are_not(monkeypatch, native):
-    """Our encoder sends sorted positions; an independent one may not: unique and in range is what counts (the
-    torch ops' check or the native decode's)."""
-    sparse_kernels(monkeypatch, native)
+def test_indices_in_any_order_are_valid_and_duplicates_are_not():
+    """Our encoder sends sorted positions; an independent one may not: unique and in range is what counts."""
     old = torch.zeros(1000, dtype=torch.bfloat16)
     new = old.clone()
     new[[5, 7, 900]] = 1
@@ -138,13 +120,10 @@ def test_per_param_u32_fallback():
     assert torch.equal(got[0], a) and torch.equal(got[1], b)
 
 
-@pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("encoding", ["indices", "deltas"])
-def test_a_flush_encodes_each_params_positions_as_if_alone(monkeypatch, encoding, native):
-    """The joined encoder (one pass for a flush's params; on CPU the native kernel once ready): every param's bytes
-    and width equal its own encoding — widths that alternate, an empty param, a first gap above 65535, a param
-    starting below the last one's end."""
-    sparse_kernels(monkeypatch, native)
+def test_a_flush_encodes_each_params_positions_as_if_alone(encoding):
+    """The joined encoder (one pass for a flush's params): every param's bytes and width equal its own encoding —
+    widths that alternate, an empty param, a first gap above 65535, a param starting below the last one's end."""
     idxs = [torch.tensor([0, 1, 2]), torch.tensor([], dtype=torch.int64), torch.tensor([0, 100000]),
             torch.tensor([70000, 70001]), torch.tensor([3]), torch.tensor([5, 6, 65541])]
     blob, ranges = encode_positions_many(idxs, encoding)
@@ -163,67 +142,6 @@ def test_a_flush_encodes_each_params_positions_as_if_alone(monkeypatch, encoding
         with pytest.raises(DeltaError, match="param 1 of the flush: (negative position|its positions are not "
                                              "increasing and unique)"):
             encode_positions_many([torch.tensor([1, 2]), idx], encoding)
-
-
-def test_a_sparse_kernel_that_differs_from_the_numpy_and_torch_ops_is_never_used(monkeypatch):
-    """The native sparse kernels are self-tested against numpy's diff and torch's encode and scatter before any use:
-    a diff that misses the last hit of a word, an encoder off by one in a gap, a scatter that skips a tensor, a
-    decoder off by one or blind to a position out of range, a writer that skips a param or writes past a block —
-    each is refused. One that fails at run time leaves numpy's diff for the rest of the process, with the same
-    result."""
-    from sglang.srt.weight_sync.delta import kernels, native, wire
-
-    cpu = torch.device("cpu")
-    wire._test_sparse(native.SPARSE, cpu)
-
-    def drop_last(*a, **k):
-        idx, values, olds, counts = native.diff_runner(*a, **k)
-        counts[-1] -= 1
-        return idx[:-1], values[:-1], None if olds is None else olds[:-1], counts
-
-    def off_by_one(*a, **k):
-        blob, ranges = native.positions_runner(*a, **k)
-        blob[ranges[-1][0]] += 1
-        return blob, ranges
-
-    def skip_last(dsts, counts, idx, values):
-        n = sum(counts[:-1])
-        native.scatter_runner(dsts[:-1], counts[:-1], idx[:n], values[:n])
-
-    def unflagged(*a, **k):
-        return native.decode_runner(*a, **k)[0], torch.tensor(False)
-
-    def last_off(blob, at, wid, cnt, numel, gaps, out):
-        tops, bad = native.decode_runner(blob, at, wid, cnt, numel, gaps, out)
-        if out is not None:
-            out[sum(cnt) - 1] += 1
-        return tops, bad
-
-    def write_but_last(flats, sid, doff, numel, blob, at, wid, cnt, values, val_start, gaps):
-        native.write_runner(flats, sid[:-1], doff[:-1], numel[:-1], blob, at[:-1], wid[:-1], cnt[:-1], values,
-                            val_start[:-1], gaps)
-
-    def write_unchecked(*a):  # silent where a position lies past its block
-        try:
-            native.write_runner(*a)
-        except RuntimeError:
-            pass
-
-    for broken in (dict(diff=drop_last), dict(positions=off_by_one), dict(scatter=skip_last), dict(decode=unflagged),
-                   dict(decode=last_off), dict(write=write_but_last), dict(write=write_unchecked)):
-        runner = types.SimpleNamespace(**{**vars(native.SPARSE), **broken})
-        with pytest.raises(RuntimeError, match="native (diff|positions|scatter|decode|write)"):
-            wire._test_sparse(runner, cpu)
-
-    sparse_kernels(monkeypatch, True)
-    old = [torch.zeros(100, dtype=torch.bfloat16), torch.zeros(7, dtype=torch.bfloat16)]
-    new = [old[0].clone(), old[1].clone()]
-    new[0][[3, 50]] = 1.0
-    monkeypatch.setitem(kernels.KERNELS.runner, ("sparse", "cpu"),
-                        types.SimpleNamespace(diff=lambda *a, **k: 1 / 0))
-    found = wire.changes_many(list(zip(old, new)))
-    assert [idx.tolist() for idx, _, _ in per_param(found, 2)] == [[3, 50], []]
-    assert kernels.kernel_state("cpu", wire.SPARSE).startswith("failed: ZeroDivisionError")
 
 
 def test_dense_int_params():
@@ -378,20 +296,16 @@ def test_no_pickle_on_the_delta_path():
             assert banned not in src, f"{path.name} uses {banned}"
 
 
-@pytest.mark.parametrize("numpy_diff, native", [(True, False), (True, True), (False, False)])
-def test_changed_positions_of_many_params_unite_the_staged_positions(monkeypatch, numpy_diff, native):
-    """The sender's diff of a chunk (on CPU numpy per param or the native kernel per dtype; one nonzero on a device),
-    each param united with the positions an unacknowledged sync staged: sorted, unique, bytes compared (-0.0 vs 0.0
-    counts)."""
-    from sglang.srt.weight_sync.delta import wire
+def test_changed_positions_of_many_params_unite_the_staged_positions():
+    """The sender's diff of a chunk (one nonzero per batch), each param united with the positions an unacknowledged
+    sync staged: sorted, unique, bytes compared (-0.0 vs 0.0 counts)."""
+    from sglang.srt.weight_sync.delta import diff
 
-    monkeypatch.setattr(wire, "_NUMPY_DIFF", numpy_diff)
-    sparse_kernels(monkeypatch, native)
     old = [torch.zeros(1000, dtype=torch.bfloat16) for _ in range(3)]
     new = [o.clone() for o in old]
     new[0][[5, 17]] = 1.0
     new[2][999] = -0.0
-    found = wire.changes_many(list(zip(old, new)), [torch.tensor([3, 17]), None, torch.tensor([0])])
+    found = diff.changes_many(list(zip(old, new)), [torch.tensor([3, 17]), None, torch.tensor([0])])
     got = [idx for idx, _, _ in per_param(found, 3)]
     assert [g.tolist() for g in got] == [[3, 5, 17], [], [0, 999]]
 
@@ -401,7 +315,7 @@ def test_tensors_lying_end_to_end_join_as_a_view_and_any_other_layout_as_a_copy(
     snapshot's slabs, a loaded file), are that storage's memory as one view; a gap, another order, a transposed
     tensor, an empty one or the end of the first one's storage make it a copy of their elements. Each way the same
     bytes."""
-    from sglang.srt.weight_sync.delta import wire
+    from sglang.srt.weight_sync.delta import diff
 
     slab = torch.arange(1000, dtype=torch.int16).view(torch.bfloat16)
     cases = {
@@ -416,26 +330,21 @@ def test_tensors_lying_end_to_end_join_as_a_view_and_any_other_layout_as_a_copy(
     a, b = (torch.frombuffer(buf, dtype=torch.bfloat16, offset=at, count=100) for at in (0, 200))
     assert b.data_ptr() == a.data_ptr() + 200  # two storages back to back in memory: never read through one
     for what, (ts, view) in cases.items():
-        got = wire._joined(ts, torch.int16)
+        got = diff._joined(ts, torch.int16)
         assert torch.equal(got, torch.cat([t.reshape(-1) for t in ts]).view(torch.int16)), what
         assert (got.untyped_storage().data_ptr() == slab.untyped_storage().data_ptr()) == view, what
-    assert wire._adjacent([a[90:], b[:10]]) is None
-    assert torch.equal(wire._joined([a[90:], b[:10]], torch.int16), torch.arange(90, 110, dtype=torch.int16))
+    assert diff._adjacent([a[90:], b[:10]]) is None
+    assert torch.equal(diff._joined([a[90:], b[:10]], torch.int16), torch.arange(90, 110, dtype=torch.int16))
 
 
-@pytest.mark.parametrize("numpy_diff, native", [(True, False), (True, True), (False, False)])
-def test_the_joined_diff_hands_over_the_new_values_bit_for_bit(monkeypatch, numpy_diff, native):
-    """Small CPU params are diffed joined per dtype and their new values come out of that pass: each param's
-    positions, values and old values (``xor_zstd``'s bases) equal its own diff and gathers — across dtypes of one
-    width (bf16 beside fp16), fp8, a transposed (non-contiguous) tensor, one that requires grad, NaN payloads, an
-    unchanged param, a large one and one with staged positions (both diffed alone by numpy; the native kernel takes
-    all but the staged one per dtype). The device path (``numpy_diff=False``, in batches small enough here to split
-    the params) joins per dtype and batch."""
-    from sglang.srt.weight_sync.delta import wire
+def test_the_joined_diff_hands_over_the_new_values_bit_for_bit(monkeypatch):
+    """Params are diffed joined per dtype and batch (batches small enough here to split the params), and their new
+    values come out of that pass: each param's positions, values and old values (``xor_zstd``'s bases) equal its own
+    diff and gathers — across dtypes of one width (bf16 beside fp16), fp8, a transposed (non-contiguous) tensor, one
+    that requires grad, NaN payloads, an unchanged param, a large one and one with staged positions."""
+    from sglang.srt.weight_sync.delta import diff, ops
 
-    monkeypatch.setattr(wire, "_NUMPY_DIFF", numpy_diff)
-    sparse_kernels(monkeypatch, native)
-    monkeypatch.setattr(wire, "_JOIN_BYTES", 3 * 64 * 48 * 2)
+    monkeypatch.setattr(diff, "_JOIN_BYTES", 3 * 64 * 48 * 2)
 
     g = torch.Generator().manual_seed(3)
     olds = [torch.randn(64, 48, generator=g).to(d) for d in
@@ -448,35 +357,31 @@ def test_the_joined_diff_hands_over_the_new_values_bit_for_bit(monkeypatch, nump
             continue  # unchanged
         flat = n.view(-1)
         hit = torch.randint(0, flat.numel(), (flat.numel() // 20,), generator=g)
-        flat.view(wire.INT_VIEW[n.element_size()])[hit] ^= 1 + k
+        flat.view(ops.INT_VIEW[n.element_size()])[hit] ^= 1 + k
     news[0][3, 5] = float("nan")
     news[5] = news[5].t()  # a transposed view: its flat order is the view's
     olds[5] = olds[5].t().contiguous()
     news[1].requires_grad_(True)
     staged = [None] * len(olds)
     staged[3] = torch.tensor([0, 7])
-    found = wire.changes_many(list(zip(olds, news)), staged, want_olds=True)
+    found = diff.changes_many(list(zip(olds, news)), staged, want_olds=True)
     got = per_param(found, len(olds))
     for k, (old, new, (idx, values, at_old)) in enumerate(zip(olds, news, got)):
-        want = wire.changed_positions(old, new)
+        want = diff.changed_positions(old, new)
         if staged[k] is not None:
             want = torch.unique(torch.cat([want, staged[k]]))
         assert torch.equal(idx, want), k
-        iv = wire.INT_VIEW[new.element_size()]
+        iv = ops.INT_VIEW[new.element_size()]
         for t, of in ((values, new), (at_old, old)):
-            assert t.dtype == new.dtype and torch.equal(t.view(iv), wire.gather(of.detach().reshape(-1), idx).view(iv))
+            assert t.dtype == new.dtype and torch.equal(t.view(iv), ops.gather(of.detach().reshape(-1), idx).view(iv))
     assert got[2][0].numel() == 0
-    if numpy_diff and native:  # one call per dtype, the large bf16 with the small ones; the staged fp32 alone
-        assert sorted(f.ks for f in found) == [[0, 2, 5, 8], [1, 6], [3], [4, 7]]
-    elif numpy_diff:  # bf16 [0, 2, 5], fp16 [1, 6], fp8 [4, 7] joined; the staged fp32 and the large bf16 alone
-        assert sorted(f.ks for f in found) == [[0, 2, 5], [1, 6], [3], [4, 7], [8]]
 
 
 def test_no_garbage_collection_while_a_sync_runs():
     """A sync pauses the cyclic collector and gives back the caller's setting, also when it raises."""
     import gc
 
-    from sglang.srt.weight_sync.delta.wire import gc_paused
+    from sglang.srt.weight_sync.delta.ops import gc_paused
 
     assert gc.isenabled()
     with pytest.raises(RuntimeError):
@@ -535,7 +440,7 @@ def test_repeat_counts_is_repeat_interleave(counts):
 def test_the_column_check_never_accepts_what_the_param_loop_refuses():
     """The fast structure check against the loop that names faults, over a thousand lying specs and manifests:
     it accepts only what the loop accepts (with the same result) and it accepts every honest flush."""
-    from sglang.srt.weight_sync.delta import wire
+    from sglang.srt.weight_sync.delta import validate, wire
 
     g = torch.Generator().manual_seed(5)
     rng = random.Random(5)
@@ -577,9 +482,9 @@ def test_the_column_check_never_accepts_what_the_param_loop_refuses():
             elif manifest:
                 manifest.pop(rng.choice(list(manifest)))
         for m in (manifest, None):
-            fast = wire._structure_by_columns(pl, m)
+            fast = validate._structure_by_columns(pl, m)
             try:
-                slow = wire._structure_one_by_one(pl, m, "")
+                slow = validate._structure_one_by_one(pl, m, "")
             except DeltaError:
                 slow = "refused"
             assert fast is None or fast == slow, (trial, pl.spec, m)
@@ -593,7 +498,7 @@ def test_the_column_check_never_accepts_what_the_param_loop_refuses():
 def test_plane_transposition_batches_small_segments_and_keeps_every_byte(seed):
     """Plane-major blobs: segments of mixed widths and sizes (many small ones batched together, large ones alone,
     batches cut at their size bound) against the per-segment definition, and back."""
-    from sglang.srt.weight_sync.delta import wire
+    from sglang.srt.weight_sync.delta import files
 
     rng = random.Random(seed)
     segments, at = [], 0
@@ -606,30 +511,27 @@ def test_plane_transposition_batches_small_segments_and_keeps_every_byte(seed):
     want = blob.copy()
     for start, n, w in segments:  # the definition: byte k of element i goes to plane k
         want[start:start + n * w] = blob[start:start + n * w].reshape(n, w).T.reshape(-1)
-    was = wire._PLANE_BATCH_ELEMENTS
-    wire._PLANE_BATCH_ELEMENTS = 500  # several batches per blob
+    was = files._PLANE_BATCH_ELEMENTS
+    files._PLANE_BATCH_ELEMENTS = 500  # several batches per blob
     try:
-        planes = wire._to_planes(blob, segments)
+        planes = files._to_planes(blob, segments)
         assert np.array_equal(planes, want)
-        assert np.array_equal(wire._from_planes(planes, segments), blob)
+        assert np.array_equal(files._from_planes(planes, segments), blob)
     finally:
-        wire._PLANE_BATCH_ELEMENTS = was
-    assert any(isinstance(r, list) for r in wire._plane_runs(segments)) or len(segments) < 3
+        files._PLANE_BATCH_ELEMENTS = was
+    assert any(isinstance(r, list) for r in files._plane_runs(segments)) or len(segments) < 3
 
 
-@pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("encoding", ["indices", "deltas"])
 @pytest.mark.parametrize("run", [1, 5, 300, 1 << 20])
-def test_positions_checked_in_one_pass_and_decoded_again_run_by_run(monkeypatch, seed, encoding, run, native):
+def test_positions_checked_in_one_pass_and_decoded_again_run_by_run(monkeypatch, seed, encoding, run):
     """Runs of one param, of a few, of all (kept from the checking pass): widths that alternate within a run, empty
-    and dense params between sparse ones, a blob at an odd offset; every param's positions equal its own decode
-    (torch's ops), through the writes' runs (over any subset) and one by one, by the torch ops or the native
-    decode. A position out of range in the last run is refused."""
-    from sglang.srt.weight_sync.delta import wire
+    and dense params between sparse ones, a blob at an odd offset; every param's positions equal its own decode,
+    through the writes' runs (over any subset) and one by one. A position out of range in the last run is refused."""
+    from sglang.srt.weight_sync.delta import positions
 
-    sparse_kernels(monkeypatch, native)
-    monkeypatch.setattr(wire, "_DECODE_RUN", run)
+    monkeypatch.setattr(positions, "_DECODE_RUN", run)
     rng = random.Random(seed)
     entries = []
     for k in range(rng.randrange(2, 40)):
@@ -688,12 +590,12 @@ def test_a_flush_whose_counts_or_bases_do_not_pair_with_its_blobs_is_not_encoded
     """The spec is made from each entry's names, shapes and counts and then signed by the checksum, so a count off
     its own positions, values or bases would be a consistent lie: refused per entry, also when two entries' errors
     cancel in total (one base a value long, the next one short)."""
-    from sglang.srt.weight_sync.delta.wire import Gathered, encode_gathered
+    from sglang.srt.weight_sync.delta.diff import FlushEntry, encode_gathered
 
     v, i = torch.arange(6, dtype=torch.bfloat16), torch.arange(6)
 
     def entry(counts, values=v, idx=i, base=None):
-        return Gathered(["a", "b"], [[4], [4]], counts, values, idx, base)
+        return FlushEntry(["a", "b"], [[4], [4]], counts, values, idx, base)
 
     good = encode_gathered([entry([3, 3])], "deltas")
     assert [p.nnz for p in good.spec.params] == [3, 3]
@@ -707,4 +609,4 @@ def test_a_flush_whose_counts_or_bases_do_not_pair_with_its_blobs_is_not_encoded
                          entry([3, 3], base=torch.zeros(5, dtype=torch.bfloat16))], "xor_zstd")
     # names, shapes and counts are joined across entries: one entry a name short would shift every later param
     with pytest.raises(DeltaError, match=r"params \['a'\]: 1 names, 2 shapes and 2 counts do not pair"):
-        encode_gathered([entry([3, 3]), Gathered(["a"], [[4], [4]], [3, 3], v, i)], "deltas")
+        encode_gathered([entry([3, 3]), FlushEntry(["a"], [[4], [4]], [3, 3], v, i)], "deltas")

@@ -17,9 +17,8 @@ Replicated params (norms, or KV heads shared by several TP ranks) appear on seve
 rank also reports an additive signature of the indices it covers, and :func:`merge_ranks`
 counts every distinct coverage once (the signature is ``sum_i i * (i + C3)``, additive as well).
 
-The hashes run as :mod:`mix64`'s compiled fingerprint kernels (:mod:`kernels`) once they are ready (the keys are made
-in the kernel from a key per row, so one call hashes the rows of many small tensors), else as eager ops; either way
-they stay on the device until one host read per fingerprint (:func:`read_shares`); the coverage signature is a closed
+The hashes run as :mod:`mix64`'s row sums (a key per row, so one call hashes the rows of many small tensors) and
+stay on the device until one host read per fingerprint (:func:`read_shares`); the coverage signature is a closed
 form of each view's geometry.
 """
 from __future__ import annotations
@@ -33,9 +32,10 @@ from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequenc
 import torch
 from torch._utils import _flatten_dense_tensors
 
-from sglang.srt.weight_sync.delta import kernels, mix64
+from sglang.srt.weight_sync.delta import mix64
 from sglang.srt.weight_sync.delta.mix64 import i64
-from sglang.srt.weight_sync.delta.wire import INT_VIEW, DeltaError, dtype_from_str, dtype_to_str, host_values, to_device
+from sglang.srt.weight_sync.delta.ops import INT_VIEW, host_values, to_device
+from sglang.srt.weight_sync.delta.wire import DeltaError, dtype_from_str, dtype_to_str
 from sglang.srt.weight_sync.delta.write_guard import RangeIndex
 
 _M = 0xFFFFFFFFFFFFFFFF
@@ -137,8 +137,7 @@ def _hash(pieces: List[Tuple[Pending, torch.Tensor, int, Tuple[int, int], int]])
 def _hash_rows(bits: torch.Tensor, blocks: list) -> None:
     """One call for the rows of ``blocks`` joined in ``bits`` (one bit width and column stride; a block: (share, its
     2-D shape, name seed, (row stride, column stride), offset)): a key per row tells their tensors apart, so the calls
-    follow the bytes, not the tensor count. The compiled kernel of their bit width where it is ready (16-bit rows of
-    an even length in pairs, :func:`mix64.as_pairs`), else the eager ops; row sums added up per block on the device."""
+    follow the bytes, not the tensor count; row sums added up per block on the device."""
     device, mask = bits.device, _mask(bits)
     col_key = mix64.fingerprint_keys((0, blocks[0][3][1]), 0, 0)[0][1]
     table, start = [], 0  # per block: the key its row 0 would have at row 0 of ``bits``, its key per row, its rows
@@ -154,18 +153,7 @@ def _hash_rows(bits: torch.Tensor, blocks: list) -> None:
         counts = cols[2]
         row_keys = torch.repeat_interleave(cols[0], counts, output_size=start) + torch.arange(
             start, dtype=torch.int64, device=device) * torch.repeat_interleave(cols[1], counts, output_size=start)
-    pairs = mix64.as_pairs(bits)
-    kernel = mix64.FINGERPRINT[mix64.PAIRS if pairs is not None else bits.dtype]
-    runner = kernels.KERNELS.ready(kernel, device, bits.numel())
-    sums = None
-    if runner is not None:
-        try:
-            sums = mix64.run_rows(runner, bits if pairs is None else pairs, row_keys,
-                                  to_device([col_key, mask], device))
-        except Exception as e:  # noqa: BLE001 - the eager path stays, never a wrong sum
-            kernels.KERNELS.failed(kernel, device, e)
-    if sums is None:
-        sums = mix64.eager_rows(bits, row_keys, col_key, mask)
+    sums = mix64.row_sums(bits, row_keys, col_key, mask)
     if len(blocks) == 1:
         totals = [sums.sum()]
     else:
@@ -378,7 +366,7 @@ def engine_shares(copies: Dict[str, List[_Copy]]) -> Dict[str, NameSum]:
                 if geometry is None:  # more than two dims that do not merge: hashed alone, eagerly
                     d = c.param.as_strided(sizes, dst, doff + dshift)
                     ks, k0 = mix64.fingerprint_keys(sst, soff + sshift, seed)
-                    acc.add(mix64.eager_fingerprint(_block(d, (1, -1)).to(torch.int64).reshape(-1), sizes, ks, k0,
+                    acc.add(mix64.view_sum(_block(d, (1, -1)).to(torch.int64).reshape(-1), sizes, ks, k0,
                                                     _mask(d)), sizes, sst, soff + sshift)
                     continue
                 (rows, cols), s0, s1, off = geometry

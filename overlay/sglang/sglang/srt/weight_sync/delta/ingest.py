@@ -19,6 +19,7 @@ from sglang.srt.weight_sync.delta.collectives import (
     tp_group,
 )
 from sglang.srt.weight_sync.delta.engine_state import host_device, host_model, receiver_state, server_arg
+from sglang.srt.weight_sync.delta.files import maybe_zstd_decompress, read_safetensors
 from sglang.srt.weight_sync.delta.wire import (
     HEADER_CAP,
     POSITIONS,
@@ -31,8 +32,6 @@ from sglang.srt.weight_sync.delta.wire import (
     broadcastable,
     dtype_from_str,
     dtype_to_str,
-    maybe_zstd_decompress,
-    read_safetensors,
     received_params,
     spec_json,
 )

@@ -60,9 +60,11 @@ from sglang.srt.weight_sync.delta.views import (
     direct_plan,
     rebuild_xor,
     write_direct,
-    write_off_wire,
     write_run,
 )
+from sglang.srt.weight_sync.delta.ops import gc_paused
+from sglang.srt.weight_sync.delta.positions import Positions
+from sglang.srt.weight_sync.delta.validate import validate_payload
 from sglang.srt.weight_sync.delta.wire import (
     POSITIONS,
     VALUES,
@@ -72,15 +74,12 @@ from sglang.srt.weight_sync.delta.wire import (
     DeltaPayload,
     DeltaSpec,
     DeltaStatus,
-    Positions,
     Refusal,
     dtype_from_str,
-    gc_paused,
     nan_sentinel,
     parse_request,
     received_params,
     sparse_allowed,
-    validate_payload,
 )
 from sglang.srt.weight_sync.delta.write_guard import delta_apply_context, full_sync_context, model_tensors
 
@@ -252,7 +251,7 @@ def _apply_request(self, payloads: Sequence[DeltaPayload], weight_version: Optio
         with torch.no_grad():
             rest = []  # write_direct's: one write for the request where positions are kept; else one per run
             for positions, values, viewed in via_views:
-                for run in positions.runs(write_off_wire(state.blocks, viewed, positions, values)):
+                for run in positions.runs(viewed):
                     write_run(state.blocks, direct, run, values, rest)
                     if not positions.kept:
                         write_direct(rest)
@@ -433,7 +432,7 @@ def _refuse_unsupported(host) -> None:
 
 def _apply_delta(self, model_path: str, files: Optional[List[str]], weight_version: Optional[str] = None) -> Tuple[bool, str]:
     """Disk transport: read the announced files of one publish (once per engine, in parallel), then apply them as
-    one request. No garbage collection while the files are parsed either (:func:`wire.gc_paused`)."""
+    one request. No garbage collection while the files are parsed either (:func:`ops.gc_paused`)."""
     with gc_paused():
         try:
             payloads = read_files_once(self, model_path, files)

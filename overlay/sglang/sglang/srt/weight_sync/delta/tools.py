@@ -21,22 +21,11 @@ import torch
 
 from sglang.srt.weight_sync.delta import fingerprint
 from sglang.srt.weight_sync.delta.sender import DeltaBucket
-from sglang.srt.weight_sync.delta.wire import (
-    DeltaEncoding,
-    DeltaError,
-    changed_positions,
-    check_structure,
-    dtype_to_str,
-    encode_flush,
-    encode_positions,
-    flush_file,
-    maybe_zstd_decompress,
-    read_safetensors,
-    sparse_allowed,
-    unxor,
-    validate_payload,
-    zstd_level,
-)
+from sglang.srt.weight_sync.delta.diff import changed_positions, encode_flush
+from sglang.srt.weight_sync.delta.files import flush_file, maybe_zstd_decompress, read_safetensors
+from sglang.srt.weight_sync.delta.positions import encode_positions
+from sglang.srt.weight_sync.delta.validate import check_structure, unxor, validate_payload
+from sglang.srt.weight_sync.delta.wire import DeltaEncoding, DeltaError, dtype_to_str, sparse_allowed, zstd_level
 
 MANIFEST = "delta.json"
 _MAX_FILE = 1 << 40  # the tools read local files the user named; the engine's model-size bound does not apply

@@ -31,16 +31,16 @@ from typing import Callable, ContextManager, Dict, List, Optional, Sequence, Tup
 import torch
 
 from sglang.srt.weight_sync.delta.collectives import StageGroup, abort_group, await_collectives, group_named
+from sglang.srt.weight_sync.delta.files import flush_file
 from sglang.srt.weight_sync.delta.wire import (
     POSITIONS,
+    RECEIVE_ONLY,
     VALUES,
     DeltaError,
     DeltaPayload,
     DeltaStatus,
     broadcastable,
     dtype_to_str,
-    RECEIVE_ONLY,
-    flush_file,
     spec_json,
 )
 

@@ -18,25 +18,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from sglang.srt.weight_sync.delta import fingerprint, kernels
+from sglang.srt.weight_sync.delta import fingerprint
 from sglang.srt.weight_sync.delta.collectives import tp_agree, tp_group
-from sglang.srt.weight_sync.delta.wire import (
-    INT_VIEW,
-    SPARSE,
-    DeltaError,
-    DeltaParam,
-    DeltaPayload,
-    Positions,
-    Refusal,
-    Run,
-    alone,
-    batched,
-    host_values,
-    repeat_counts,
-    shifted_cat,
-    to_device,
-    unxor,
-)
+from sglang.srt.weight_sync.delta.ops import INT_VIEW, host_values, repeat_counts, shifted_cat, to_device
+from sglang.srt.weight_sync.delta.positions import Run
+from sglang.srt.weight_sync.delta.validate import unxor
+from sglang.srt.weight_sync.delta.wire import DeltaError, DeltaPayload, Refusal
 
 logger = logging.getLogger(__name__)
 
@@ -167,49 +154,16 @@ def block_plan(direct: Dict[str, List[Direct]], manifest: Dict[str, Tuple[List[i
     return Blocks(at, flats)
 
 
-def write_off_wire(blocks: Blocks, params: List[DeltaParam], positions: Positions,
-                   values: torch.Tensor) -> List[DeltaParam]:
-    """On CPU, once the native kernels are ready: those of a flush's checked ``params`` (sparse, none empty) whose one
-    view is a whole block of a storage of the values' dtype (:class:`Blocks`: most dense weights, every expert),
-    written straight off the wire ints with their values in one pass, no int64 positions made and no index op
-    (0.5B shape: about half the time of decoding runs and ``index_copy_``). Returns the others, for the runs. A
-    kernel that fails is not used again in this process: refusing its arguments (nothing written), it leaves every
-    param to the runs; failing while writing, it raises (the engine goes dirty: a full sync follows)."""
-    blob, gaps = positions.wire()
-    runner = kernels.KERNELS.ready(SPARSE, blob.device, values.numel()) if blob.is_cpu and params else None
-    if runner is None:
-        return params
-    where, flats, dtype = blocks.at, blocks.flats, values.dtype
-    rest, rows = [], []
-    for p in params:
-        b = where.get(p.name)
-        if b is None or flats[b[0]].dtype != dtype:
-            rest.append(p)
-        else:
-            rows.append((*b, p.numel, p.pos_start, p.pos_width, p.val_end - p.val_start, p.val_start))
-    if rows:
-        sid, doff, numel, at, wid, cnt, val_start = zip(*rows)
-        try:
-            runner.write(flats, sid, doff, numel, blob, at, wid, cnt, values, val_start, gaps)
-        except ValueError as e:  # refused before any write
-            kernels.KERNELS.failed(SPARSE, blob.device, e)
-            return params
-        except Exception as e:
-            kernels.KERNELS.failed(SPARSE, blob.device, e)
-            raise
-    return rest
-
-
 def write_run(blocks: Blocks, direct: Dict[str, List[Direct]], run: Run, values: torch.Tensor, rest: list) -> None:
     """Write one run of a flush's params (``values``: the flush's) through their recorded views. Whole-block params
     take one gather of their positions and values and one ``index_copy_`` per destination storage, whatever their
-    count; large ones on CPU, and params with other views, are appended to ``rest`` as :func:`write_direct`'s items
-    (the caller writes those before the run's tensor is reused)."""
+    count; params with other views are appended to ``rest`` as :func:`write_direct`'s items (the caller writes those
+    before the run's tensor is reused)."""
     at, x, device = blocks.at, run.positions, run.positions.device
     picked = []  # (storage, block start, start in x, start in values, count) per batched param
     for p, a in zip(run.params, run.starts):
         b, n = at.get(p.name), p.val_end - p.val_start
-        if b is None or alone(n, device):
+        if b is None:
             rest.append((direct[p.name], x[a:a + n], values[p.val_start:p.val_end], p.numel))
         else:
             picked.append((*b, a, p.val_start, n))
@@ -289,9 +243,7 @@ def _write_blocks(entries) -> None:
     flat = entries[0][0].flat
     spans = sorted((t.doff, t.doff + t.numel) for t, _, _ in entries)
     overlap = any(b[0] < a[1] for a, b in zip(spans, spans[1:]))
-    entries, alone = batched(entries, flat.device) if not overlap else ([], entries)
-    if len(entries) == 1:
-        entries, alone = [], entries + alone
+    entries, alone = (entries, []) if not overlap and len(entries) > 1 else ([], entries)
     for t, idx, values in alone:  # the block's start moves the view, not every position (no pass over them)
         _scatter(flat[t.doff:], idx, values)
     if not entries:
@@ -338,10 +290,9 @@ def read_base(direct: Dict[str, List[Direct]], params, idxs, dtype, device, held
             held_parts.append(h)
         at += n
     for entries in blocks.values():  # idx is clamped into each param: every offset lies inside its block
-        entries, alone = batched(entries, device)
-        for t, idx, start in alone:  # gathered straight into place, from the block's start
+        if len(entries) == 1:  # gathered straight into place, from the block's start
+            t, idx, start = entries[0]
             torch.index_select(t.flat[t.doff:].view(out.dtype), 0, idx, out=out[start:start + idx.numel()])
-        if not entries:
             continue
         flat, sizes = entries[0][0].flat, [idx.numel() for _, idx, _ in entries]
         src = shifted_cat([idx for _, idx, _ in entries], [t.doff for t, _, _ in entries], device)
@@ -353,17 +304,17 @@ def read_base(direct: Dict[str, List[Direct]], params, idxs, dtype, device, held
 
 
 def rebuild_xor(direct: Dict[str, List[Direct]], manifest, payloads: Sequence[DeltaPayload], device) -> List[DeltaPayload]:
-    """``xor_zstd``: rebuild every flush's new values from this rank's committed bytes (see ``wire.unxor``).
+    """``xor_zstd``: rebuild every flush's new values from this rank's committed bytes (see ``validate.unxor``).
 
     With tensor parallelism a rank holds only its shard of some params; the ranks rebuild together with
     two collectives over the flush's values (O(changed)): the lowest rank holding an element owns it,
     owners contribute its rebuilt bytes, every rank gets them all. The checksum then judges the whole
     flush on every rank. Called on every rank after the ranks agreed to rebuild, so the collectives match.
     """
-    helds: list = []  # per param: None (all held) or a mask
+    held_masks: list = []  # per param: None (all held) or a mask
     group, error = tp_group(), None
     try:
-        rebuilt = [unxor(pl, manifest, lambda ps, ix, pl=pl: read_base(direct, ps, ix, pl.values.dtype, device, helds))
+        rebuilt = [unxor(pl, manifest, lambda ps, ix, pl=pl: read_base(direct, ps, ix, pl.values.dtype, device, held_masks))
                    for pl in payloads]
     except DeltaError as e:
         error = e
@@ -375,7 +326,7 @@ def rebuild_xor(direct: Dict[str, List[Direct]], manifest, payloads: Sequence[De
     if group is not None and params:
         world, rank = group.world_size, group.rank_in_group
         held = torch.cat([torch.ones(p.nnz, dtype=torch.bool, device=device) if h is None else h
-                          for p, h in zip(params, helds)])
+                          for p, h in zip(params, held_masks)])
         owner = torch.where(held, rank, world).to(torch.int32)
         torch.distributed.all_reduce(owner, op=torch.distributed.ReduceOp.MIN, group=group.device_group)
         # an element no rank holds is a raw param's (XOR zero): every rank has the same bytes, rank 0 gives them
@@ -389,10 +340,10 @@ def rebuild_xor(direct: Dict[str, List[Direct]], manifest, payloads: Sequence[De
             out.append(dataclasses.replace(pl, values=raw[at:at + n].reshape(-1).view(pl.values.dtype)))
             at += n
         rebuilt = out
-        helds = list((owner < world).split([p.nnz for p in params]))
+        held_masks = list((owner < world).split([p.nnz for p in params]))
     # A param no rank holds any of (the loader ignores it, e.g. a tied lm_head) travels raw: XOR zero. A param
     # held only in part cannot be rebuilt. One host read for the flush.
-    partial = [(k, h) for k, h in enumerate(helds) if h is not None and h.numel()]
+    partial = [(k, h) for k, h in enumerate(held_masks) if h is not None and h.numel()]
     if partial:
         some = torch.stack([h.any() & ~h.all() for _, h in partial])
         bad = host_values(some)

@@ -29,7 +29,8 @@ from typing import Callable, Dict, List, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sglang.srt.weight_sync.delta.wire import DeltaError, nan_mask
+from sglang.srt.weight_sync.delta.ops import nan_mask
+from sglang.srt.weight_sync.delta.wire import DeltaError
 
 __all__ = ["Scope", "scoped", "storage_index", "model_tensors", "delta_apply_context", "FullSyncWatch", "nan_mask"]
 

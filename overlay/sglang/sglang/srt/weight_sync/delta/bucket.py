@@ -1,0 +1,128 @@
+"""The sender's bucket: what changed, gathered per values dtype until a flush, bounded by encoded bytes plus one
+module (a flush never separates params a loader fuses).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from sglang.srt.weight_sync.delta.diff import ChangeRun, FlushEntry, encode_gathered
+from sglang.srt.weight_sync.delta.snapshot import Chunk
+from sglang.srt.weight_sync.delta.wire import DeltaPayload
+
+_SHAPE = operator.attrgetter("shape")
+
+
+class DeltaBucket:
+    """Encoded params waiting for a flush, grouped by values dtype; bounded by encoded bytes plus one module.
+
+    A sparse param's changed values are gathered before it is added (``diff.FlushEntry``): the bucket never pins the
+    caller's whole tensors, so its memory is what it will send (plus one module, below). Consecutive params of one
+    diff's run (:meth:`add_found`) stay one entry, views of the run. A flush never separates params of one module
+    (``model.layers.1.self_attn.*``, one expert): loaders fuse siblings only when they arrive in one
+    ``load_weights`` call (DeepSeek's ``q_a_proj`` + ``kv_a_proj_with_mqa`` are dropped otherwise, silently, on
+    SGLang's own update path too).
+    """
+
+    def __init__(self, encoding: str, max_bytes: int):
+        self.encoding, self.max_bytes = encoding, max_bytes
+        self.last = ""  # the last param added (its module is read only when the bucket is full)
+        self.entries: Dict[torch.dtype, List[FlushEntry]] = {}
+        self._open: Dict[torch.dtype, _Span] = {}  # per dtype, the run being extended by add_found
+        self.nbytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor, idx: Optional[torch.Tensor],
+            base: Optional[torch.Tensor] = None, values: Optional[torch.Tensor] = None) -> None:
+        """One param; ``values``: ``tensor`` at ``idx`` when the caller already gathered them."""
+        self._close(tensor.dtype)
+        g = FlushEntry.of(name, tensor, idx, values, base)
+        self.entries.setdefault(tensor.dtype, []).append(g)
+        self.nbytes += g.counts[0] * ((0 if idx is None else 4) + tensor.element_size())  # 4: the wire may pick 2
+        self.last = name
+
+    def add_found(self, found: ChangeRun, j: int, name: str, shape: List[int]) -> None:
+        """The ``j``-th param of ``found`` (changed: a non-zero count), sparse, ``xor_zstd`` bases from its olds.
+        It extends the open span of ``found`` when no values lie between them (unchanged params are left out)."""
+        dtype = found.values.dtype
+        span = self._open.get(dtype)
+        starts = found.starts
+        if span is None or span.found is not found or starts[span.end] != starts[j]:
+            self._close(dtype)
+            span = self._open[dtype] = _Span(found, j)
+        span.end = j + 1
+        span.names.append(name)
+        span.shapes.append(shape)
+        n = found.counts[j]
+        span.counts.append(n)
+        self.nbytes += n * (4 + dtype.itemsize)
+        self.last = name
+
+    def add_chunk(self, chunk: Chunk, found: Sequence[ChangeRun]) -> bool:
+        """A chunk whose diff is one run over all of it, in order, added whole when the bucket holds it below its
+        bound (no flush boundary falls inside): its changed params as one span, what :meth:`add_found` makes param by
+        param, with no per-param call. False (nothing added) otherwise: the caller goes param by param."""
+        if len(found) != 1 or found[0].ks != list(range(len(chunk))):
+            return False
+        f = found[0]
+        dtype = f.values.dtype
+        if self.nbytes + f.idx.numel() * (4 + dtype.itemsize) >= self.max_bytes:
+            return False
+        live = [j for j, n in enumerate(f.counts) if n]
+        if not live:
+            return True
+        self._close(dtype)
+        span = self._open[dtype] = _Span(f, 0)
+        span.end = len(chunk)
+        live_params = chunk if len(live) == len(chunk) else [chunk[j] for j in live]
+        span.names = list(map(operator.itemgetter(0), live_params))
+        span.shapes = list(map(list, map(_SHAPE, map(operator.itemgetter(1), live_params))))
+        span.counts = [f.counts[j] for j in live]
+        self.nbytes += f.idx.numel() * (4 + dtype.itemsize)
+        self.last = span.names[-1]
+        return True
+
+    def _close(self, dtype: torch.dtype) -> None:
+        span = self._open.pop(dtype, None)
+        if span is not None:
+            self.entries.setdefault(dtype, []).append(span.gathered())
+
+    def should_flush(self, next_name: str) -> bool:
+        """Before adding ``next_name``: full, and that param starts another module."""
+        return self.nbytes >= self.max_bytes and _module(next_name) != _module(self.last)
+
+    def take(self, **spec_fields) -> List[DeltaPayload]:
+        """The bucket's flushes, one per dtype, not yet sealed: every caller numbers them first, then seals."""
+        for dtype in list(self._open):
+            self._close(dtype)
+        out = [encode_gathered(self.entries[dt], self.encoding, sealed=False, **spec_fields)
+               for dt in sorted(self.entries, key=str)]
+        self.entries, self.nbytes = {}, 0
+        return out
+
+    def __len__(self) -> int:
+        return sum(len(g.names) for v in self.entries.values() for g in v) + \
+            sum(len(s.names) for s in self._open.values())
+
+
+class _Span:
+    """Consecutive params ``[start, end)`` of one :class:`ChangeRun` in a bucket (its changed ones named)."""
+
+    def __init__(self, found: ChangeRun, start: int):
+        self.found, self.start, self.end = found, start, start
+        self.names: List[str] = []
+        self.shapes: List[List[int]] = []
+        self.counts: List[int] = []
+
+    def gathered(self) -> FlushEntry:
+        f = self.found
+        a, b = f.starts[self.start], f.starts[self.end]
+        return FlushEntry(self.names, self.shapes, self.counts, f.values[a:b], f.idx[a:b],
+                        None if f.olds is None else f.olds[a:b])
+
+
+def _module(name: str) -> str:
+    """``model.layers.1.self_attn.q_a_proj.weight`` -> ``model.layers.1.self_attn`` (siblings a loader may fuse)."""
+    return name.rsplit(".", 2)[0]
