@@ -3,7 +3,9 @@ PINS      ?= 0.5.15.post1 0.5.23
 BUILD     ?= build
 PYTEST_ARGS ?=
 PIN       ?= 0.5.15.post1
-SLIME_DIR ?=
+# slime at the pinned commit: a checkout, or (default) the archive extracted under $(BUILD)
+SLIME_TARBALL ?= ../shared/upstream/slime-624b824a.tar.gz
+SLIME_DIR ?= $(BUILD)/slime
 STEPS     ?= 5
 TRANSPORT ?= disk
 ENCODING  ?=
@@ -16,20 +18,24 @@ venvs:
 
 # One pytest run per SGLang pin: the same tests against both patched versions, except modules whose subject does
 # not change with the pin, run with the first only: the wire format, checksum and fingerprint (no SGLang code), the
-# bench's report and gpu-check's dry run (our scripts), and the 50-sync soak (`make soak PIN=...` runs 200 on any pin).
-ONE_PIN_TESTS = tests/test_wire.py tests/test_checksum.py tests/test_fingerprint.py tests/test_bench.py \
-  tests/test_gpu_check.py tests/test_soak.py
+# package's layout, the bench's report and gpu-check's dry run (our scripts), and the 50-sync soak (`make soak
+# PIN=...` runs 200 on any pin). slime's updater runs in `make test-slime` (its own venv: Megatron, Ray).
+ONE_PIN_TESTS = tests/test_wire.py tests/test_checksum.py tests/test_fingerprint.py tests/test_layout.py \
+  tests/test_bench.py tests/test_gpu_check.py tests/test_soak.py
 test: venvs
 	@rc=0; skip=""; for p in $(PINS); do \
 	  echo "=== tests against patched sglang $$p ==="; \
-	  $(BUILD)/venv-$$p/bin/python -m pytest tests $$skip $(PYTEST_ARGS) || rc=1; \
+	  $(BUILD)/venv-$$p/bin/python -m pytest tests --ignore=tests/test_slime_sender.py $$skip $(PYTEST_ARGS) || rc=1; \
 	  skip="$(addprefix --ignore=,$(ONE_PIN_TESTS))"; \
 	done; exit $$rc
 
+$(BUILD)/slime/.stamp: $(SLIME_TARBALL)
+	rm -rf $(BUILD)/slime && mkdir -p $(BUILD) && tar xzf $(SLIME_TARBALL) -C $(BUILD) && touch $@
+
 # slime's patched updater with a tiny Megatron model on CPU into a server on the image's SGLang tree
-# (slime's own SGLang patches, then ours); needs a slime checkout at the pinned commit.
-test-slime:
-	@test -n "$(SLIME_DIR)" || { echo "usage: make test-slime SLIME_DIR=/path/to/slime"; exit 2; }
+# (slime's own SGLang patches, then ours); slime at the pinned commit from SLIME_DIR (default: SLIME_TARBALL).
+test-slime: $(if $(filter $(BUILD)/slime,$(SLIME_DIR)),$(BUILD)/slime/.stamp)
+	@test -d "$(SLIME_DIR)/slime" || { echo "make test-slime: no slime checkout at $(SLIME_DIR) (SLIME_DIR=...)"; exit 2; }
 	@scripts/build_venv.sh 0.5.15.post1 $(BUILD) slime "$(SLIME_DIR)"
 	rm -rf $(BUILD)/slime-tree && cp -a "$(SLIME_DIR)" $(BUILD)/slime-tree
 	scripts/apply_patches.sh $(BUILD)/slime-tree
@@ -39,8 +45,8 @@ test-slime:
 # slime's own disk delta (xor, overwrite) and ours (deltas_zstd, planes_zstd, xor_zstd) on the same Megatron steps
 # into a real server, side by side -> a section of docs/benchmarks.md (same slime checkout as test-slime).
 BENCH_SLIME_ARGS ?=
-bench-slime:
-	@test -n "$(SLIME_DIR)" || { echo "usage: make bench-slime SLIME_DIR=/path/to/slime"; exit 2; }
+bench-slime: $(if $(filter $(BUILD)/slime,$(SLIME_DIR)),$(BUILD)/slime/.stamp)
+	@test -d "$(SLIME_DIR)/slime" || { echo "make bench-slime: no slime checkout at $(SLIME_DIR) (SLIME_DIR=...)"; exit 2; }
 	@scripts/build_venv.sh 0.5.15.post1 $(BUILD) slime "$(SLIME_DIR)"
 	rm -rf $(BUILD)/slime-tree && cp -a "$(SLIME_DIR)" $(BUILD)/slime-tree
 	scripts/apply_patches.sh $(BUILD)/slime-tree
@@ -90,8 +96,8 @@ $(BUILD)/venv-lint/.stamp: requirements/lint.txt
 	touch $@
 
 # Rebuild the image's SGLang tree (0.5.15.post1 wheel + slime's `latest` patches) and check ours on top.
-check-image-tree:
-	@test -n "$(SLIME_DIR)" || { echo "usage: make check-image-tree SLIME_DIR=/path/to/slime"; exit 2; }
+check-image-tree: $(if $(filter $(BUILD)/slime,$(SLIME_DIR)),$(BUILD)/slime/.stamp)
+	@test -d "$(SLIME_DIR)/slime" || { echo "make check-image-tree: no slime checkout at $(SLIME_DIR) (SLIME_DIR=...)"; exit 2; }
 	scripts/check_image_tree.sh "$(SLIME_DIR)" $(BUILD)/image-tree
 
 clean:

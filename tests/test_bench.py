@@ -26,5 +26,5 @@ def test_bench_writes_its_report(tmp_path):
     assert "(theirs)" in text
     overhead = json.load(open(tmp_path / "work" / "tiny" / "timing.json"))["overhead"]  # reported for MoE shapes
     assert overhead["pieces"] < overhead["tensors"] and overhead["engine_s"] > 0
-    assert set(overhead["sender_s"]) == set(overhead["sender_pieces_s"]) == {"cpu", "device"}
+    assert overhead["sender_s"] > 0 and overhead["sender_pieces_s"] > 0
     assert (out / "benchmarks.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
