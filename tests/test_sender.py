@@ -18,10 +18,10 @@ from cpu_harness import (
     write_hf_checkpoint,
 )
 from delta_helpers import assert_params_equal
+from sglang.srt.weight_sync.delta.diff import encode_gathered
 from sglang.srt.weight_sync.delta.receiver import delta_status
 from sglang.srt.weight_sync.delta.sender import DeltaSender
 from sglang.srt.weight_sync.delta.transport import DiskTransport, HttpEngine, NcclTransport
-from sglang.srt.weight_sync.delta.diff import encode_gathered
 from sglang.srt.weight_sync.delta.wire import DeltaError, DeltaStatus, Refusal, zstd_level
 
 

@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from delta_helpers import per_param
 from cpu_harness import Host, SyncCounter, delta_flushes, full_flushes, hf_config, rl_states, sglang_model
+from sglang.srt.weight_sync.delta import device
 from sglang.srt.weight_sync.delta.diff import changed_positions, encode_flush
 from sglang.srt.weight_sync.delta.validate import validate_payload
 
@@ -46,8 +47,12 @@ def test_validating_a_flush_synchronizes_a_constant_number_of_times(encoding):
     assert len(ops_many) <= 4, ops_many  # the checksum's two sums, the checks' flags: read once each
 
 
-def test_a_delta_apply_through_the_direct_path_synchronizes_a_constant_number_of_times():
-    """A real SGLang Qwen2 at two widths (the wider has the same params, more elements): the same count."""
+@pytest.mark.parametrize("device_path", [False, True])
+def test_a_delta_apply_through_the_direct_path_synchronizes_a_constant_number_of_times(monkeypatch, device_path):
+    """A real SGLang Qwen2 at two widths (the wider has the same params, more elements): the same count, on the
+    default path and on the device path (``device.SWITCH``)."""
+    if device_path:
+        monkeypatch.setenv(device.SWITCH, "1")
     counts = []
     for layers in (2, 6):
         cfg = hf_config("qwen2", layers=layers)
@@ -232,12 +237,17 @@ def test_a_cpu_senders_tensor_ops_do_not_follow_the_params(tmp_path, encoding):
     assert n6 > 2.5 * n2 and compute2 == compute6 and views6 - views2 <= 2 * (n6 - n2), counts
 
 
+@pytest.mark.parametrize("device_path", [False, True])
 @pytest.mark.parametrize("encoding", ["deltas", "xor_zstd"])
-def test_the_sender_synchronizes_a_constant_number_of_times_per_chunk_and_flush(tmp_path, monkeypatch, encoding):
+def test_the_sender_synchronizes_a_constant_number_of_times_per_chunk_and_flush(tmp_path, monkeypatch, encoding,
+                                                                                device_path):
     """The sender's side of a delta sync (diff against the snapshot, bucket, encode) on a real Qwen3-MoE at 2 and 6
     layers (5x the tensors), one chunk and one flush per dtype: the same count of host synchronizations and of
-    computing ops (a launch each on a GPU; ``xor_zstd``'s base values come out of the diff too). DiskTransport calls
-    the engine on its threads (not counted)."""
+    computing ops (a launch each on a GPU; ``xor_zstd``'s base values come out of the diff too), on the default path
+    and on the device path (prefetch and copies back included). DiskTransport calls the engine on its threads (not
+    counted)."""
+    if device_path:
+        monkeypatch.setenv(device.SWITCH, "1")
     counts = []
     for layers in (2, 6):
         sender, states = _synced_sender(tmp_path, layers, encoding)

@@ -12,7 +12,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-
+from sglang.srt.weight_sync.delta.device import device_path
 
 M64 = 0xFFFFFFFFFFFFFFFF
 C1, C2, C3 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
@@ -29,9 +29,9 @@ def i64(c: int) -> int:
 
 
 def _words_per_block(device: torch.device) -> int:
-    """CPU: 256 KiB operands stay in cache across the ~14 in-place passes (2x faster than big blocks);
-    CUDA: big blocks keep the kernel launches per flush few."""
-    return 1 << 22 if device.type == "cuda" else 1 << 15
+    """Off the device path 256 KiB operands stay in the CPU's cache across the ~14 in-place passes; on it big blocks
+    keep the kernel launches per flush few."""
+    return 1 << 22 if device_path(device) else 1 << 15
 
 
 _KEYS: Dict[Tuple[str, int], torch.Tensor] = {}

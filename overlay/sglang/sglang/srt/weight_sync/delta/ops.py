@@ -14,15 +14,17 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from sglang.srt.weight_sync.delta.device import device_path, pinned
 from sglang.srt.weight_sync.delta.mix64 import NAN_BITS
+
 
 def to_device(values: Sequence, device: torch.device) -> torch.Tensor:
     """Host ints (or rows of them) as an int64 tensor on ``device``, in a copy that does not wait for the device
     (pinned on CUDA). Through numpy: ``torch.tensor`` of a list costs 3x as much per call (the decode and the
     writes make a few per run of params)."""
     t = torch.from_numpy(np.array(list(values), dtype=np.int64))
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
+    if device_path(device):
+        return (t.pin_memory() if pinned(device) else t).to(device, non_blocking=True)
     return t.to(device)
 
 

@@ -43,7 +43,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from sglang.srt.weight_sync.delta import fingerprint
+from sglang.srt.weight_sync.delta import device as dev, fingerprint
 from sglang.srt.weight_sync.delta.collectives import tp_agree
 from sglang.srt.weight_sync.delta.engine_state import ReceiverState, host_device, host_model, receiver_state, server_arg
 from sglang.srt.weight_sync.delta.ingest import (
@@ -338,8 +338,7 @@ def _paths(manifest: dict, copies: dict, direct: dict) -> Tuple[List[str], bool,
 def _await_forward(device: torch.device) -> None:
     """An ``in_place`` pause leaves the last launched forward running on its own stream (overlap scheduler): no
     weight may change under it. One wait per version, before its first write."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    dev.synchronize(device)
 
 
 def _post_process(model: torch.nn.Module, state: ReceiverState, written: List[str], final: bool) -> None:

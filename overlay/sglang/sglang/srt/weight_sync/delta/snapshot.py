@@ -16,6 +16,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from sglang.srt.weight_sync.delta import device as dev
 from sglang.srt.weight_sync.delta.diff import ChangeRun, changes_many, like_pairs
 from sglang.srt.weight_sync.delta.ops import INT_VIEW, shifted_cat
 from sglang.srt.weight_sync.delta.wire import DeltaError
@@ -26,13 +27,13 @@ Chunk = Sequence[Tuple[str, torch.Tensor]]
 
 
 class _HostLink:
-    """Snapshot traffic between pinned host memory and the device; a no-op pass-through on CPU."""
+    """Snapshot traffic between pinned host memory and the device; a pass-through on CPU (off the device path)."""
 
     def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
+        self.device, self.cuda, self.pin = device, dev.device_path(device), dev.pinned(device)
         if self.cuda:
-            self.h2d_stream = torch.cuda.Stream(device)
-            self.d2h_stream = torch.cuda.Stream(device)
+            self.h2d_stream = dev.new_stream(device)
+            self.d2h_stream = dev.new_stream(device)
         self.h2d_bytes = self.d2h_bytes = 0
         self._slab: Optional[torch.Tensor] = None
         self._slab_at = 0
@@ -50,10 +51,10 @@ class _HostLink:
         larger tensor gets its own allocation, as before."""
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes > _SLAB:
-            return torch.empty(shape, dtype=dtype, pin_memory=self.cuda)
+            return torch.empty(shape, dtype=dtype, pin_memory=self.pin)
         at = -(-self._slab_at // _ALIGN) * _ALIGN
         if self._slab is None or at + nbytes > _SLAB:
-            self._slab, at = torch.empty(_SLAB, dtype=torch.uint8, pin_memory=self.cuda), 0
+            self._slab, at = torch.empty(_SLAB, dtype=torch.uint8, pin_memory=self.pin), 0
         self._slab_at = at + nbytes
         return self._slab[at:at + nbytes].view(dtype).view(shape)
 
@@ -62,9 +63,9 @@ class _HostLink:
         (:func:`_fetch`), not one per param; returns a handle for :meth:`ready`."""
         if not self.cuda:
             return hosts
-        with torch.cuda.stream(self.h2d_stream):
+        with dev.on_stream(self.h2d_stream):
             views, copies = _fetch(hosts, devices, lambda src, device: src.to(device, non_blocking=True))
-            event = torch.cuda.Event()
+            event = dev.new_event(self.device)
             event.record(self.h2d_stream)
         self.h2d_bytes += sum(c.numel() * c.element_size() for c in copies)
         return views, copies, event
@@ -74,9 +75,10 @@ class _HostLink:
         if not self.cuda:
             return handle
         views, copies, event = handle
-        torch.cuda.current_stream().wait_event(event)
+        current = dev.current_stream(self.device)
+        current.wait_event(event)
         for c in copies:
-            c.record_stream(torch.cuda.current_stream())
+            dev.record_stream(c, current)
         return views
 
     def to_host(self, values: torch.Tensor, fresh: bool = False) -> torch.Tensor:
@@ -87,13 +89,13 @@ class _HostLink:
                 return values.detach() if values.requires_grad else values
             return values.detach().clone() if values.device.type == "cpu" else values.detach().cpu()
         self.d2h_bytes += values.numel() * values.element_size()
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream())
-        out = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-        with torch.cuda.stream(self.d2h_stream):
+        event = dev.new_event(self.device)
+        event.record(dev.current_stream(self.device))
+        out = torch.empty(values.shape, dtype=values.dtype, pin_memory=self.pin)
+        with dev.on_stream(self.d2h_stream):
             self.d2h_stream.wait_event(event)
             out.copy_(values, non_blocking=True)
-            values.record_stream(self.d2h_stream)
+            dev.record_stream(values, self.d2h_stream)
         return out
 
     def to_host_many(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
@@ -102,7 +104,7 @@ class _HostLink:
         if not self.cuda:  # a CPU sender keeps the caller's fresh tensors as they are (one check each, no call)
             return [t if t.device.type == "cpu" and not t.requires_grad else self.to_host(t, fresh=True)
                     for t in tensors]
-        if any(t.device.type != "cuda" for t in tensors):
+        if any(t.device != self.device for t in tensors):
             return [self.to_host(t, fresh=True) for t in tensors]
         out: List[Optional[torch.Tensor]] = [None] * len(tensors)
         by_dtype: Dict[torch.dtype, List[int]] = {}
