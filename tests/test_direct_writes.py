@@ -29,7 +29,8 @@ LAYOUT = {"p0": (100, [("a", 0)]), "q0": (100, [("b", 0)]), "t": (50, [("c", 10)
 @pytest.mark.parametrize("seed", range(8))
 def test_writes_batched_per_storage_land_as_one_write_per_param_in_order(monkeypatch, seed, run):
     """Whole-block params batched per storage, the others (overlapping blocks, two views, a block at an offset)
-    through their views, positions kept or decoded again run by run."""
+    through their views, positions kept or decoded again run by run; a dense param (written elsewhere) between them
+    shifts the values the later ones pair with."""
     monkeypatch.setattr(positions_module, "_DECODE_RUN", run)  # positions kept, or decoded again a param at a time
     rng = random.Random(seed)
     entries, want, got = [], storages(), storages()
@@ -39,16 +40,18 @@ def test_writes_batched_per_storage_land_as_one_write_per_param_in_order(monkeyp
         new = torch.zeros(numel, dtype=torch.bfloat16)
         new[idx] = torch.randn(n).to(torch.bfloat16)
         entries.append((name, new, idx))
+        if name == "t" and seed % 2:
+            entries.append(("dense", torch.randn(9).to(torch.bfloat16), None))
         for s, at in views:  # the reference: one write per view, params in spec order (q1 wins where it overlaps q0)
             want[s][at:at + numel][idx] = new[idx].to(want[s].dtype)
     payload = encode_flush(entries, "deltas", version=2, base_version=1)
-    manifest = {name: ([numel], "bfloat16") for name, (numel, _) in LAYOUT.items()}
+    manifest = {name: ([numel], "bfloat16") for name, (numel, _) in LAYOUT.items()} | {"dense": ([9], "bfloat16")}
     direct = {name: [Direct(got[s], 0, at, numel, []) for s, at in views] for name, (numel, views) in LAYOUT.items()}
     blocks = block_plan(direct, manifest)
     assert set(blocks.at) == {"p0", "p1", "p2", "p3", "t", "f"}  # overlapping blocks and two views: one write each
     positions = validate_payload(payload, manifest)
     rest = []
-    live = [p for p in payload.spec.params if p.nnz]
+    live = [p for p in payload.spec.params if p.nnz and not p.dense]
     for r in positions.runs(live):
         write_run(blocks, direct, r, payload.values, rest)
         if not positions.kept:

@@ -136,7 +136,7 @@ def _to_planes(blob, segments):
 
 def _from_planes(blob, segments):
     """Plane-major -> element-major. The segments tile the blob (``plane_segments`` checked it); 2- and 4-byte
-    elements are rebuilt by shifts and ors on whole planes, ~3x a strided byte copy."""
+    elements are rebuilt by shifts and ors on whole planes, faster than a strided byte copy."""
     if not segments:
         return blob
     out = np.empty_like(blob)
@@ -232,7 +232,7 @@ def _raw_bytes(data: bytes) -> torch.Tensor:
 def read_safetensors(data: bytes, name: str = "") -> DeltaPayload:
     """Parse one (already decompressed) flush file: header cap, exactly the two tensors, and their bytes tiling the
     body (what the ``safetensors`` library checks too); the two blobs are views of ``data``, not copies (the
-    library's reader copies each tensor into fresh memory: ~40% of a read on CPU, most of it page faults)."""
+    library's reader copies each tensor into fresh memory, most of it page faults)."""
     tag = f"file {name!r}"
     if len(data) < 8:
         raise DeltaError(f"{tag}: truncated ({len(data)} bytes, no safetensors header)")

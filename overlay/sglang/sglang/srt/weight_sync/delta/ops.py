@@ -20,8 +20,8 @@ from sglang.srt.weight_sync.delta.mix64 import NAN_BITS
 
 def to_device(values: Sequence, device: torch.device) -> torch.Tensor:
     """Host ints (or rows of them) as an int64 tensor on ``device``, in a copy that does not wait for the device
-    (pinned on CUDA). Through numpy: ``torch.tensor`` of a list costs 3x as much per call (the decode and the
-    writes make a few per run of params)."""
+    (pinned on CUDA). Through numpy: ``torch.tensor`` of a list costs several times as much per call (the decode and
+    the writes make a few per run of params)."""
     t = torch.from_numpy(np.array(list(values), dtype=np.int64))
     if device_path(device):
         return (t.pin_memory() if pinned(device) else t).to(device, non_blocking=True)
@@ -30,8 +30,7 @@ def to_device(values: Sequence, device: torch.device) -> torch.Tensor:
 
 def repeat_counts(values: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
     """``torch.repeat_interleave(values, counts)`` for int64 ``values`` and host-known ``counts``: each value's step
-    from the one before added where its run starts, then one cumsum — a third of the time of torch's CPU kernel
-    (measured), and like it without a host read."""
+    from the one before added where its run starts, then one cumsum: no host read."""
     total = sum(counts)
     if not counts:
         return values.new_empty(0)
@@ -54,8 +53,7 @@ def shifted_cat(idxs: Sequence[torch.Tensor], shifts: Sequence[int], device: tor
 @contextlib.contextmanager
 def gc_paused():
     """No cyclic garbage collection while a sync runs: a sync makes a few Python objects per param (no cycles), and
-    in a process holding a model's worth of objects each collection they trigger scans that whole heap (measured
-    on the 30B-A3B topology: an engine's delta apply 0.9-1.3 s with collections, 0.75 s without)."""
+    in a process holding a model's worth of objects each collection they trigger scans that whole heap."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -75,8 +73,8 @@ INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def nan_mask(t: torch.Tensor) -> torch.Tensor:
-    """``isnan`` from the raw bits (|bits| above the largest finite/inf pattern): integer ops, ~1.5x faster on
-    CPU, and defined for fp8 on every device."""
+    """``isnan`` from the raw bits (|bits| above the largest finite/inf pattern): integer ops, defined for fp8 on
+    every device."""
     if t.dtype not in NAN_BITS:
         return torch.isnan(t)
     int_dtype, abs_mask, inf_bits = NAN_BITS[t.dtype]

@@ -361,8 +361,7 @@ def _post_process(model: torch.nn.Module, state: ReceiverState, written: List[st
 def fingerprint_payload(model: torch.nn.Module, parallelism_info=None) -> dict:
     """This rank's share of the weight fingerprint (``/weights_checker`` action ``delta_fingerprint``),
     shaped as SGLang's ``ChecksumInfo`` so the checker's TP gather and HTTP reply carry it unchanged. No garbage
-    collection meanwhile: a collection its per-view objects trigger scans the engine's whole heap (measured on the
-    30B-A3B topology: up to 3x the fingerprint's own time)."""
+    collection meanwhile: a collection its per-view objects trigger scans the engine's whole heap."""
     state = receiver_state(model)
     if state.copies is None:
         raise DeltaError("no full sync has been applied yet: there is nothing to fingerprint")
@@ -454,7 +453,7 @@ def _apply_delta_from_distributed(self, delta: Optional[str], names, dtypes, sha
 def _apply_received_delta(self, delta: Optional[str], named_tensors, weight_version: Optional[str] = None) -> Tuple[bool, str]:
     """Apply the two received blobs of one flush (v0.5.23 receives them through :func:`receive_broadcast` too), with
     no garbage collection from the spec's parse on: a collection the parse's objects trigger scans the engine's
-    whole heap (measured on the 30B-A3B topology: ~0.45 s, every few requests)."""
+    whole heap."""
     with gc_paused():
         return _apply_received(self, delta, named_tensors, weight_version)
 

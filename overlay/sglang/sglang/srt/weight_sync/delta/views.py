@@ -175,11 +175,18 @@ def write_run(blocks: Blocks, direct: Dict[str, List[Direct]], run: Run, values:
     counts = n.tolist()
     firsts = np.cumsum(n) - n
     total = sum(counts)
-    offsets = x[torch.arange(total, device=device).add_(repeat_counts(to_device((xa - firsts).tolist(), device),
-                                                                       counts))]
-    offsets.add_(repeat_counts(to_device(doff.tolist(), device), counts))
-    vals = values[torch.arange(total, device=device).add_(repeat_counts(to_device((va - firsts).tolist(), device),
-                                                                         counts))]
+    shift = va - xa  # a run's values pair with its positions at one shift, unless a dense param lies between
+    if (xa == firsts).all():  # in run order and back to back (a dense model): slices, no gather
+        offsets = x[:total] + repeat_counts(to_device(doff.tolist(), device), counts)
+        vals = values[int(va[0]):int(va[0]) + total] if (shift == shift[0]).all() else None
+    else:  # one gather from the run's order into storage order, shared by positions and values where it can be
+        order = torch.arange(total, device=device).add_(repeat_counts(to_device((xa - firsts).tolist(), device),
+                                                                        counts))
+        offsets = x[order].add_(repeat_counts(to_device(doff.tolist(), device), counts))
+        vals = values[order.add_(int(shift[0]))] if (shift == shift[0]).all() else None
+    if vals is None:
+        vals = values[torch.arange(total, device=device).add_(repeat_counts(to_device((va - firsts).tolist(), device),
+                                                                             counts))]
     cuts = np.flatnonzero(np.diff(sid)) + 1
     for s, a, b in zip(sid[np.r_[0, cuts]].tolist(), firsts[np.r_[0, cuts]].tolist(),
                        np.r_[firsts[cuts], total].tolist()):

@@ -243,8 +243,8 @@ class _Watch(TorchDispatchMode):
 class _OpFilter:
     """Which of a watching thread's ops reach its watch: those whose schema writes, and ``cat`` (the recorder's).
 
-    A dispatch mode runs Python on every op of its thread, and a MoE loader's views and ``.data`` detaches (~4-5 ops
-    per HF tensor, ~3.5 µs each) then cost more than the load. Instead a watching thread includes a dispatch key that
+    A dispatch mode runs Python on every op of its thread, and a MoE loader's views and ``.data`` detaches (several
+    ops per HF tensor) then cost more than the load. Instead a watching thread includes a dispatch key that
     nothing in an inference process uses (torchdistx's ``DeferredInit``): there every op falls through in C++ except
     those, whose Python kernel hands the op to the thread's watch. A thread that does not include the key never meets
     these registrations (fake tensors and ``torch.compile`` elsewhere in the process are unaffected). An op registered
@@ -337,8 +337,8 @@ def _watching(watch: _Watch):
 
 
 def _below_key(key, op, *args, **kwargs):
-    """``op(*args)`` with the filter key excluded in this thread: two flips of the thread's key state cost ~0.4 µs,
-    an ``_ExcludeDispatchKeyGuard`` ~2 µs (once per copy of a full sync, once per watched op of a delta apply)."""
+    """``op(*args)`` with the filter key excluded in this thread: two flips of the thread's key state, cheaper than an
+    ``_ExcludeDispatchKeyGuard`` (this runs once per copy of a full sync, once per watched op of a delta apply)."""
     if _EXCLUDED(key):
         return op(*args, **kwargs)
     _EXCLUDE(key, True)
