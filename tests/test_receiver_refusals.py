@@ -285,3 +285,57 @@ def test_a_param_in_two_files_of_one_request(engine):
     ok, msg = engine.call("_apply_delta_payload", as_parts([good_delta(), good_delta()]))
     assert not ok and "appears in two files of one request" in msg, msg
     assert_untouched(engine, before)
+
+
+def _updater():
+    """SGLang's ``WeightUpdater`` module where this pin has one (0.5.23), else None (0.5.15 has no weight cache and no
+    derived-weight caches: nothing for a delta to guard against)."""
+    import importlib
+
+    try:
+        return importlib.import_module("sglang.srt.model_executor.model_runner_components.weight_updater")
+    except ImportError:
+        import sglang.srt.model_executor.model_runner as runner
+
+        assert "weight_cache" not in open(runner.__file__).read()
+        return None
+
+
+def test_a_delta_is_refused_where_upstream_refuses_an_in_place_update(engine):
+    """Each condition upstream checks before an in-place update (``_assert_weight_cache_inactive``,
+    ``_unsupported_derived_weight_cache_error``), forced on a real engine: the delta is refused before its first write
+    with code ``unsupported`` and upstream's message, and lands once the condition is gone."""
+    updater = _updater()
+    if updater is None:
+        ok, msg = engine.call("_apply_delta_payload", [good_delta()])
+        assert ok, msg
+        return
+    from sglang.srt import runtime_context
+
+    layer = engine.model.model.layers[0]
+    conditions = {
+        "the weight cache is active (--weight-cache-mode shared)": (
+            lambda: runtime_context.get_model()._set("weight_cache_mode", "shared"),
+            lambda: runtime_context.get_model()._set("weight_cache_mode", "off"),
+            "is not supported while the weight cache is active (--weight-cache-mode shared)"),
+        "compensated mHC weight splits": (
+            lambda: setattr(layer, "_hc_attn_tf32_parts", torch.zeros(1)),
+            lambda: delattr(layer, "_hc_attn_tf32_parts"),
+            "Online weight updates are not supported while compensated mHC weight splits are active"),
+        "a model-owned derived-weight cache": (
+            lambda: setattr(layer, "_derived_weight_cache_error", "the DSA indexer keeps a derived copy"),
+            lambda: delattr(layer, "_derived_weight_cache_error"),
+            "the DSA indexer keeps a derived copy"),
+    }
+    for what, (force, lift, message) in conditions.items():
+        before = weights(engine)
+        force()
+        try:
+            ok, msg = engine.call("_apply_delta_payload", [good_delta()])
+        finally:
+            lift()
+        assert not ok and message in msg, (what, msg)
+        assert_untouched(engine, before)
+        assert receiver_state(engine.model).last[1] == "unsupported", what
+    ok, msg = engine.call("_apply_delta_payload", [good_delta()])
+    assert ok, msg

@@ -612,3 +612,28 @@ def test_a_diff_run_stays_one_bucket_entry_from_diff_to_flush(monkeypatch, encod
     state.commit(2)
     for name, t in new.items():
         assert torch.equal(state.snapshot[name].view(torch.uint8), t.view(torch.uint8)), name
+
+
+def test_an_engine_that_cannot_take_deltas_stops_the_sender_with_its_reason(tmp_path):
+    """An engine refusing with code ``unsupported`` (here: launched with speculative decoding) fails its sync; the
+    next ``update`` raises before sending anything, naming the engine and the reason, instead of retrying full syncs
+    forever. A restarted engine without the condition is asked again and synced."""
+    cfg = hf_config("qwen2")
+    trainer = hf_model(cfg)
+    engine = LocalEngine(cfg)
+    engine.host.server_args.speculative_algorithm = "EAGLE"
+    transport = DiskTransport(str(tmp_path), [engine])
+    sender = DeltaSender(transport, [engine], encoding="deltas")
+    results = sender.update(segments(bf16_state(trainer)))
+    assert not results[0][0] and "speculative decoding (EAGLE)" in results[0][1], results
+    state = next(rl_steps(trainer, 1))
+    requests = engine.requests
+    with pytest.raises(DeltaError, match=r"engine 0 cannot take delta weight updates: .*speculative decoding \(EAGLE\)"
+                       ) as e:
+        sender.update(segments(state))
+    assert e.value.code is Refusal.UNSUPPORTED and engine.requests == requests
+    restarted = LocalEngine(cfg)
+    sender.engines[0] = transport.engines[0] = restarted
+    assert sender.update(segments(state))[0][0]
+    assert_params_equal(restarted.host.model, reference(cfg, state))
+    transport.close()

@@ -36,6 +36,7 @@ How the loader is watched (per thread, aten-level bypasses, foreign threads): se
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
 import logging
 import os
@@ -419,10 +420,32 @@ def _check_writable(state: ReceiverState, head: DeltaSpec, params: Sequence[Delt
 
 def _refuse_unsupported(host) -> None:
     check_quantization(host_model(host))
+    _upstream_guards(host)
     spec = server_arg(host, "speculative_algorithm", None)
     if spec:
         raise DeltaError(f"speculative decoding ({spec}) is not supported by delta weight sync: the draft model would "
                          "keep its old weights while the target moves on", Refusal.UNSUPPORTED)
+
+
+_UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater"
+
+
+def _upstream_guards(host) -> None:
+    """The checks upstream runs before every in-place weight update, where this SGLang has them (its
+    ``WeightUpdater``): the CUDA-IPC weight cache (``param.data`` is a daemon's master copy shared with other engines)
+    and derived-weight caches a write would leave stale. A delta writes in place too: refused before its first write,
+    with upstream's own message. An SGLang without them (0.5.15) has neither cache."""
+    try:
+        updater = importlib.import_module(_UPDATER)
+    except ImportError:
+        return
+    try:
+        updater.WeightUpdater._assert_weight_cache_inactive(host, "a delta weight update")
+    except RuntimeError as e:
+        raise DeltaError(str(e), Refusal.UNSUPPORTED) from None
+    error = updater._unsupported_derived_weight_cache_error(host_model(host))
+    if error is not None:
+        raise DeltaError(error, Refusal.UNSUPPORTED)
 
 
 # ---------------------------------------------------------------- transports

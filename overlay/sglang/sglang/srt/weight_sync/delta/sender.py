@@ -70,6 +70,7 @@ class EngineStatus:
     xor_raw: frozenset = frozenset()  # names no rank stores: xor_zstd sends them raw (XOR zero)
     dense: frozenset = frozenset()  # names some rank can take only dense (fp8 without recorded views)
     wire_formats: frozenset = frozenset()  # the spec layouts its ranks read (empty: not known yet)
+    unsupported: bool = False  # a rank refused its last request as code 'unsupported': no sync can help
 
 
 def _engine_ranks(engine) -> List[DeltaStatus]:
@@ -144,6 +145,7 @@ class DeltaSender:
             st.xor = all(r.xor for r in ranks) and not any(r.code == Refusal.NO_BASE.value for r in ranks)
             st.xor_raw = frozenset.intersection(*(frozenset(r.xor_raw) for r in ranks))
             st.dense = frozenset().union(*(r.dense for r in ranks))
+            st.unsupported = any(r.code == Refusal.UNSUPPORTED.value for r in ranks)
 
     def update(self, segments: Sequence[Callable[[], Iterable[Chunk]]]) -> Dict[int, Tuple[bool, str]]:
         """One sync over ``segments`` (callables yielding chunks of HF ``(name, tensor)``); publishes after each."""
@@ -171,6 +173,12 @@ class DeltaSender:
                 self.status[i].max_request_bytes = 0  # ask again next time: the engine may have been upgraded
             raise DeltaError(f"engines read delta wire formats {odd} (engine: formats), this sender writes format "
                              f"{WIRE_FORMAT}: run one patch set on the trainer and the engines", Refusal.UNSUPPORTED)
+        refused = {i: s.last_error for i, s in self.status.items() if s.unsupported}
+        if refused:  # a condition of the engine's (its configuration, its model): retrying would refuse forever
+            for i in refused:
+                self.status[i].max_request_bytes = 0  # ask again next time: the engine may have been restarted
+            raise DeltaError("; ".join(f"engine {i} cannot take delta weight updates: {why}"
+                                       for i, why in refused.items()), Refusal.UNSUPPORTED)
         v = self.version + 1
         self.version = v
         full_targets = [i for i, s in self.status.items() if s.needs_full]
