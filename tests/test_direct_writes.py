@@ -8,7 +8,7 @@ from cpu_harness import Host, delta_flushes, full_flushes, hf_config, nan_filled
 from delta_helpers import assert_params_equal
 from sglang.srt.weight_sync.delta import positions as positions_module, views as views_module
 from sglang.srt.weight_sync.delta.receiver import receiver_state
-from sglang.srt.weight_sync.delta.views import Direct, block_plan, write_direct, write_run
+from sglang.srt.weight_sync.delta.views import Direct, ReadBack, block_plan, write_direct, write_run
 from sglang.srt.weight_sync.delta.diff import encode_flush
 from sglang.srt.weight_sync.delta.validate import validate_payload
 
@@ -50,14 +50,15 @@ def test_writes_batched_per_storage_land_as_one_write_per_param_in_order(monkeyp
     blocks = block_plan(direct, manifest)
     assert set(blocks.at) == {"p0", "p1", "p2", "p3", "t", "f"}  # overlapping blocks and two views: one write each
     positions = validate_payload(payload, manifest)
-    rest = []
+    rest, check = [], ReadBack()
     live = [p for p in payload.spec.params if p.nnz and not p.dense]
     for r in positions.runs(live):
-        write_run(blocks, direct, r, payload.values, rest)
+        write_run(blocks, direct, r, payload.values, rest, check)
         if not positions.kept:
-            write_direct(rest)
+            write_direct(rest, check)
             rest = []
-    write_direct(rest)
+    write_direct(rest, check)
+    assert check.verdict() is None
     for s in want:
         assert torch.equal(got[s].view(torch.int16 if got[s].dtype == torch.bfloat16 else torch.int32),
                            want[s].view(torch.int16 if want[s].dtype == torch.bfloat16 else torch.int32)), s
@@ -86,20 +87,20 @@ def test_a_write_that_fails_part_way_leaves_the_engine_dirty_until_a_full_sync(m
     device fault would leave it) fails the apply: the engine is dirty, refuses deltas, takes a full sync, and the
     next delta lands bit-identical."""
     cfg, states, host = synced(2)
-    scatter, calls = views_module._scatter, []
+    write, calls = views_module._write_bits, []
 
-    def fail_second(flat, offsets, values):
+    def fail_second(flat, offsets, bits):
         calls.append(offsets.numel())
         if len(calls) == 2:
             raise RuntimeError("the write broke mid-way")
-        scatter(flat, offsets, values)
+        write(flat, offsets, bits)
 
-    monkeypatch.setattr(views_module, "_scatter", fail_second)
+    monkeypatch.setattr(views_module, "_write_bits", fail_second)
     (pl,) = delta_flushes(states[0], states[1], "deltas", version=2, base_version=1)
     ok, msg = host.call("_apply_delta_payload", [pl])
     assert not ok and "engine is dirty and needs a full sync: RuntimeError('the write broke mid-way')" in msg, msg
     assert receiver_state(host.model).dirty and len(calls) == 2
-    monkeypatch.setattr(views_module, "_scatter", scatter)
+    monkeypatch.setattr(views_module, "_write_bits", write)
     (pl,) = delta_flushes(states[1], states[2], "deltas", version=3, base_version=2)
     ok, msg = host.call("_apply_delta_payload", [pl])
     assert not ok and "dirty" in msg, msg

@@ -60,6 +60,7 @@ from sglang.srt.weight_sync.delta.views import (
     contiguous_strides,
     direct_plan,
     rebuild_xor,
+    ReadBack,
     write_direct,
     write_run,
 )
@@ -251,15 +252,19 @@ def _apply_request(self, payloads: Sequence[DeltaPayload], weight_version: Optio
     try:
         with torch.no_grad():
             rest = []  # write_direct's: one write for the request where positions are kept; else one per run
+            check = ReadBack()
             for positions, values, viewed in via_views:
                 for run in positions.runs(viewed):
-                    write_run(state.blocks, direct, run, values, rest)
+                    write_run(state.blocks, direct, run, values, rest, check)
                     if not positions.kept:
-                        write_direct(rest)
+                        write_direct(rest, check)
                         rest = []
             if rest:
-                write_direct(rest)
+                write_direct(rest, check)
             if via_views:
+                wrong = check.verdict()  # the apply's one host read after its writes
+                if wrong is not None:
+                    raise DeltaError(f"read-back after write: {wrong}", Refusal.VERIFY)
                 _kill_point()
             _post_process(model, state, [p.name for _, _, viewed in via_views for p in viewed], complete)
         if via_loader:
@@ -285,7 +290,8 @@ def _apply_request(self, payloads: Sequence[DeltaPayload], weight_version: Optio
     if not tp_agree(write_error is None):  # any rank's failed write leaves the engine as a whole inconsistent
         state.dirty = True
         state.pending = None
-        code = Refusal.APPLY_FAILED if write_error is not None else Refusal.PEER
+        code = Refusal.PEER if write_error is None else Refusal.VERIFY if getattr(write_error, "code", None) is \
+            Refusal.VERIFY else Refusal.APPLY_FAILED
         state.last = (request, code.value, received)
         cause = repr(write_error) if write_error is not None else "another tensor-parallel rank's write failed"
         return False, f"delta apply failed after a partial write, engine is dirty and needs a full sync: {cause}"

@@ -154,23 +154,26 @@ def block_plan(direct: Dict[str, List[Direct]], manifest: Dict[str, Tuple[List[i
     return Blocks(at, flats)
 
 
-def write_run(blocks: Blocks, direct: Dict[str, List[Direct]], run: Run, values: torch.Tensor, rest: list) -> None:
+def write_run(blocks: Blocks, direct: Dict[str, List[Direct]], run: Run, values: torch.Tensor, rest: list,
+              check: "ReadBack") -> None:
     """Write one run of a flush's params (``values``: the flush's) through their recorded views. Whole-block params
     take one gather of their positions and values and one ``index_copy_`` per destination storage, whatever their
     count; params with other views are appended to ``rest`` as :func:`write_direct`'s items (the caller writes those
-    before the run's tensor is reused)."""
+    before the run's tensor is reused). Every write is read back into ``check``."""
     at, x, device = blocks.at, run.positions, run.positions.device
-    picked = []  # (storage, block start, start in x, start in values, count) per batched param
+    picked, names = [], []  # (storage, block start, start in x, start in values, count) per batched param
     for p, a in zip(run.params, run.starts):
         b, n = at.get(p.name), p.val_end - p.val_start
         if b is None:
-            rest.append((direct[p.name], x[a:a + n], values[p.val_start:p.val_end], p.numel))
+            rest.append((p.name, direct[p.name], x[a:a + n], values[p.val_start:p.val_end], p.numel))
         else:
             picked.append((*b, a, p.val_start, n))
+            names.append(p.name)
     if not picked:
         return
     cols = np.array(picked, dtype=np.int64).reshape(-1, 5)
-    cols = cols[np.argsort(cols[:, 0], kind="stable")]  # grouped by storage, in spec order within one
+    by_storage = np.argsort(cols[:, 0], kind="stable")  # grouped by storage, in spec order within one
+    cols, names = cols[by_storage], [names[k] for k in by_storage.tolist()]
     sid, doff, xa, va, n = cols.T
     counts = n.tolist()
     firsts = np.cumsum(n) - n
@@ -187,54 +190,94 @@ def write_run(blocks: Blocks, direct: Dict[str, List[Direct]], run: Run, values:
     if vals is None:
         vals = values[torch.arange(total, device=device).add_(repeat_counts(to_device((va - firsts).tolist(), device),
                                                                              counts))]
-    cuts = np.flatnonzero(np.diff(sid)) + 1
-    for s, a, b in zip(sid[np.r_[0, cuts]].tolist(), firsts[np.r_[0, cuts]].tolist(),
-                       np.r_[firsts[cuts], total].tolist()):
-        _scatter(blocks.flats[s], offsets[a:b], vals[a:b])
+    cuts = np.r_[0, np.flatnonzero(np.diff(sid)) + 1, len(sid)]
+    for s, i, j in zip(sid[cuts[:-1]].tolist(), cuts[:-1].tolist(), cuts[1:].tolist()):
+        a, b = int(firsts[i]), int(firsts[j - 1] + n[j - 1])
+        _scatter(blocks.flats[s], offsets[a:b], vals[a:b], check, list(zip(names[i:j], counts[i:j])))
 
 
-def write_direct(items) -> None:
+def write_direct(items, check: "ReadBack") -> None:
     """Overwrite the changed elements of a flush's params in place, through every view their loader used.
 
-    ``items``: ``(targets, positions, values, numel)`` per param. Views that hold a whole HF tensor as one
+    ``items``: ``(name, targets, positions, values, numel)`` per param. Views that hold a whole HF tensor as one
     contiguous block (every expert of a fused MoE weight, most dense weights) are written with one
     ``index_copy_`` per destination storage for the whole flush; the views that hold part of one (TP shards)
-    are selected together, with one ``nonzero`` and one host read for the flush, not one per param."""
-    blocks: Dict[Tuple[int, torch.dtype], list] = {}  # destination storage -> [(view, positions, values)]
-    partial = []  # (view, mask, offsets, values)
-    for targets, idx, values, numel in items:
+    are selected together, with one ``nonzero`` and one host read for the flush, not one per param. Every write is
+    read back into ``check``."""
+    blocks: Dict[Tuple[int, torch.dtype], list] = {}  # destination storage -> [(view, positions, values, name)]
+    partial = []  # (view, mask, offsets, values, name)
+    for name, targets, idx, values, numel in items:
         device = targets[0].flat.device
         if idx.device != device or values.device != device:  # the receiver hands the flush over on the device
             idx, values = idx.to(device, non_blocking=True), values.to(device, non_blocking=True)
         for t in targets:
             if not t.dims and t.soff == 0 and t.numel == numel:
-                blocks.setdefault((t.flat.data_ptr(), t.flat.dtype), []).append((t, idx, values))
+                blocks.setdefault((t.flat.data_ptr(), t.flat.dtype), []).append((t, idx, values, name))
                 continue
             mask, offsets = t.targets(idx, whole=t.soff == 0 and t.numel == numel)
             if mask is None:
-                _scatter(t.flat, offsets, values)
+                _scatter(t.flat, offsets, values, check, [(name, idx.numel())])
             else:
-                partial.append((t, mask, offsets, values))
+                partial.append((t, mask, offsets, values, name))
     for entries in blocks.values():
-        _write_blocks(entries)
+        _write_blocks(entries, check)
     if not partial:
         return
     starts = [0]
-    for _, mask, _, _ in partial:
+    for _, mask, _, _, _ in partial:
         starts.append(starts[-1] + mask.numel())
-    hits = torch.cat([m for _, m, _, _ in partial]).nonzero().squeeze(1)
+    hits = torch.cat([m for _, m, _, _, _ in partial]).nonzero().squeeze(1)
     bounds = host_values(torch.searchsorted(hits, torch.tensor(starts, device=hits.device)))
-    for (t, _, offsets, values), a, b, start in zip(partial, bounds, bounds[1:], starts):
+    for (t, _, offsets, values, name), a, b, start in zip(partial, bounds, bounds[1:], starts):
         if b > a:
             sel = hits[a:b] - start
-            _scatter(t.flat, offsets[sel], values[sel])
+            _scatter(t.flat, offsets[sel], values[sel], check, [(name, b - a)])
 
 
-def _scatter(flat: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor) -> None:
-    """``flat[offsets] = values`` as bits (the values cast to the param's dtype first, as the loader's copy does):
-    integer views, because index ops lack fp8 kernels (CPU) and a bit copy is what a delta means anyway."""
+def _write_bits(flat: torch.Tensor, offsets: torch.Tensor, bits: torch.Tensor) -> None:
+    """The write itself: ``flat[offsets] = bits`` (integer views of one width)."""
+    flat.index_copy_(0, offsets, bits)
+
+
+def _scatter(flat: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor, check: "ReadBack",
+             params: List[Tuple[str, int]]) -> None:
+    """``flat[offsets] = values`` as bits (the values cast to the param's dtype first, as the loader's copy does),
+    then read back: integer views, because index ops lack fp8 kernels (CPU) and a bit copy is what a delta means
+    anyway. ``params``: the (name, count) of each param the values hold, in order."""
     iv = INT_VIEW[flat.element_size()]
-    flat.view(iv).index_copy_(0, offsets, values.to(flat.dtype).view(iv))
+    bits = values.to(flat.dtype).view(iv)
+    _write_bits(flat.view(iv), offsets, bits)
+    check.add(flat.view(iv), offsets, bits, params)
+
+
+class ReadBack:
+    """Every write of an apply read back through the offsets it wrote and compared with the bits it meant to write,
+    right after it (stream order), so a later write over the same elements cannot hide it: per write, the index of
+    its first wrong element or -1, on the device, and on the host the params it covered. One host read for the
+    apply decides (:meth:`verdict`): the checksum proved the request intact, this proves it landed where meant."""
+
+    def __init__(self):
+        self._firsts: List[torch.Tensor] = []
+        self._params: List[List[Tuple[str, int]]] = []
+
+    def add(self, flat: torch.Tensor, offsets: torch.Tensor, bits: torch.Tensor, params) -> None:
+        if not offsets.numel():
+            return
+        wrong = flat[offsets] != bits
+        self._firsts.append(torch.where(wrong.any(), wrong.to(torch.uint8).argmax(), -1))
+        self._params.append(params)
+
+    def verdict(self) -> Optional[str]:
+        """None when every written element reads back as written; else which param's did not."""
+        if not self._firsts:
+            return None
+        for first, params in zip(host_values(torch.stack(self._firsts)), self._params):
+            if first >= 0:
+                for name, count in params:
+                    if first < count:
+                        return f"param {name!r}: element {first} of its written ones reads back other bits than written"
+                    first -= count
+        return None
 
 
 def _bits(flat: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -242,21 +285,22 @@ def _bits(flat: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return flat.view(INT_VIEW[flat.element_size()])[offsets]
 
 
-def _write_blocks(entries) -> None:
+def _write_blocks(entries, check: ReadBack) -> None:
     """One storage's whole-block writes of a flush as one ``index_copy_`` (offsets shifted per block by a
     repeat of host-known counts: no synchronization). Blocks whose destinations overlap (a loader
     that writes two HF tensors over the same elements) keep their order, one write each: a batched scatter with
     duplicate offsets has no defined winner on a GPU."""
     flat = entries[0][0].flat
-    spans = sorted((t.doff, t.doff + t.numel) for t, _, _ in entries)
+    spans = sorted((t.doff, t.doff + t.numel) for t, _, _, _ in entries)
     overlap = any(b[0] < a[1] for a, b in zip(spans, spans[1:]))
     entries, alone = (entries, []) if not overlap and len(entries) > 1 else ([], entries)
-    for t, idx, values in alone:  # the block's start moves the view, not every position (no pass over them)
-        _scatter(flat[t.doff:], idx, values)
+    for t, idx, values, name in alone:  # the block's start moves the view, not every position (no pass over them)
+        _scatter(flat[t.doff:], idx, values, check, [(name, idx.numel())])
     if not entries:
         return
-    offsets = shifted_cat([idx for _, idx, _ in entries], [t.doff for t, _, _ in entries], flat.device)
-    _scatter(flat, offsets, torch.cat([v for _, _, v in entries]))
+    offsets = shifted_cat([idx for _, idx, _, _ in entries], [t.doff for t, _, _, _ in entries], flat.device)
+    _scatter(flat, offsets, torch.cat([v for _, _, v, _ in entries]), check,
+             [(name, idx.numel()) for _, idx, _, name in entries])
 
 
 def read_base(direct: Dict[str, List[Direct]], params, idxs, dtype, device, held_parts: list) -> torch.Tensor:

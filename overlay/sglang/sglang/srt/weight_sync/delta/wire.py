@@ -102,6 +102,7 @@ class Refusal(str, enum.Enum):
     PEER = "peer_refused"  # this rank was fine, another TP rank of the engine refused or failed
     NO_BASE = "no_base"  # xor_zstd: this engine cannot read the base bytes of every named param (send it planes_zstd)
     NEEDS_DENSE = "needs_dense"  # a sparse param without NaN sentinel that no recorded view writes (status' dense)
+    VERIFY = "verify"  # a written element read back other bits than were written: the engine is dirty
 
 
 class DeltaError(ValueError):
