@@ -18,7 +18,15 @@ import numpy as np
 import torch
 from torch._utils import _flatten_dense_tensors
 
-from sglang.srt.weight_sync.delta.ops import INT_VIEW, gather, host_values, repeat_counts, shifted_cat, to_device
+from sglang.srt.weight_sync.delta.ops import (
+    INT_VIEW,
+    gather,
+    host_values,
+    repeat_counts,
+    shifted_cat,
+    take,
+    to_device,
+)
 from sglang.srt.weight_sync.delta.positions import encode_positions_many
 from sglang.srt.weight_sync.delta.wire import (
     DeltaEncoding,
@@ -185,8 +193,8 @@ def _joined_diff(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], batch: List
     for (dtype, ks), (old, new) in zip(groups.items(), joined):
         lo, hi = bounds[j], bounds[j + len(ks)]
         at = hits[lo:hi] - starts[j]
-        out.append(ChangeRun(ks, counts[j:j + len(ks)], local[lo:hi], new[at].view(dtype),
-                         old[at].view(dtype) if want_olds else None))
+        out.append(ChangeRun(ks, counts[j:j + len(ks)], local[lo:hi], take(new, at).view(dtype),
+                         take(old, at).view(dtype) if want_olds else None))
         j += len(ks)
     return out
 

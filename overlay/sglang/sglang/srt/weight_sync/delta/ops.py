@@ -88,4 +88,10 @@ def any_nan(t: torch.Tensor) -> torch.Tensor:
 
 def gather(flat: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """``flat[idx]`` through an integer view: the same bits, and index kernels that lack fp8 on some devices."""
-    return flat.view(INT_VIEW[flat.element_size()])[idx].view(flat.dtype)
+    return take(flat.view(INT_VIEW[flat.element_size()]), idx).view(flat.dtype)
+
+
+def take(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``t[idx]`` for a 1-D ``t`` and int64 positions: ``index_select``, the plain gather on every device (advanced
+    indexing adds a general-purpose pass on CPU that costs milliseconds at any size)."""
+    return torch.index_select(t, 0, idx)

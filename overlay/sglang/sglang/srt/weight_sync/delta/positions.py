@@ -15,7 +15,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from sglang.srt.weight_sync.delta.ops import host_values, repeat_counts, to_device
+from sglang.srt.weight_sync.delta.ops import host_values, repeat_counts, take, to_device
 from sglang.srt.weight_sync.delta.wire import DeltaEncoding, DeltaError, DeltaParam, DeltaPayload
 
 _U16_MAX = 0xFFFF
@@ -173,7 +173,8 @@ class Positions:
                 yield Run(part, self._kept[r].positions, [where[p.name][1] for p in part])
             return
         for run, counts in _runs(params):
-            tops = self._tops[to_device([self._order[p.name] for p in run], self._pos.device)] if self._gaps else None
+            tops = take(self._tops, to_device([self._order[p.name] for p in run], self._pos.device)) if self._gaps \
+                else None
             x = _decode_run(self._pos, run, counts, self._gaps, self._buffer.take(sum(counts)), tops, self._buffer)
             yield Run(run, x, list(itertools.accumulate(counts[:-1], initial=0)))
 
@@ -283,7 +284,7 @@ def _scan_run(pos: torch.Tensor, run: Sequence[DeltaParam], counts: List[int], g
         if len(run) > 1:
             rising[to_device(ends[1:-1], device) - 1] = True
         flags.append(~rising.all())
-        top = x[to_device([e - 1 for e in ends[1:]], device)]
+        top = take(x, to_device([e - 1 for e in ends[1:]], device))
     flags.append((top >= to_device([p.numel for p in run], device)).any())
     return top
 
@@ -292,9 +293,9 @@ def _segment_sums(x: torch.Tensor, ends: List[int]) -> torch.Tensor:
     """The sum of each run ``x[ends[k]:ends[k + 1]]`` (none empty); ``x`` is overwritten: a cumsum in place and
     two gathers."""
     first, last = to_device(ends[:-1], x.device), to_device([e - 1 for e in ends[1:]], x.device)
-    before = x[first]
+    before = take(x, first)
     x.cumsum_(0)
-    return x[last] - x[first] + before
+    return take(x, last) - take(x, first) + before
 
 
 def _decode_run(pos: torch.Tensor, run: Sequence[DeltaParam], counts: List[int], gaps: bool, out: torch.Tensor,

@@ -20,7 +20,7 @@ import torch
 
 from sglang.srt.weight_sync.delta import fingerprint
 from sglang.srt.weight_sync.delta.collectives import tp_agree, tp_group
-from sglang.srt.weight_sync.delta.ops import INT_VIEW, host_values, repeat_counts, shifted_cat, to_device
+from sglang.srt.weight_sync.delta.ops import INT_VIEW, gather, host_values, repeat_counts, shifted_cat, take, to_device
 from sglang.srt.weight_sync.delta.positions import Run
 from sglang.srt.weight_sync.delta.validate import unxor
 from sglang.srt.weight_sync.delta.wire import DeltaError, DeltaPayload, Refusal
@@ -185,11 +185,11 @@ def write_run(blocks: Blocks, direct: Dict[str, List[Direct]], run: Run, values:
     else:  # one gather from the run's order into storage order, shared by positions and values where it can be
         order = torch.arange(total, device=device).add_(repeat_counts(to_device((xa - firsts).tolist(), device),
                                                                         counts))
-        offsets = x[order].add_(repeat_counts(to_device(doff.tolist(), device), counts))
-        vals = values[order.add_(int(shift[0]))] if (shift == shift[0]).all() else None
+        offsets = take(x, order).add_(repeat_counts(to_device(doff.tolist(), device), counts))
+        vals = gather(values, order.add_(int(shift[0]))) if (shift == shift[0]).all() else None
     if vals is None:
-        vals = values[torch.arange(total, device=device).add_(repeat_counts(to_device((va - firsts).tolist(), device),
-                                                                             counts))]
+        vals = gather(values, torch.arange(total, device=device).add_(
+            repeat_counts(to_device((va - firsts).tolist(), device), counts)))
     cuts = np.r_[0, np.flatnonzero(np.diff(sid)) + 1, len(sid)]
     for s, i, j in zip(sid[cuts[:-1]].tolist(), cuts[:-1].tolist(), cuts[1:].tolist()):
         a, b = int(firsts[i]), int(firsts[j - 1] + n[j - 1])
@@ -231,7 +231,7 @@ def write_direct(items, check: "ReadBack") -> None:
     for (t, _, offsets, values, name), a, b, start in zip(partial, bounds, bounds[1:], starts):
         if b > a:
             sel = hits[a:b] - start
-            _scatter(t.flat, offsets[sel], values[sel], check, [(name, b - a)])
+            _scatter(t.flat, take(offsets, sel), gather(values, sel), check, [(name, b - a)])
 
 
 def _write_bits(flat: torch.Tensor, offsets: torch.Tensor, bits: torch.Tensor) -> None:
@@ -263,7 +263,7 @@ class ReadBack:
     def add(self, flat: torch.Tensor, offsets: torch.Tensor, bits: torch.Tensor, params) -> None:
         if not offsets.numel():
             return
-        wrong = flat[offsets] != bits
+        wrong = flat.index_select(0, offsets) != bits
         self._firsts.append(torch.where(wrong.any(), wrong.to(torch.uint8).argmax(), -1))
         self._params.append(params)
 
@@ -282,7 +282,7 @@ class ReadBack:
 
 def _bits(flat: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``flat[offsets]`` as integers of the same width (see :func:`_scatter`)."""
-    return flat.view(INT_VIEW[flat.element_size()])[offsets]
+    return take(flat.view(INT_VIEW[flat.element_size()]), offsets)
 
 
 def _write_blocks(entries, check: ReadBack) -> None:
