@@ -6,6 +6,7 @@ PIN       ?= 0.5.15.post1
 # slime at the pinned commit: a checkout, or (default) the archive extracted under $(BUILD)
 SLIME_TARBALL ?= ../shared/upstream/slime-624b824a.tar.gz
 SLIME_DIR ?= $(BUILD)/slime
+SLIME_COMMIT ?= $(if $(filter $(BUILD)/slime,$(SLIME_DIR)),624b824a898ab0ec1fcb4d373004c7f3852bf515)
 STEPS     ?= 5
 TRANSPORT ?= disk
 ENCODING  ?=
@@ -38,7 +39,7 @@ test-slime: $(if $(filter $(BUILD)/slime,$(SLIME_DIR)),$(BUILD)/slime/.stamp)
 	@test -d "$(SLIME_DIR)/slime" || { echo "make test-slime: no slime checkout at $(SLIME_DIR) (SLIME_DIR=...)"; exit 2; }
 	@scripts/build_venv.sh 0.5.15.post1 $(BUILD) slime "$(SLIME_DIR)"
 	rm -rf $(BUILD)/slime-tree && cp -a "$(SLIME_DIR)" $(BUILD)/slime-tree
-	scripts/apply_patches.sh $(BUILD)/slime-tree
+	SLIME_COMMIT=$(SLIME_COMMIT) scripts/apply_patches.sh $(BUILD)/slime-tree
 	SLIME_PATCHED_DIR=$(abspath $(BUILD)/slime-tree) PYTHONPATH=$(abspath $(BUILD)/slime-tree) \
 	  $(BUILD)/venv-0.5.15.post1-slime/bin/python -m pytest tests/test_slime_sender.py $(PYTEST_ARGS)
 
@@ -49,7 +50,7 @@ bench-slime: $(if $(filter $(BUILD)/slime,$(SLIME_DIR)),$(BUILD)/slime/.stamp)
 	@test -d "$(SLIME_DIR)/slime" || { echo "make bench-slime: no slime checkout at $(SLIME_DIR) (SLIME_DIR=...)"; exit 2; }
 	@scripts/build_venv.sh 0.5.15.post1 $(BUILD) slime "$(SLIME_DIR)"
 	rm -rf $(BUILD)/slime-tree && cp -a "$(SLIME_DIR)" $(BUILD)/slime-tree
-	scripts/apply_patches.sh $(BUILD)/slime-tree
+	SLIME_COMMIT=$(SLIME_COMMIT) scripts/apply_patches.sh $(BUILD)/slime-tree
 	PYTHONPATH=$(abspath $(BUILD)/slime-tree) \
 	  $(BUILD)/venv-0.5.15.post1-slime/bin/python scripts/bench_slime.py --workdir $(BUILD)/bench-slime $(BENCH_SLIME_ARGS)
 

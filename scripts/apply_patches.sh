@@ -44,7 +44,11 @@ resolve() {
     [ -n "$VERSION" ] || die "$t: cannot tell the SGLang version (no _version.py, no tag); set SGLANG_VERSION"
     VERSION=v${VERSION#v}
   else
-    local head; head=$(git -C "$t" rev-parse HEAD 2>/dev/null) || die "$t: slime checkout without git history (need the pinned commit)"
+    # SLIME_COMMIT names the commit of a tree without git history (an archive); a ceiling keeps git from answering
+    # with the HEAD of a repository around the tree
+    local head=${SLIME_COMMIT:-}
+    [ -n "$head" ] || head=$(GIT_CEILING_DIRECTORIES=$(dirname "$t") git -C "$t" rev-parse HEAD 2>/dev/null) ||
+      die "$t: slime checkout without git history (need the pinned commit, or SLIME_COMMIT=<commit>)"
     VERSION=""
     for d in "$ROOT"/patches/slime/*/; do
       d=$(basename "$d"); [ "${head#"$d"}" != "$head" ] && VERSION=$d

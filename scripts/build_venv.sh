@@ -12,6 +12,7 @@ BUILD=${2:-$ROOT/build}
 FLAVOR=${3:-}
 SLIME_DIR=${4:-}
 [ "$FLAVOR" != slime ] || [ -d "$SLIME_DIR" ] || { echo "build_venv.sh: flavor slime needs SLIME_DIR" >&2; exit 2; }
+[ -z "$SLIME_DIR" ] || SLIME_DIR=$(cd "$SLIME_DIR" && pwd)  # the patch scripts run from other directories
 V=$BUILD/venv-$PIN${FLAVOR:+-$FLAVOR}
 PY=${PYTHON:-python3}
 req=$ROOT/requirements
