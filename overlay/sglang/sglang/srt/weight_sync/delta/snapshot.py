@@ -30,8 +30,8 @@ class _HostLink:
     """Snapshot traffic between pinned host memory and the device; a pass-through on CPU (off the device path)."""
 
     def __init__(self, device: torch.device):
-        self.device, self.cuda, self.pin = device, dev.device_path(device), dev.pinned(device)
-        if self.cuda:
+        self.device, self.device_path, self.pin = device, dev.device_path(device), dev.pinned(device)
+        if self.device_path:
             self.h2d_stream = dev.new_stream(device)
             self.d2h_stream = dev.new_stream(device)
         self.h2d_bytes = self.d2h_bytes = 0
@@ -61,7 +61,7 @@ class _HostLink:
     def prefetch(self, hosts: Sequence[Optional[torch.Tensor]], devices: Sequence[torch.device]):
         """Start moving a chunk's snapshot tensors to their params' devices: one copy per slab range they lie in
         (:func:`_fetch`), not one per param; returns a handle for :meth:`ready`."""
-        if not self.cuda:
+        if not self.device_path:
             return hosts
         with dev.on_stream(self.h2d_stream):
             views, copies = _fetch(hosts, devices, lambda src, device: src.to(device, non_blocking=True))
@@ -72,7 +72,7 @@ class _HostLink:
 
     def ready(self, handle) -> List[Optional[torch.Tensor]]:
         """The chunk's snapshot tensors on the device, once the default stream may read them."""
-        if not self.cuda:
+        if not self.device_path:
             return handle
         views, copies, event = handle
         current = dev.current_stream(self.device)
@@ -84,7 +84,7 @@ class _HostLink:
     def to_host(self, values: torch.Tensor, fresh: bool = False) -> torch.Tensor:
         """Changed values back to host memory, off the default stream (``fresh``: the caller made ``values`` and
         hands them over, so on a CPU there is nothing to copy)."""
-        if not self.cuda:
+        if not self.device_path:
             if fresh and values.device.type == "cpu":
                 return values.detach() if values.requires_grad else values
             return values.detach().clone() if values.device.type == "cpu" else values.detach().cpu()
@@ -101,7 +101,7 @@ class _HostLink:
     def to_host_many(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """:meth:`to_host` (``fresh``) for flat tensors: on CUDA joined per dtype, so a chunk takes one copy off the
         default stream per dtype instead of one per param, and handed back as views of that host copy."""
-        if not self.cuda:  # a CPU sender keeps the caller's fresh tensors as they are (one check each, no call)
+        if not self.device_path:  # a CPU sender keeps the caller's fresh tensors as they are (one check each, no call)
             return [t if t.device.type == "cpu" and not t.requires_grad else self.to_host(t, fresh=True)
                     for t in tensors]
         if any(t.device != self.device for t in tensors):
@@ -117,7 +117,7 @@ class _HostLink:
         return out
 
     def synchronize(self) -> None:
-        if self.cuda:
+        if self.device_path:
             self.h2d_stream.synchronize()
             self.d2h_stream.synchronize()
 
