@@ -793,6 +793,30 @@ def report(t: dict, m: dict, args, env: str) -> str:
     return "\n".join(L)
 
 
+def environment() -> str:
+    import platform
+
+    import sglang
+
+    return (f"{platform.machine()}, {os.cpu_count()} CPU cores ({torch.backends.cpu.get_cpu_capability()} vectors), "
+            f"torch {torch.__version__}, SGLang {sglang.__version__} (patched), {time.strftime('%Y-%m-%d')}")
+
+
+def sharded(args, workdir: str) -> int:
+    import bench_sharded
+
+    if not args.report_only:
+        paths = train_states(args.shape, args.steps, workdir)
+        bench_sharded.run(args.shape, args.engine_tp, args.engine_ep, paths,
+                          os.path.join(workdir, f"sharded-tp{args.engine_tp}-ep{args.engine_ep}.json"))
+    text = bench_sharded.report(args.workdir, environment())
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "benchmarks-sharded.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return 0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b")
@@ -801,8 +825,13 @@ def main():
     ap.add_argument("--out", default="docs", help="where benchmarks.md and benchmarks.png go")
     ap.add_argument("--report-only", action="store_true", help="rewrite the report from the last run's measurements")
     ap.add_argument("--measure", help=argparse.SUPPRESS)  # internal: the measuring subprocess writes this JSON
+    ap.add_argument("--engine-tp", type=int, default=1, help="a sharded engine: one process per rank, per-rank report "
+                    "in benchmarks-sharded.md (scripts/bench_sharded.py)")
+    ap.add_argument("--engine-ep", type=int, default=1, help="of --engine-tp, the MoE layers' expert-parallel width")
     args = ap.parse_args()
     workdir = os.path.join(args.workdir, args.shape)
+    if args.engine_tp > 1:
+        return sharded(args, workdir)
     if args.measure:
         # the memory run repeats the timing run, which checked bit-identity
         measure(json.loads(os.environ["DELTA_BENCH_PATHS"]), args.shape, args.measure, check=not MEMORY_RUN)
@@ -818,13 +847,7 @@ def main():
                            env=dict(os.environ, DELTA_BENCH_PATHS=json.dumps(paths), **extra_env))
         results[run] = json.load(open(out))
     args.steps = len(results["timing"]["steps"])
-    import platform
-
-    import sglang
-
-    env = (f"{platform.machine()}, {os.cpu_count()} CPU cores ({torch.backends.cpu.get_cpu_capability()} vectors), "
-           f"torch {torch.__version__}, SGLang {sglang.__version__} "
-           f"(patched), {time.strftime('%Y-%m-%d')}")
+    env = environment()
     os.makedirs(args.out, exist_ok=True)
     summ = summarize(results["timing"], results["memory"])
     plot(results["timing"], summ, os.path.join(args.out, doc_name(args.shape, "png")))

@@ -187,8 +187,10 @@ def full_flushes(state: Dict[str, torch.Tensor], *, version: int, max_params: in
 _DIST_READY = False
 
 
-def init_sglang_inprocess(tp_rank: int = 0, tp_size: int = 1, init_method: Optional[str] = None) -> None:
-    """gloo TP world + the server-args/topology globals the model classes read (per SGLang era)."""
+def init_sglang_inprocess(tp_rank: int = 0, tp_size: int = 1, init_method: Optional[str] = None,
+                          ep_size: int = 1) -> None:
+    """gloo TP world (``ep_size``: of it, the MoE layers' expert-parallel width) + the server-args/topology globals the
+    model classes read (per SGLang era)."""
     global _DIST_READY
     if _DIST_READY:
         return
@@ -198,7 +200,7 @@ def init_sglang_inprocess(tp_rank: int = 0, tp_size: int = 1, init_method: Optio
 
     init_distributed_environment(world_size=tp_size, rank=tp_rank, local_rank=tp_rank, backend="gloo",
                                  distributed_init_method=init_method or f"tcp://127.0.0.1:{free_port()}")
-    args = ServerArgs(model_path="dummy", tp_size=tp_size, device="cpu")
+    args = ServerArgs(model_path="dummy", tp_size=tp_size, ep_size=ep_size, device="cpu")
     era_b = False
     try:
         from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context  # v0.5.23
@@ -212,7 +214,8 @@ def init_sglang_inprocess(tp_rank: int = 0, tp_size: int = 1, init_method: Optio
         set_global_server_args_for_scheduler(args)
         era_b = True
     if era_b:
-        initialize_model_parallel(tensor_model_parallel_size=tp_size, backend="gloo")
+        initialize_model_parallel(tensor_model_parallel_size=tp_size, expert_model_parallel_size=ep_size,
+                                  backend="gloo")
     else:  # v0.5.23 reads the widths from the published ServerArgs
         initialize_model_parallel(backend="gloo")
     if era_b:  # v0.5.15: ModelRunner sets the dp-attention globals; only hidden_size/dtype are read

@@ -28,3 +28,16 @@ def test_bench_writes_its_report(tmp_path):
     assert overhead["pieces"] < overhead["tensors"] and overhead["engine_s"] > 0
     assert overhead["sender_s"] > 0 and overhead["sender_pieces_s"] > 0
     assert (out / "benchmarks.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_sharded_bench_reports_every_rank(tmp_path):
+    """`--engine-tp 2` at the tiny shape: one process per rank, each rank checked bit-identical to its own plain load
+    after every step; the report holds a row per rank with its syncs and ops per flush."""
+    out = tmp_path / "docs"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench.py"), "--shape", "tiny", "--steps", "1",
+                        "--engine-tp", "2", "--workdir", str(tmp_path / "work"), "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = re.findall(r"^\| tiny \| 2 \| 1 \| (\d) \| .*\| \*\*[\d.]+x\*\* \| (\d+) \| [\d,]+ \| \d+ MiB \|$",
+                      (out / "benchmarks-sharded.md").read_text(), re.M)
+    assert [rank for rank, _ in rows] == ["0", "1"] and all(int(syncs) <= 6 for _, syncs in rows), rows

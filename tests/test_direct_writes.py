@@ -8,7 +8,7 @@ from cpu_harness import Host, delta_flushes, full_flushes, hf_config, nan_filled
 from delta_helpers import assert_params_equal
 from sglang.srt.weight_sync.delta import positions as positions_module, views as views_module
 from sglang.srt.weight_sync.delta.receiver import receiver_state
-from sglang.srt.weight_sync.delta.views import Direct, ReadBack, block_plan, write_direct, write_run
+from sglang.srt.weight_sync.delta.views import Direct, ReadBack, write_plan, write_run
 from sglang.srt.weight_sync.delta.diff import encode_flush
 from sglang.srt.weight_sync.delta.validate import validate_payload
 
@@ -47,17 +47,14 @@ def test_writes_batched_per_storage_land_as_one_write_per_param_in_order(monkeyp
     payload = encode_flush(entries, "deltas", version=2, base_version=1)
     manifest = {name: ([numel], "bfloat16") for name, (numel, _) in LAYOUT.items()} | {"dense": ([9], "bfloat16")}
     direct = {name: [Direct(got[s], 0, at, numel, []) for s, at in views] for name, (numel, views) in LAYOUT.items()}
-    blocks = block_plan(direct, manifest)
-    assert set(blocks.at) == {"p0", "p1", "p2", "p3", "t", "f"}  # overlapping blocks and two views: one write each
+    plan = write_plan(direct, manifest)
+    ids = {s: k for k, s in enumerate(dict.fromkeys(s for _, views in LAYOUT.values() for s, _ in views))}
+    assert plan.ordered == {ids["b"], ids["c"]}  # q0/q1 overlap in b, t and u in c: one write each, in order
     positions = validate_payload(payload, manifest)
-    rest, check = [], ReadBack()
+    check = ReadBack()
     live = [p for p in payload.spec.params if p.nnz and not p.dense]
     for r in positions.runs(live):
-        write_run(blocks, direct, r, payload.values, rest, check)
-        if not positions.kept:
-            write_direct(rest, check)
-            rest = []
-    write_direct(rest, check)
+        write_run(plan, r, payload.values, check)
     assert check.verdict() is None
     for s in want:
         assert torch.equal(got[s].view(torch.int16 if got[s].dtype == torch.bfloat16 else torch.int32),
@@ -72,7 +69,7 @@ def synced(steps: int):
     for pl in full_flushes(states[0], version=1):
         ok, msg = host.call("_apply_delta_payload", [pl])
         assert ok, msg
-    assert receiver_state(host.model).blocks.at  # whole-block views: batched per storage
+    assert any(row[1] for rows in receiver_state(host.model).plan.rows.values() for row in rows)  # whole blocks
     return cfg, states, host
 
 

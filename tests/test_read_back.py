@@ -11,7 +11,7 @@ from sglang.srt.weight_sync.delta import views as views_module
 from sglang.srt.weight_sync.delta.diff import encode_flush
 from sglang.srt.weight_sync.delta.receiver import delta_status, receiver_state
 from sglang.srt.weight_sync.delta.validate import validate_payload
-from sglang.srt.weight_sync.delta.views import Direct, ReadBack, block_plan, write_direct, write_run
+from sglang.srt.weight_sync.delta.views import Direct, ReadBack, write_plan, write_run
 from test_receiver_inprocess import DiskTransport
 
 
@@ -51,16 +51,16 @@ def test_every_write_path_is_read_back_and_a_wrong_element_names_its_param(monke
     def write_all(check):
         stores = {s: torch.zeros(200, dtype=torch.bfloat16) for s in "abcdef"}
         direct = {n: [Direct(stores[s], soff, at, span, []) for s, at, soff, span in v] for n, (_, v) in LAYOUT.items()}
-        blocks = block_plan(direct, manifest)
-        positions, rest = validate_payload(payload, manifest), []
+        plan = write_plan(direct, manifest)
+        positions = validate_payload(payload, manifest)
         for r in positions.runs([p for p in payload.spec.params if p.nnz]):
-            write_run(blocks, direct, r, payload.values, rest, check)
-        write_direct(rest, check)
-        return stores, blocks
+            write_run(plan, r, payload.values, check)
+        return stores, plan
 
     clean = ReadBack()
-    _, blocks = write_all(clean)
-    assert clean.verdict() is None and set(blocks.at) == {"p0", "p1"}
+    _, plan = write_all(clean)
+    assert clean.verdict() is None and len(plan.ordered) == 1  # q0/q1 overlap in b
+    assert {n for n, rows in plan.rows.items() if any(r[1] for r in rows)} == {"p0", "p1", "q0", "q1", "u"}
     calls = corrupting(monkeypatch, -1)
     write_all(ReadBack())
     writes = len(calls)

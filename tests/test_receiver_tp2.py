@@ -47,9 +47,9 @@ def _rank_main(rank, init_method, root, n_syncs, errors, encoding, arch, raw, ru
                 ok, msg = host.call("_apply_delta", vdir, files, str(v))
             assert ok, f"rank {rank} v{v}: {msg}"
             assert receiver_state(host.model).xor_raw == raw  # what the status tells the sender to send raw
-            # per file: checksum + checks; per request: two TP agreements, one selection of the shard's entries
-            # (xor_zstd: one more agreement, and the check that every element was rebuilt)
-            assert run or len(syncs.ops) <= 2 * len(files) + 4 + 3 * (encoding == "xor_zstd" and v > 1), \
+            # per file: checksum + checks, and how many of its entries each storage of the shard holds; per request:
+            # two TP agreements (xor_zstd: one more agreement, and the check that every element was rebuilt)
+            assert run or len(syncs.ops) <= 3 * len(files) + 2 + 3 * (encoding == "xor_zstd" and v > 1), \
                 (len(files), syncs.ops)
             holds(v)
     except BaseException:

@@ -12,6 +12,7 @@ from cpu_harness import (
     hf_model,
     join_update_group,
     nan_filled,
+    rl_states,
     rl_steps,
     segments,
     sglang_model,
@@ -637,3 +638,29 @@ def test_an_engine_that_cannot_take_deltas_stops_the_sender_with_its_reason(tmp_
     assert sender.update(segments(state))[0][0]
     assert_params_equal(restarted.host.model, reference(cfg, state))
     transport.close()
+
+
+def test_a_fingerprint_sync_checks_the_engines_before_generation_resumes(tmp_path):
+    """Where the sender pauses generation itself (engines with ``pause_generation``), a sync that checks fingerprints
+    reads them inside the pause: requests never compete with it, and none runs on weights not yet checked."""
+    cfg = hf_config("qwen3")
+    states = rl_states(cfg, 2, seed=0)
+    calls = []
+
+    class Pausing(InProcessEngine):
+        def pause_generation(self):
+            calls.append("pause")
+
+        def continue_generation(self):
+            calls.append("continue")
+
+        def fingerprint(self):
+            calls.append("fingerprint")
+            return super().fingerprint()
+
+    engine = Pausing(Host(sglang_model(cfg)))
+    sender = DeltaSender(DiskTransport(str(tmp_path), [engine]), [engine], encoding="deltas", fingerprint_every=2)
+    for state in states:
+        assert sender.update([lambda state=state: [list(state.items())]])[0][0]
+    sender.transport.close()
+    assert calls == ["pause", "continue", "pause", "fingerprint", "continue", "pause", "continue"], calls

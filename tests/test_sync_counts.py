@@ -258,3 +258,56 @@ def test_the_sender_synchronizes_a_constant_number_of_times_per_chunk_and_flush(
         counts.append((ops, launches.n))
         sender.transport.close()
     assert counts[0] == counts[1] and len(counts[1][0]) <= 4, counts  # the chunk's diff: 2; the flush's encode: 2
+
+
+def _sharded_counts(rank, world, ep, port, out):
+    """On one rank of a TP engine (``ep``: its MoE layers' expert-parallel width): the host syncs and computing ops of
+    a delta's apply on a real Qwen3-MoE at (layers, experts) = (2, 4), (6, 4), (2, 16)."""
+    try:
+        torch.set_num_threads(1)
+        from cpu_harness import init_sglang_inprocess
+
+        init_sglang_inprocess(tp_rank=rank, tp_size=world, init_method=f"tcp://127.0.0.1:{port}", ep_size=ep)
+        counts = {}
+        for layers, experts in ((2, 4), (6, 4), (2, 16)):
+            cfg = hf_config("qwen3-moe", layers=layers)
+            cfg.num_experts = experts
+            states = rl_states(cfg, 1, seed=0)
+            host = Host(sglang_model(cfg))
+            assert all(host.call("_apply_delta_payload", [pl])[0] for pl in full_flushes(states[0], version=1))
+            (pl,) = delta_flushes(states[0], states[1], "deltas", version=2, base_version=1)
+            with OpCounter() as launches:
+                ops = _count(lambda: host.call("_apply_delta_payload", [pl]))
+            counts[layers, experts] = (ops, launches.n, len(pl.spec.params))
+        out.put((rank, counts))
+    except BaseException:
+        import traceback
+
+        out.put((rank, traceback.format_exc()))
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_a_sharded_engines_apply_does_not_follow_the_params(ep):
+    """TP=2 (every expert row- and column-sharded over both ranks) and TP=2 with EP=2 (each rank holds half the
+    experts whole, the attention sharded): on every rank, the host synchronizations of a delta's apply are the same
+    at 2 and 6 layers, and its computing ops (a kernel launch each on a GPU) the same at 4 and 16 experts per layer
+    (4x the HF tensors into the same storages): the shards are written per storage, not per param, and the other
+    rank's experts cost nothing."""
+    import multiprocessing as mp
+
+    from cpu_harness import free_port
+
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_sharded_counts, args=(r, 2, ep, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join(60)
+    for rank, counts in got.items():
+        assert not isinstance(counts, str), counts
+        (syncs2, launches2, n2), (syncs6, _, n6), (syncs16, launches16, n16) = (counts[k] for k in ((2, 4), (6, 4), (2, 16)))
+        assert n6 > 2.5 * n2 and n16 > 2.5 * n2, (n2, n6, n16)
+        assert syncs2 == syncs6 == syncs16 and len(syncs2) <= 5, (rank, syncs2, syncs6, syncs16)
+        assert launches2 == launches16, (rank, launches2, launches16)

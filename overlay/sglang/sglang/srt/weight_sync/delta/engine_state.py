@@ -9,7 +9,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from sglang.srt.weight_sync.delta import fingerprint
-from sglang.srt.weight_sync.delta.views import Blocks
+from sglang.srt.weight_sync.delta.views import WritePlan
 
 
 @dataclasses.dataclass
@@ -32,7 +32,8 @@ class ReceiverState:
     recorder: Optional[fingerprint.FingerprintRecorder] = None  # watching the full sync being applied
     copies: Optional[dict] = None  # where the last full sync's HF tensors landed (fingerprint.engine_shares)
     direct: Optional[dict] = None  # name -> [Direct]: params a delta writes through those views, no loader call
-    blocks: Optional[Blocks] = None  # the whole-block ones of ``direct``, written per storage
+    plan: Optional[WritePlan] = None  # ``direct`` as rows of integers: a run's writes in one pass per storage
+    unheld: frozenset = frozenset()  # names the full sync's loader took without writing anything (other ranks' experts)
     last: tuple = (None, None, None)  # ([version, flush], refusal code or None, received) of the last request
     xor_ready: bool = False  # every param this rank loaded has direct views of its own dtype (xor_zstd bases)
     xor_raw: List[str] = dataclasses.field(default_factory=list)  # names this rank's loader never stored

@@ -260,11 +260,19 @@ class FingerprintRecorder:
     """Records, while a full sync runs ``load_weights``, where each HF tensor's elements land."""
 
     def __init__(self, params: Iterable[torch.Tensor]):
+        params = list(params)
         self._params = self._ranges((p.data_ptr(), p.nbytes, p) for p in params)  # items: (start, param)
+        self._layout = [(id(p), p.data_ptr()) for p in params]
         self._sources = self._ranges(())
         self._joined: Dict[int, Tuple[torch.Tensor, int, list]] = {}  # cat of source views: ptr -> (out, dim, parts)
         self.copies: Dict[str, List[_Copy]] = {}
         self.unexplained: Optional[str] = None  # the first write into the model that no recorded copy explains
+
+    def wrote_only_copies(self, params: Iterable[torch.Tensor]) -> bool:
+        """Whether every write of the full sync into the model was a recorded view copy (or a zero fill), and no param
+        or buffer was replaced or added (``param.data = t``, a new ``Parameter``): then a name without copies wrote
+        nothing on this rank."""
+        return self.unexplained is None and [(id(p), p.data_ptr()) for p in params] == self._layout
 
     @staticmethod
     def _ranges(items) -> RangeIndex:

@@ -10,7 +10,8 @@ Contract (see the wire module for the format):
   fusion, TP/EP sharding). Every full sync runs it and records each view copy it makes
   (:class:`fingerprint.FingerprintRecorder`). If the loader did nothing else — no transformed copy,
   no in-place arithmetic, no index-assignment, no post-processing (``write_guard.FullSyncWatch``) — deltas
-  are written straight through those views (``views.write_direct``, O(changed)).
+  are written straight through those views (``views.write_run``, O(changed)), and names the loader took without
+  writing anything (on this rank: another rank's experts, a tied head) cost nothing.
 * Every other sparse param is densified into a full-shape NaN tensor and fed, in chunks capped by
   ``--update-weight-delta-chunk-bytes``, to ``load_weights`` inside ``write_guard.delta_apply_context``,
   where ``Tensor.copy_`` into model storage keeps the old value wherever the source is NaN and
@@ -56,12 +57,11 @@ from sglang.srt.weight_sync.delta.ingest import (
 from sglang.srt.weight_sync.delta.quant import check_names, check_quantization
 from sglang.srt.weight_sync.delta.versions import check_version, check_xor_base, full_reason, pending_key
 from sglang.srt.weight_sync.delta.views import (
-    block_plan,
     contiguous_strides,
     direct_plan,
     rebuild_xor,
     ReadBack,
-    write_direct,
+    write_plan,
     write_run,
 )
 from sglang.srt.weight_sync.delta.ops import gc_paused
@@ -234,6 +234,7 @@ def _apply_request(self, payloads: Sequence[DeltaPayload], weight_version: Optio
         _kill_point()
 
     direct = {} if head.full else (state.direct or {})
+    unheld = frozenset() if head.full else state.unheld
     via_views, via_loader = [], []  # (the flush's positions, values, its params) / (param, positions, values)
     for payload, positions in zip(payloads, decoded):
         viewed = []
@@ -246,21 +247,17 @@ def _apply_request(self, payloads: Sequence[DeltaPayload], weight_version: Optio
                 if p.name in direct:
                     viewed.append(p)
                     continue
+            if p.name in unheld:
+                continue  # the loader took it and wrote nothing here: it would again
             via_loader.append((p, positions, payload.values))
         if viewed:
             via_views.append((positions, payload.values, viewed))
     try:
         with torch.no_grad():
-            rest = []  # write_direct's: one write for the request where positions are kept; else one per run
             check = ReadBack()
             for positions, values, viewed in via_views:
                 for run in positions.runs(viewed):
-                    write_run(state.blocks, direct, run, values, rest, check)
-                    if not positions.kept:
-                        write_direct(rest, check)
-                        rest = []
-            if rest:
-                write_direct(rest, check)
+                    write_run(state.plan, run, values, check)
             if via_views:
                 wrong = check.verdict()  # the apply's one host read after its writes
                 if wrong is not None:
@@ -305,22 +302,25 @@ def _apply_request(self, payloads: Sequence[DeltaPayload], weight_version: Optio
         if head.full:
             state.manifest, state.dirty, state.outside_load = state.pending_manifest, False, None
             state.direct = direct_plan(model, state.recorder)
-            state.blocks = block_plan(state.direct, state.manifest)
-            state.xor_raw, state.xor_ready, state.dense = _paths(state.manifest, state.recorder.copies, state.direct)
+            state.plan = write_plan(state.direct, state.manifest)
+            state.unheld = frozenset(state.manifest).difference(state.recorder.copies) \
+                if state.recorder.wrote_only_copies(model_tensors(model)) else frozenset()
+            state.xor_raw, state.xor_ready, state.dense = _paths(state.manifest, state.recorder.copies, state.direct,
+                                                                 state.unheld)
             state.copies, state.recorder, state.pending_manifest = state.recorder.copies, None, {}
     kind = "full sync" if head.full else "delta"
     return True, (f"Succeeded to apply {kind} version {head.version} flush {head.flush} "
                   f"({len(names)} params, {nnz} values){' (final)' if state.pending is None else ''}.")
 
 
-def _paths(manifest: dict, copies: dict, direct: dict) -> Tuple[List[str], bool, List[str]]:
+def _paths(manifest: dict, copies: dict, direct: dict, unheld: frozenset) -> Tuple[List[str], bool, List[str]]:
     """What a full sync's recorded views allow, per name (one pass; each dtype name parsed once):
 
     * ``xor_raw``: ``xor_zstd`` bases of names this rank never stored, or stores in another dtype than the
       trainer's (DeepSeek's fp32 ``e_score_correction_bias`` from a bf16 checkpoint), travel raw (XOR zero);
     * ``xor_ready``: every other name has direct views to read its base from;
     * ``dense``: names without direct views whose dtype could travel sparse: they must travel whole (their
-      loader is handed whole tensors)."""
+      loader is handed whole tensors) — unless this rank does not hold them (``unheld``: it skips them)."""
     dtypes = {d: dtype_from_str(d) for d in {d for _, d in manifest.values()}}
     sparse = {d for d, t in dtypes.items() if sparse_allowed(t) and not nan_sentinel(t)}
     raw, dense, ready = [], [], True
@@ -331,7 +331,7 @@ def _paths(manifest: dict, copies: dict, direct: dict) -> Tuple[List[str], bool,
                 ready = False
             else:
                 raw.append(n)
-            if d in sparse:
+            if d in sparse and n not in unheld:
                 dense.append(n)
         else:
             dtype = dtypes[d]
@@ -409,7 +409,8 @@ def _check_writable(state: ReceiverState, head: DeltaSpec, params: Sequence[Delt
     no_sentinel = {n for n in {p.dtype for p in params} if sparse_allowed(dtype_from_str(n))
                    and not nan_sentinel(dtype_from_str(n))}  # fp8: each dtype name is parsed once
     for p in params if no_sentinel else ():
-        if p.pos_width and p.val_end > p.val_start and p.dtype in no_sentinel and p.name not in direct:
+        if p.pos_width and p.val_end > p.val_start and p.dtype in no_sentinel and p.name not in direct and \
+                p.name not in state.unheld:
             raise DeltaError(f"param {p.name!r}: {p.dtype} values travel sparse only to params written through "
                              "recorded views, and this engine has none for it (its status lists it under 'dense')",
                              Refusal.NEEDS_DENSE)

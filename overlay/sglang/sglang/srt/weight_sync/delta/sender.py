@@ -189,63 +189,63 @@ class DeltaSender:
                        fingerprint_on=bool(self.fingerprint_every) and v % self.fingerprint_every == 0)
         paused = []
         try:
-            for e in self.engines:  # no forward pass sees a sync half-applied (slime pauses on its own)
-                if hasattr(e, "pause_generation"):
-                    try:
-                        e.pause_generation()
-                        paused.append(e)
-                    except Exception:  # an unreachable engine fails its own requests below
-                        logger.exception("pause_generation failed")
-            self.transport.begin(v)
-            for k, segment in enumerate(segments):
-                run.final_segment = k == len(segments) - 1
-                run.pipeline_pass(segment())
-                run.flush_and_publish()
-            t_encode = time.perf_counter() - t0 - run.fingerprint_s
-            results = run.finish()
-        except Exception as e:  # what reached which engine is unknown: every engine gets a full sync next
-            logger.exception("delta sync v%d aborted", v)
-            t_encode = time.perf_counter() - t0 - run.fingerprint_s
-            results = {i: (False, f"transport: sync aborted: {e!r}") for i in self.status}
-        finally:
             try:
+                for e in self.engines:  # no forward pass sees a sync half-applied (slime pauses on its own)
+                    if hasattr(e, "pause_generation"):
+                        try:
+                            e.pause_generation()
+                            paused.append(e)
+                        except Exception:  # an unreachable engine fails its own requests below
+                            logger.exception("pause_generation failed")
+                self.transport.begin(v)
+                for k, segment in enumerate(segments):
+                    run.final_segment = k == len(segments) - 1
+                    run.pipeline_pass(segment())
+                    run.flush_and_publish()
+                t_encode = time.perf_counter() - t0 - run.fingerprint_s
+                results = run.finish()
+            except Exception as e:  # what reached which engine is unknown: every engine gets a full sync next
+                logger.exception("delta sync v%d aborted", v)
+                t_encode = time.perf_counter() - t0 - run.fingerprint_s
+                results = {i: (False, f"transport: sync aborted: {e!r}") for i in self.status}
+            finally:
                 if self.stages is not None:  # every stage's part is done before any engine serves again
                     results = self._combine(results)
-            finally:
-                for e in paused:
-                    try:
-                        e.continue_generation()
-                    except Exception:  # the engine's own failure shows in its result; keep the others going
-                        logger.exception("continue_generation failed")
-        t_finalize = time.perf_counter() - t0 - t_encode - run.fingerprint_s
-        acked = [i for i, (ok, _) in results.items() if ok]
-        failed = [i for i in results if i not in acked]
-        for i in acked:
-            self.status[i].version, self.status[i].needs_full, self.status[i].last_error = v, False, ""
-        if len(acked) == len(self.engines):
-            self.state.commit(v)
-        else:
-            self.state.stage()
-        # what a full sync let an engine write directly (xor bases, byte-sparse params) only its status says
-        relearn = [i for i in acked if i in full_targets]
-        if self.stages is None or self.stages.first:  # the other stages adopt stage 0's view at the next sync
-            self._learn(failed + relearn)
-        for i in failed:
-            st = self.status[i]
-            st.last_error = results[i][1]
-            logger.error("delta sync v%d failed on engine %d (%s): %s", v, i,
-                         "full sync next" if st.needs_full else "next delta covers it", results[i][1])
-        self._metrics = run.metrics(t_encode, t_finalize)
-        self._metrics["perf/update_weights_xor"] = float(run.encodings.get("delta") == DeltaEncoding.XOR_ZSTD.value)
-        self._count("failures", len(failed))
-        self._count("snapshot_fold_failures", fold_failed)
-        self._count("resyncs", resyncs)
-        self._count("fingerprint_mismatches", 0)
-        timings = getattr(self.transport, "timings", None)
-        if timings is not None:
-            self._metrics.update({f"perf/update_weights_{k}": v for k, v in timings().items()})
-        if run.fingerprints is not None and len(acked) == len(self.engines):
-            self._check_fingerprints(run.fingerprints, results, run.fingerprint_s)
+            t_finalize = time.perf_counter() - t0 - t_encode - run.fingerprint_s
+            acked = [i for i, (ok, _) in results.items() if ok]
+            failed = [i for i in results if i not in acked]
+            for i in acked:
+                self.status[i].version, self.status[i].needs_full, self.status[i].last_error = v, False, ""
+            if len(acked) == len(self.engines):
+                self.state.commit(v)
+            else:
+                self.state.stage()
+            # what a full sync let an engine write directly (xor bases, byte-sparse params) only its status says
+            relearn = [i for i in acked if i in full_targets]
+            if self.stages is None or self.stages.first:  # the other stages adopt stage 0's view at the next sync
+                self._learn(failed + relearn)
+            for i in failed:
+                st = self.status[i]
+                st.last_error = results[i][1]
+                logger.error("delta sync v%d failed on engine %d (%s): %s", v, i,
+                             "full sync next" if st.needs_full else "next delta covers it", results[i][1])
+            self._metrics = run.metrics(t_encode, t_finalize)
+            self._metrics["perf/update_weights_xor"] = float(run.encodings.get("delta") == DeltaEncoding.XOR_ZSTD.value)
+            self._count("failures", len(failed))
+            self._count("snapshot_fold_failures", fold_failed)
+            self._count("resyncs", resyncs)
+            self._count("fingerprint_mismatches", 0)
+            timings = getattr(self.transport, "timings", None)
+            if timings is not None:
+                self._metrics.update({f"perf/update_weights_{k}": v for k, v in timings().items()})
+            if run.fingerprints is not None and len(acked) == len(self.engines):
+                self._check_fingerprints(run.fingerprints, results, run.fingerprint_s)
+        finally:  # a fingerprint sync's check runs while paused: no request competes with it
+            for e in paused:
+                try:
+                    e.continue_generation()
+                except Exception:  # the engine's own failure shows in its result; keep the others going
+                    logger.exception("continue_generation failed")
         return results
 
     def _plan(self) -> dict:

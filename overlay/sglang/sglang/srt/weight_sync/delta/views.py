@@ -116,122 +116,120 @@ def direct_plan(model: torch.nn.Module, recorder: fingerprint.FingerprintRecorde
 
 
 @dataclasses.dataclass
-class Blocks:
-    """The params of a direct plan whose one view holds their whole HF tensor as one contiguous block (every
-    expert of a fused MoE weight, most dense weights): name -> (storage id, block start), and each storage's flat
-    tensor. Their writes are batched per storage without a tensor op per param (:func:`write_run`). Storages where
-    two blocks overlap are left out: their writes keep their order (:func:`_write_blocks`)."""
+class WritePlan:
+    """Every recorded view of a direct plan as one row of integers, so a run of changed elements is mapped into model
+    storage by the same few tensor ops whatever its params: ``rows[name]`` holds, per view, ``(storage id, whole,
+    soff, doff)`` then ``dims`` triples ``(size, src stride, dst stride)``, outer to inner, padded with ``(1, 1, 0)``.
+    ``whole``: the view is the param's whole HF tensor as one block (every element lands at ``doff + position``). A
+    storage where two views' destinations may overlap (a loader writing two HF tensors over the same elements) is
+    ``ordered``: its writes keep the flush's order, one view at a time (a batched scatter with duplicate offsets has
+    no defined winner on a GPU)."""
 
-    at: Dict[str, Tuple[int, int]]
+    rows: Dict[str, List[Tuple[int, ...]]]
     flats: List[torch.Tensor]
+    ordered: set
+    dims: int
 
 
-def block_plan(direct: Dict[str, List[Direct]], manifest: Dict[str, Tuple[List[int], str]]) -> Blocks:
-    """:class:`Blocks` of a direct plan; every flush is checked against ``manifest`` (its shapes), so a block that
+_SID, _WHOLE, _SOFF, _DOFF, _DIMS = 0, 1, 2, 3, 4
+
+
+def write_plan(direct: Dict[str, List[Direct]], manifest: Dict[str, Tuple[List[int], str]]) -> WritePlan:
+    """:class:`WritePlan` of a direct plan; every flush is checked against ``manifest`` (its shapes), so a view that
     spans its param's whole tensor there does in every flush."""
-    ids: Dict[Tuple[int, torch.dtype], int] = {}
-    sids: Dict[int, int] = {}  # id(flat) -> storage id: a param's views share one flat tensor (Direct.of)
-    at, flats, spans = {}, [], []
+    dims = max((len(t.dims) for targets in direct.values() for t in targets), default=0) or 1
+    ids: Dict[Tuple[int, torch.dtype], int] = {}  # flats of one storage (tied params) share an id
+    flats, spans, rows = [], [], {}
     for name, targets in direct.items():
-        t, entry = targets[0] if len(targets) == 1 else None, manifest.get(name)
-        if t is None or entry is None or t.dims or t.soff or t.numel != math.prod(entry[0]):
-            continue
-        sid = sids.get(id(t.flat))
-        if sid is None:
-            key = (t.flat.data_ptr(), t.flat.dtype)  # flats of one storage (tied params) share an id
-            sid = sids[id(t.flat)] = ids.get(key, len(flats))
+        numel = math.prod(manifest[name][0]) if name in manifest else None
+        out = []
+        for t in targets:
+            key = (t.flat.data_ptr(), t.flat.dtype)
+            sid = ids.setdefault(key, len(flats))
             if sid == len(flats):
-                ids[key] = sid
                 flats.append(t.flat)
                 spans.append([])
-        at[name] = (sid, t.doff)
-        spans[sid].append((t.doff, t.doff + t.numel, name))
-    for s in spans:
+            geometry = t.dims or [(t.numel, 1, 1)]
+            geometry = geometry + [(1, 1, 0)] * (dims - len(geometry))
+            whole = not t.dims and t.soff == 0 and t.numel == numel
+            out.append((sid, int(whole), t.soff, t.doff, *(v for d in geometry for v in d)))
+            spans[sid].append((t.doff, t.doff + 1 + sum((size - 1) * dstride for size, _, dstride in geometry)))
+        rows[name] = out
+    ordered = set()
+    for sid, s in enumerate(spans):
         s.sort()
         if any(b[0] < a[1] for a, b in zip(s, s[1:])):
-            for _, _, name in s:
-                del at[name]
-    return Blocks(at, flats)
+            ordered.add(sid)
+    return WritePlan(rows, flats, ordered, dims)
 
 
-def write_run(blocks: Blocks, direct: Dict[str, List[Direct]], run: Run, values: torch.Tensor, rest: list,
-              check: "ReadBack") -> None:
-    """Write one run of a flush's params (``values``: the flush's) through their recorded views. Whole-block params
-    take one gather of their positions and values and one ``index_copy_`` per destination storage, whatever their
-    count; params with other views are appended to ``rest`` as :func:`write_direct`'s items (the caller writes those
-    before the run's tensor is reused). Every write is read back into ``check``."""
-    at, x, device = blocks.at, run.positions, run.positions.device
-    picked, names = [], []  # (storage, block start, start in x, start in values, count) per batched param
+def write_run(plan: WritePlan, run: Run, values: torch.Tensor, check: "ReadBack") -> None:
+    """Write one run of a flush's params (``values``: the flush's) through their recorded views: whole blocks and the
+    views holding part of a param (TP shards, local experts, pieces of a fused loader copy) each in one pass per
+    run, one ``index_copy_`` per destination storage, whatever the count of params; views into an ``ordered``
+    storage one at a time. Every write is read back into ``check``."""
+    groups: Tuple[list, list] = ([], [])  # (partial views, whole blocks): (row, start in x, start in values, count)
+    ordered = []
     for p, a in zip(run.params, run.starts):
-        b, n = at.get(p.name), p.val_end - p.val_start
-        if b is None:
-            rest.append((p.name, direct[p.name], x[a:a + n], values[p.val_start:p.val_end], p.numel))
-        else:
-            picked.append((*b, a, p.val_start, n))
-            names.append(p.name)
-    if not picked:
-        return
-    cols = np.array(picked, dtype=np.int64).reshape(-1, 5)
-    by_storage = np.argsort(cols[:, 0], kind="stable")  # grouped by storage, in spec order within one
-    cols, names = cols[by_storage], [names[k] for k in by_storage.tolist()]
-    sid, doff, xa, va, n = cols.T
+        n = p.val_end - p.val_start
+        for row in plan.rows[p.name]:
+            (ordered if row[_SID] in plan.ordered else groups[row[_WHOLE]]).append((row, a, p.val_start, n, p.name))
+    for items in groups:
+        if items:
+            _write_items(plan, run.positions, values, items, check)
+    for item in ordered:
+        _write_items(plan, run.positions, values, [item], check)
+
+
+def _write_items(plan: WritePlan, x: torch.Tensor, values: torch.Tensor, items: list, check: "ReadBack") -> None:
+    """One pass over ``items`` (all whole blocks, or all part views, or one view): positions and values gathered in
+    storage order, mapped to storage offsets (index arithmetic on the rows), the entries a part view does not hold
+    dropped (one host read of the count per storage), then one write and one read-back per storage."""
+    device = x.device
+    order = sorted(range(len(items)), key=lambda k: items[k][0][_SID])  # grouped by storage, flush order within
+    items = [items[k] for k in order]
+    rows = np.array([it[0] for it in items], dtype=np.int64).reshape(len(items), -1)
+    xa, va, n = (np.array([it[k] for it in items], dtype=np.int64) for k in (1, 2, 3))
     counts = n.tolist()
     firsts = np.cumsum(n) - n
-    total = sum(counts)
+    total = int(n.sum())
+    if (xa == firsts).all():  # in run order and back to back (a dense model): a slice, no gather
+        idx, at = x[:total], None
+    else:
+        at = torch.arange(total, device=device).add_(repeat_counts(to_device((xa - firsts).tolist(), device), counts))
+        idx = take(x, at)
     shift = va - xa  # a run's values pair with its positions at one shift, unless a dense param lies between
-    if (xa == firsts).all():  # in run order and back to back (a dense model): slices, no gather
-        offsets = x[:total] + repeat_counts(to_device(doff.tolist(), device), counts)
-        vals = values[int(va[0]):int(va[0]) + total] if (shift == shift[0]).all() else None
-    else:  # one gather from the run's order into storage order, shared by positions and values where it can be
-        order = torch.arange(total, device=device).add_(repeat_counts(to_device((xa - firsts).tolist(), device),
-                                                                        counts))
-        offsets = take(x, order).add_(repeat_counts(to_device(doff.tolist(), device), counts))
-        vals = gather(values, order.add_(int(shift[0]))) if (shift == shift[0]).all() else None
-    if vals is None:
+    if (shift == shift[0]).all():
+        vals = values[int(va[0]):int(va[0]) + total] if at is None else gather(values, at.add_(int(shift[0])))
+    else:
         vals = gather(values, torch.arange(total, device=device).add_(
             repeat_counts(to_device((va - firsts).tolist(), device), counts)))
-    cuts = np.r_[0, np.flatnonzero(np.diff(sid)) + 1, len(sid)]
-    for s, i, j in zip(sid[cuts[:-1]].tolist(), cuts[:-1].tolist(), cuts[1:].tolist()):
-        a, b = int(firsts[i]), int(firsts[j - 1] + n[j - 1])
-        _scatter(blocks.flats[s], offsets[a:b], vals[a:b], check, list(zip(names[i:j], counts[i:j])))
-
-
-def write_direct(items, check: "ReadBack") -> None:
-    """Overwrite the changed elements of a flush's params in place, through every view their loader used.
-
-    ``items``: ``(name, targets, positions, values, numel)`` per param. Views that hold a whole HF tensor as one
-    contiguous block (every expert of a fused MoE weight, most dense weights) are written with one
-    ``index_copy_`` per destination storage for the whole flush; the views that hold part of one (TP shards)
-    are selected together, with one ``nonzero`` and one host read for the flush, not one per param. Every write is
-    read back into ``check``."""
-    blocks: Dict[Tuple[int, torch.dtype], list] = {}  # destination storage -> [(view, positions, values, name)]
-    partial = []  # (view, mask, offsets, values, name)
-    for name, targets, idx, values, numel in items:
-        device = targets[0].flat.device
-        if idx.device != device or values.device != device:  # the receiver hands the flush over on the device
-            idx, values = idx.to(device, non_blocking=True), values.to(device, non_blocking=True)
-        for t in targets:
-            if not t.dims and t.soff == 0 and t.numel == numel:
-                blocks.setdefault((t.flat.data_ptr(), t.flat.dtype), []).append((t, idx, values, name))
-                continue
-            mask, offsets = t.targets(idx, whole=t.soff == 0 and t.numel == numel)
-            if mask is None:
-                _scatter(t.flat, offsets, values, check, [(name, idx.numel())])
-            else:
-                partial.append((t, mask, offsets, values, name))
-    for entries in blocks.values():
-        _write_blocks(entries, check)
-    if not partial:
-        return
-    starts = [0]
-    for _, mask, _, _, _ in partial:
-        starts.append(starts[-1] + mask.numel())
-    hits = torch.cat([m for _, m, _, _, _ in partial]).nonzero().squeeze(1)
-    bounds = host_values(torch.searchsorted(hits, torch.tensor(starts, device=hits.device)))
-    for (t, _, offsets, values, name), a, b, start in zip(partial, bounds, bounds[1:], starts):
+    item = repeat_counts(torch.arange(len(items), device=device), counts)  # each entry's item
+    sids = rows[:, _SID]
+    cuts = np.r_[0, np.flatnonzero(np.diff(sids)) + 1, len(items)]
+    if rows[0, _WHOLE]:
+        offsets = idx + repeat_counts(to_device(rows[:, _DOFF].tolist(), device), counts)
+        ends = np.cumsum([int(n[i:j].sum()) for i, j in zip(cuts[:-1], cuts[1:])]).tolist()
+    else:
+        table = to_device(rows[:, _SOFF:].tolist(), device)  # (items, 2 + 3 * dims): one copy to the device
+        rem = idx - take(table[:, 0], item)
+        offsets = take(table[:, 1], item)
+        held = rem >= 0
+        for d in range(plan.dims):
+            size, sstride, dstride = (take(table[:, 2 + 3 * d + k], item) for k in range(3))
+            i = torch.div(rem, sstride, rounding_mode="floor")
+            held &= i < size
+            rem -= i * sstride
+            offsets += i * dstride
+        held &= rem == 0
+        ends = host_values(take(held.cumsum(0), to_device((np.cumsum(n)[cuts[1:] - 1] - 1).tolist(), device)))
+        hits = torch.nonzero_static(held, size=ends[-1]).squeeze(1)
+        offsets, vals, idx, item = take(offsets, hits), gather(vals, hits), take(idx, hits), take(item, hits)
+    wrong = []
+    for s, a, b in zip(sids[cuts[:-1]].tolist(), [0] + ends[:-1], ends):
         if b > a:
-            sel = hits[a:b] - start
-            _scatter(t.flat, take(offsets, sel), gather(values, sel), check, [(name, b - a)])
+            wrong.append(_scatter(plan.flats[s], offsets[a:b], vals[a:b]))
+    check.add(wrong, item, idx, [it[4] for it in items])
 
 
 def _write_bits(flat: torch.Tensor, offsets: torch.Tensor, bits: torch.Tensor) -> None:
@@ -239,68 +237,48 @@ def _write_bits(flat: torch.Tensor, offsets: torch.Tensor, bits: torch.Tensor) -
     flat.index_copy_(0, offsets, bits)
 
 
-def _scatter(flat: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor, check: "ReadBack",
-             params: List[Tuple[str, int]]) -> None:
-    """``flat[offsets] = values`` as bits (the values cast to the param's dtype first, as the loader's copy does),
-    then read back: integer views, because index ops lack fp8 kernels (CPU) and a bit copy is what a delta means
-    anyway. ``params``: the (name, count) of each param the values hold, in order."""
+def _scatter(flat: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``flat[offsets] = values`` as bits (the values cast to the param's dtype first, as the loader's copy does), then
+    read back right after it (stream order: a later write over the same elements cannot hide it); returns where the
+    bits read back differ. Integer views: index ops lack fp8 kernels (CPU), and a bit copy is what a delta means."""
     iv = INT_VIEW[flat.element_size()]
-    bits = values.to(flat.dtype).view(iv)
-    _write_bits(flat.view(iv), offsets, bits)
-    check.add(flat.view(iv), offsets, bits, params)
+    bits, flat = values.to(flat.dtype).view(iv), flat.view(iv)
+    _write_bits(flat, offsets, bits)
+    return flat.index_select(0, offsets) != bits
 
 
 class ReadBack:
-    """Every write of an apply read back through the offsets it wrote and compared with the bits it meant to write,
-    right after it (stream order), so a later write over the same elements cannot hide it: per write, the index of
-    its first wrong element or -1, on the device, and on the host the params it covered. One host read for the
-    apply decides (:meth:`verdict`): the checksum proved the request intact, this proves it landed where meant."""
+    """Every write of an apply compared with the bits it meant to write: per pass, on the device, the item and HF
+    position of its first wrong element or -1, and on the host the names of its items. One host read for the apply
+    decides (:meth:`verdict`): the checksum proved the request intact, this proves it landed where meant."""
 
     def __init__(self):
         self._firsts: List[torch.Tensor] = []
-        self._params: List[List[Tuple[str, int]]] = []
+        self._names: List[List[str]] = []
 
-    def add(self, flat: torch.Tensor, offsets: torch.Tensor, bits: torch.Tensor, params) -> None:
-        if not offsets.numel():
+    def add(self, wrong: List[torch.Tensor], item: torch.Tensor, idx: torch.Tensor, names: List[str]) -> None:
+        """``wrong``: a pass's per-storage results, joined in its entries' order (``item``, ``idx``: each entry's)."""
+        if not wrong:
             return
-        wrong = flat.index_select(0, offsets) != bits
-        self._firsts.append(torch.where(wrong.any(), wrong.to(torch.uint8).argmax(), -1))
-        self._params.append(params)
+        wrong = torch.cat(wrong) if len(wrong) > 1 else wrong[0]
+        first = wrong.to(torch.uint8).argmax()
+        where = torch.stack([take(item, first.view(1))[0], take(idx, first.view(1))[0]])
+        self._firsts.append(torch.where(wrong.any(), where, -1))
+        self._names.append(names)
 
     def verdict(self) -> Optional[str]:
         """None when every written element reads back as written; else which param's did not."""
         if not self._firsts:
             return None
-        for first, params in zip(host_values(torch.stack(self._firsts)), self._params):
-            if first >= 0:
-                for name, count in params:
-                    if first < count:
-                        return f"param {name!r}: element {first} of its written ones reads back other bits than written"
-                    first -= count
+        for (k, position), names in zip(host_values(torch.stack(self._firsts)), self._names):
+            if k >= 0:
+                return f"param {names[k]!r}: its element {position} reads back other bits than written"
         return None
 
 
 def _bits(flat: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``flat[offsets]`` as integers of the same width (see :func:`_scatter`)."""
     return take(flat.view(INT_VIEW[flat.element_size()]), offsets)
-
-
-def _write_blocks(entries, check: ReadBack) -> None:
-    """One storage's whole-block writes of a flush as one ``index_copy_`` (offsets shifted per block by a
-    repeat of host-known counts: no synchronization). Blocks whose destinations overlap (a loader
-    that writes two HF tensors over the same elements) keep their order, one write each: a batched scatter with
-    duplicate offsets has no defined winner on a GPU."""
-    flat = entries[0][0].flat
-    spans = sorted((t.doff, t.doff + t.numel) for t, _, _, _ in entries)
-    overlap = any(b[0] < a[1] for a, b in zip(spans, spans[1:]))
-    entries, alone = (entries, []) if not overlap and len(entries) > 1 else ([], entries)
-    for t, idx, values, name in alone:  # the block's start moves the view, not every position (no pass over them)
-        _scatter(flat[t.doff:], idx, values, check, [(name, idx.numel())])
-    if not entries:
-        return
-    offsets = shifted_cat([idx for _, idx, _, _ in entries], [t.doff for t, _, _, _ in entries], flat.device)
-    _scatter(flat, offsets, torch.cat([v for _, _, v, _ in entries]), check,
-             [(name, idx.numel()) for _, idx, _, name in entries])
 
 
 def read_base(direct: Dict[str, List[Direct]], params, idxs, dtype, device, held_parts: list) -> torch.Tensor:
@@ -383,12 +361,16 @@ def rebuild_xor(direct: Dict[str, List[Direct]], manifest, payloads: Sequence[De
         # an element no rank holds is a raw param's (XOR zero): every rank has the same bytes, rank 0 gives them
         mine = (owner == rank) | ((owner == world) & (rank == 0))
         parts = [pl.values.view(torch.uint8).view(pl.values.numel(), pl.values.element_size()) for pl in rebuilt]
-        raw = torch.cat([torch.where(m[:, None], b, 0) for m, b in zip(mine.split([p.shape[0] for p in parts]), parts)])
+        # one run of bytes, though a request's flushes differ in value width (bf16 weights, fp8 experts, fp32
+        # scales): widest first, so every flush's values start aligned for their dtype
+        widest = sorted(range(len(parts)), key=lambda k: -parts[k].shape[1])
+        masks = mine.split([p.shape[0] for p in parts])
+        raw = torch.cat([torch.where(masks[k][:, None], parts[k], 0).reshape(-1) for k in widest])
         torch.distributed.all_reduce(raw, op=torch.distributed.ReduceOp.SUM, group=group.device_group)  # disjoint bytes
-        out, at = [], 0
-        for pl, part in zip(rebuilt, parts):
-            n = part.shape[0]
-            out.append(dataclasses.replace(pl, values=raw[at:at + n].reshape(-1).view(pl.values.dtype)))
+        out, at = [None] * len(parts), 0
+        for k in widest:
+            n = parts[k].numel()
+            out[k] = dataclasses.replace(rebuilt[k], values=raw[at:at + n].view(rebuilt[k].values.dtype))
             at += n
         rebuilt = out
         held_masks = list((owner < world).split([p.nnz for p in params]))

@@ -1,0 +1,144 @@
+"""Sharded engines: real SGLang MoE classes (Qwen3-MoE, DeepSeek-V3's MLA) on gloo ranks at TP=2, EP=2 and TP=4 with
+EP=2, bf16 and block FP8. A full sync, then a delta per encoding (``deltas`` over a gloo broadcast from a sender
+process, ``deltas_zstd`` and ``xor_zstd`` over disk): after each, every rank bit-identical to a plain load of the same
+state on that rank. Names a rank does not hold (another rank's experts) cost nothing: no loader call at all in a delta.
+A file one rank cannot read, and a request naming an expert no rank has, are refused alike on every rank, untouched."""
+import multiprocessing as mp
+import os
+import traceback
+
+import pytest
+import torch
+
+from cpu_harness import FP8_BLOCK, delta_flushes, fp8_block_quantize, free_port, full_flushes, hf_config, rl_states
+from delta_helpers import GlooSender
+from sglang.srt.weight_sync.delta.files import as_parts, flush_file
+from sglang.srt.weight_sync.delta.wire import POSITIONS, VALUES, dtype_to_str
+
+GROUP = "sharded-test"
+# version -> how it travels (v1: the full sync, over disk)
+PLAN = {2: ("deltas", "broadcast"), 3: ("deltas_zstd", "disk"), 4: ("xor_zstd", "disk"), 5: ("deltas_zstd", "disk")}
+
+
+def config(arch: str, quant):
+    # FP8: 128x128 blocks, whole in every TP shard (a rank's K/V: one 128-wide head)
+    cfg = hf_config(arch, hidden=512 if quant else 256, layers=2)
+    cfg.num_experts = cfg.n_routed_experts = 8
+    return cfg
+
+
+def publish(root: str, version: int, payloads, zstd: bool, name: str = "weight") -> str:
+    """One request: every flush of the sync as a part of one publish (as the disk transport writes them)."""
+    vdir = os.path.join(root, f"{name}_v{version:06d}")
+    os.makedirs(vdir)
+    for pl in payloads:
+        pl.spec.flush, pl.spec.final = 0, True
+    for k, pl in enumerate(as_parts(payloads)):
+        with open(os.path.join(vdir, f"rank0000_flush{k:06d}.safetensors"), "wb") as f:
+            f.write(flush_file(pl, 1 if zstd else None))
+    return vdir
+
+
+def _rank(rank, world, ep, arch, quant, root, sender_init, errors):
+    try:
+        torch.set_num_threads(1)
+        from cpu_harness import Host, init_sglang_inprocess, nan_filled, sglang_model
+        from sglang.srt.utils.common import init_custom_process_group
+        from sglang.srt.weight_sync.delta.receiver import delta_status, receiver_state
+
+        init_sglang_inprocess(tp_rank=rank, tp_size=world, init_method=f"tcp://127.0.0.1:{root[1]}", ep_size=ep)
+        root = root[0]
+        states = torch.load(os.path.join(root, "states.pt"))
+        cfg = config(arch, quant)
+        host = Host(nan_filled(sglang_model(cfg, quant)), chunk_bytes=64 << 10)
+        host._model_update_group[GROUP] = init_custom_process_group(
+            backend="gloo", init_method=sender_init, world_size=world + 1, rank=rank + 1, group_name=GROUP)
+
+        def holds(v):
+            ref = nan_filled(sglang_model(cfg, quant))
+            ref.load_weights(list(states[v - 1].items()))
+            for (n, a), (_, b) in zip(host.model.named_parameters(), ref.named_parameters()):
+                assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), f"rank {rank} v{v}: {n}"
+
+        def disk(v, files=None, name="weight"):
+            vdir = os.path.join(root, f"{name}_v{v:06d}")
+            return host.call("_apply_delta", vdir, files or sorted(os.listdir(vdir)), str(v))
+
+        ok, msg = disk(1)
+        assert ok, msg
+        holds(1)
+        st = receiver_state(host.model)
+        experts = {n for n in st.manifest if ".mlp.experts." in n}
+        assert st.unheld <= experts and len(st.unheld) == len(experts) * (ep - 1) // ep, (len(st.unheld), len(experts))
+        assert not st.dense  # FP8 experts of other ranks travel sparse too (no rank asks for them whole)
+        loads = []
+        native = host.model.load_weights
+        host.model.load_weights = lambda weights: loads.append(len(list(weights))) or native(weights)
+        for v, (encoding, transport) in PLAN.items():
+            if transport == "broadcast":
+                for spec, positions, values in torch.load(os.path.join(root, f"broadcast_v{v}.pt")):
+                    ok, msg = host.call("_apply_delta_from_distributed", spec, [POSITIONS, VALUES],
+                                        ["uint8", dtype_to_str(values.dtype)], [[positions.numel()], [values.numel()]],
+                                        GROUP, str(v))
+                    assert ok, f"rank {rank} v{v}: {msg}"
+            else:
+                if v == 5:  # first, a file only the reading rank is told of (not yet visible on its node)
+                    files = sorted(os.listdir(os.path.join(root, f"weight_v{v:06d}")))
+                    ok, msg = disk(v, files + (["late.safetensors"] if rank == 0 else []))
+                    assert not ok and "file 'late.safetensors': cannot read" in msg, f"rank {rank}: {msg}"
+                    holds(v - 1)
+                    status = delta_status(host.model)
+                    assert status.version == v - 1 and not status.needs_full and status.code == "malformed", status
+                    # a request naming an expert that exists on no rank
+                    ok, msg = disk(v, name="unknown")
+                    assert not ok and delta_status(host.model).code == "manifest", f"rank {rank}: {msg}"
+                    holds(v - 1)
+                ok, msg = disk(v)
+                assert ok, f"rank {rank} v{v}: {msg}"
+            holds(v)
+            assert receiver_state(host.model).version == v
+        assert loads == [], loads  # every delta went through recorded views; other ranks' names were skipped
+    except BaseException:
+        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+
+
+@pytest.mark.parametrize("arch, quant, world, ep", [
+    ("qwen3-moe", None, 2, 1), ("qwen3-moe", None, 2, 2), ("qwen3-moe", "fp8", 2, 2), ("qwen3-moe", None, 4, 2),
+    ("deepseek-v3", None, 2, 2), ("deepseek-v3", "fp8", 2, 2)])
+def test_every_rank_of_a_sharded_engine_takes_each_delta_bit_identically(tmp_path, arch, quant, world, ep):
+    cfg = config(arch, quant)
+    states = rl_states(cfg, len(PLAN), seed=0)
+    if quant:
+        states = [fp8_block_quantize(s) for s in states]
+    root = str(tmp_path)
+    torch.save(states, os.path.join(root, "states.pt"))
+    publish(root, 1, full_flushes(states[0], version=1, max_params=40), zstd=False)
+    for v, (encoding, transport) in PLAN.items():
+        payloads = delta_flushes(states[v - 2], states[v - 1], encoding, version=v, base_version=v - 1, max_params=40)
+        if transport == "broadcast":
+            torch.save([(pl.spec.to_json(), pl.positions, pl.values) for pl in payloads],
+                       os.path.join(root, f"broadcast_v{v}.pt"))
+            broadcast = payloads
+        else:
+            publish(root, v, payloads, zstd=True)
+    expert = next(n for n in states[0] if ".mlp.experts.0.gate_proj.weight" in n)
+    old, new = dict(states[3]), dict(states[4])
+    old[expert.replace(".0.", ".99.")], new[expert.replace(".0.", ".99.")] = old[expert], new[expert]  # on no rank
+    publish(root, 5, delta_flushes(old, new, "deltas_zstd", version=5, base_version=4), zstd=True, name="unknown")
+
+    sender = GlooSender(group_name=GROUP, world_size=world + 1)
+    for pl in broadcast:
+        sender.send(pl)
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    tp_port = free_port()
+    procs = [ctx.Process(target=_rank, args=(r, world, ep, arch, FP8_BLOCK if quant else None, (root, tp_port),
+                                             sender.init_method, errors)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(600)
+    sender.close()
+    failures = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
+    assert not failures, "\n".join(failures)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
