@@ -69,7 +69,8 @@ def synced(steps: int):
     for pl in full_flushes(states[0], version=1):
         ok, msg = host.call("_apply_delta_payload", [pl])
         assert ok, msg
-    assert any(row[1] for rows in receiver_state(host.model).plan.rows.values() for row in rows)  # whole blocks
+    plan = receiver_state(host.model).plan
+    assert any(row[1] == views_module._WHOLE for rows in plan.rows.values() for row in rows)  # whole blocks
     return cfg, states, host
 
 

@@ -118,9 +118,10 @@ def direct_plan(model: torch.nn.Module, recorder: fingerprint.FingerprintRecorde
 @dataclasses.dataclass
 class WritePlan:
     """Every recorded view of a direct plan as one row of integers, so a run of changed elements is mapped into model
-    storage by the same few tensor ops whatever its params: ``rows[name]`` holds, per view, ``(storage id, whole,
+    storage by the same few tensor ops whatever its params: ``rows[name]`` holds, per view, ``(storage id, kind,
     soff, doff)`` then ``dims`` triples ``(size, src stride, dst stride)``, outer to inner, padded with ``(1, 1, 0)``.
-    ``whole``: the view is the param's whole HF tensor as one block (every element lands at ``doff + position``). A
+    ``kind``: the param's whole HF tensor as one block (every element lands at ``doff + position``), one run of it
+    (a row shard: positions ``soff`` to ``soff + size``), or any other view (a column shard: the dims decide). A
     storage where two views' destinations may overlap (a loader writing two HF tensors over the same elements) is
     ``ordered``: its writes keep the flush's order, one view at a time (a batched scatter with duplicate offsets has
     no defined winner on a GPU)."""
@@ -131,7 +132,8 @@ class WritePlan:
     dims: int
 
 
-_SID, _WHOLE, _SOFF, _DOFF, _DIMS = 0, 1, 2, 3, 4
+_SID, _KIND, _SOFF, _DOFF, _DIMS = 0, 1, 2, 3, 4
+_STRIDED, _RUN, _WHOLE = 0, 1, 2  # view kinds, in the order a pass over part views takes them
 
 
 def write_plan(direct: Dict[str, List[Direct]], manifest: Dict[str, Tuple[List[int], str]]) -> WritePlan:
@@ -151,8 +153,8 @@ def write_plan(direct: Dict[str, List[Direct]], manifest: Dict[str, Tuple[List[i
                 spans.append([])
             geometry = t.dims or [(t.numel, 1, 1)]
             geometry = geometry + [(1, 1, 0)] * (dims - len(geometry))
-            whole = not t.dims and t.soff == 0 and t.numel == numel
-            out.append((sid, int(whole), t.soff, t.doff, *(v for d in geometry for v in d)))
+            kind = _STRIDED if t.dims else _WHOLE if t.soff == 0 and t.numel == numel else _RUN
+            out.append((sid, kind, t.soff, t.doff, *(v for d in geometry for v in d)))
             spans[sid].append((t.doff, t.doff + 1 + sum((size - 1) * dstride for size, _, dstride in geometry)))
         rows[name] = out
     ordered = set()
@@ -168,12 +170,13 @@ def write_run(plan: WritePlan, run: Run, values: torch.Tensor, check: "ReadBack"
     views holding part of a param (TP shards, local experts, pieces of a fused loader copy) each in one pass per
     run, one ``index_copy_`` per destination storage, whatever the count of params; views into an ``ordered``
     storage one at a time. Every write is read back into ``check``."""
-    groups: Tuple[list, list] = ([], [])  # (partial views, whole blocks): (row, start in x, start in values, count)
+    groups: Tuple[list, list] = ([], [])  # (part views, whole blocks): (row, start in x, start in values, count)
     ordered = []
     for p, a in zip(run.params, run.starts):
         n = p.val_end - p.val_start
         for row in plan.rows[p.name]:
-            (ordered if row[_SID] in plan.ordered else groups[row[_WHOLE]]).append((row, a, p.val_start, n, p.name))
+            (ordered if row[_SID] in plan.ordered else groups[row[_KIND] == _WHOLE]).append(
+                (row, a, p.val_start, n, p.name))
     for items in groups:
         if items:
             _write_items(plan, run.positions, values, items, check)
@@ -183,10 +186,12 @@ def write_run(plan: WritePlan, run: Run, values: torch.Tensor, check: "ReadBack"
 
 def _write_items(plan: WritePlan, x: torch.Tensor, values: torch.Tensor, items: list, check: "ReadBack") -> None:
     """One pass over ``items`` (all whole blocks, or all part views, or one view): positions and values gathered in
-    storage order, mapped to storage offsets (index arithmetic on the rows), the entries a part view does not hold
-    dropped (one host read of the count per storage), then one write and one read-back per storage."""
+    storage order, mapped to storage offsets (index arithmetic on the rows: row shards first, by a range check, then
+    the other views through their dims), the entries a part view does not hold dropped (one host read of the count
+    per storage), then one write and one read-back per storage."""
     device = x.device
-    order = sorted(range(len(items)), key=lambda k: items[k][0][_SID])  # grouped by storage, flush order within
+    # row shards first, then the rest; grouped by storage within each, flush order within one
+    order = sorted(range(len(items)), key=lambda k: (-items[k][0][_KIND], items[k][0][_SID]))
     items = [items[k] for k in order]
     rows = np.array([it[0] for it in items], dtype=np.int64).reshape(len(items), -1)
     xa, va, n = (np.array([it[k] for it in items], dtype=np.int64) for k in (1, 2, 3))
@@ -206,8 +211,8 @@ def _write_items(plan: WritePlan, x: torch.Tensor, values: torch.Tensor, items: 
             repeat_counts(to_device((va - firsts).tolist(), device), counts)))
     item = repeat_counts(torch.arange(len(items), device=device), counts)  # each entry's item
     sids = rows[:, _SID]
-    cuts = np.r_[0, np.flatnonzero(np.diff(sids)) + 1, len(items)]
-    if rows[0, _WHOLE]:
+    cuts = np.r_[0, np.flatnonzero(np.diff(sids) | np.diff(rows[:, _KIND])) + 1, len(items)]
+    if rows[0, _KIND] == _WHOLE:
         offsets = idx + repeat_counts(to_device(rows[:, _DOFF].tolist(), device), counts)
         ends = np.cumsum([int(n[i:j].sum()) for i, j in zip(cuts[:-1], cuts[1:])]).tolist()
     else:
@@ -215,13 +220,19 @@ def _write_items(plan: WritePlan, x: torch.Tensor, values: torch.Tensor, items: 
         rem = idx - take(table[:, 0], item)
         offsets = take(table[:, 1], item)
         held = rem >= 0
-        for d in range(plan.dims):
-            size, sstride, dstride = (take(table[:, 2 + 3 * d + k], item) for k in range(3))
-            i = torch.div(rem, sstride, rounding_mode="floor")
-            held &= i < size
-            rem -= i * sstride
-            offsets += i * dstride
-        held &= rem == 0
+        runs = int(n[rows[:, _KIND] == _RUN].sum())  # entries of row shards: the first ones
+        if runs:  # held where the position lies in the shard's run; its offset is the position's place there
+            held[:runs] &= rem[:runs] < take(table[:, 2], item[:runs])
+            offsets[:runs] += rem[:runs]
+        if runs < total:
+            rem, part = rem[runs:], item[runs:]
+            for d in range(plan.dims):
+                size, sstride, dstride = (take(table[:, 2 + 3 * d + k], part) for k in range(3))
+                i = torch.div(rem, sstride, rounding_mode="floor")
+                held[runs:] &= i < size
+                rem -= i * sstride
+                offsets[runs:] += i * dstride
+            held[runs:] &= rem == 0
         ends = host_values(take(held.cumsum(0), to_device((np.cumsum(n)[cuts[1:] - 1] - 1).tolist(), device)))
         hits = torch.nonzero_static(held, size=ends[-1]).squeeze(1)
         offsets, vals, idx, item = take(offsets, hits), gather(vals, hits), take(idx, hits), take(item, hits)
