@@ -510,18 +510,19 @@ def flip_a_value_bit(version_dir: str, prefix: str) -> str:
     return path
 
 
-def join_update_group(server: Server, group_name: str):
-    """This process becomes rank 0 of a gloo weight-update group the server joins (the trainer's role)."""
+def join_update_group(server: Server, group_name: str, tp: int = 1):
+    """This process becomes rank 0 of a gloo weight-update group the server's ``tp`` ranks join (the trainer's
+    role)."""
     import threading
 
     from sglang.srt.utils.common import init_custom_process_group
 
     port, box = free_port(), {}
     t = threading.Thread(target=lambda: box.setdefault("pg", init_custom_process_group(
-        backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=0, group_name=group_name)))
+        backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=1 + tp, rank=0, group_name=group_name)))
     t.start()
     r = server.post("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": port,
-                                                   "rank_offset": 1, "world_size": 2, "group_name": group_name,
+                                                   "rank_offset": 1, "world_size": 1 + tp, "group_name": group_name,
                                                    "backend": "gloo"})
     t.join(60)
     if r.status_code != 200 or "pg" not in box:

@@ -2,7 +2,8 @@
 EP=2, bf16 and block FP8. A full sync, then a delta per encoding (``deltas`` over a gloo broadcast from a sender
 process, ``deltas_zstd`` and ``xor_zstd`` over disk): after each, every rank bit-identical to a plain load of the same
 state on that rank. Names a rank does not hold (another rank's experts) cost nothing: no loader call at all in a delta.
-A file one rank cannot read, and a request naming an expert no rank has, are refused alike on every rank, untouched."""
+A file one rank cannot read, and a request naming an expert no rank has, are refused alike on every rank, untouched.
+And a real ``launch_server --tp 2`` (SGLang's CPU backend runs no expert parallelism) through a training loop."""
 import multiprocessing as mp
 import os
 import traceback
@@ -10,10 +11,13 @@ import traceback
 import pytest
 import torch
 
-from cpu_harness import FP8_BLOCK, delta_flushes, fp8_block_quantize, free_port, full_flushes, hf_config, rl_states
+from cpu_harness import (FP8_BLOCK, Server, bf16_state, delta_flushes, fp8_block_quantize, free_port, full_flushes,
+                         hf_config, hf_model, join_update_group, rl_states, rl_steps, segments, write_hf_checkpoint)
 from delta_helpers import GlooSender
 from sglang.srt.weight_sync.delta.files import as_parts, flush_file
-from sglang.srt.weight_sync.delta.wire import POSITIONS, VALUES, dtype_to_str
+from sglang.srt.weight_sync.delta.sender import DeltaSender
+from sglang.srt.weight_sync.delta.transport import DiskTransport, HttpEngine, NcclTransport
+from sglang.srt.weight_sync.delta.wire import POSITIONS, VALUES, dtype_to_str, zstd_level
 
 GROUP = "sharded-test"
 # version -> how it travels (v1: the full sync, over disk)
@@ -142,3 +146,35 @@ def test_every_rank_of_a_sharded_engine_takes_each_delta_bit_identically(tmp_pat
     failures = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
     assert not failures, "\n".join(failures)
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
+def test_a_tp2_server_takes_a_training_loop_over_disk_then_gloo(tmp_path):
+    """A real server with ``--tp 2`` (a Qwen3-MoE, every expert sharded over both ranks): the sender's own loop, its
+    fingerprint checked against every rank's share after every sync; ``xor_zstd`` files (the first rank reads them
+    once, the ranks rebuild together), then a gloo group the server's two ranks join (a full sync, then ``deltas``)."""
+    cfg = config("qwen3-moe", None)
+    boot = write_hf_checkpoint(str(tmp_path / "boot"), cfg, bf16_state(hf_model(cfg, seed=2)))
+    srv = Server(boot, str(tmp_path / "server.log"), extra=["--tp", "2"],
+                 env={"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}).wait_healthy()  # one core per rank
+    try:
+        trainer = hf_model(cfg, seed=1)
+        state = bf16_state(trainer)
+        engine = HttpEngine(srv.url)
+        disk = DiskTransport(str(tmp_path / "shared"), [engine], zstd=zstd_level("xor_zstd"))
+        for encoding, transport in (("xor_zstd", disk), ("deltas", None)):
+            if transport is None:
+                transport = NcclTransport(join_update_group(srv, "tp2-gloo", tp=2), "tp2-gloo", [engine])
+            sender = DeltaSender(transport, [engine], encoding=encoding, buffer_bytes=256 << 10, fingerprint_every=1)
+            sender.version = max(s.version or 0 for s in engine.status())  # continue the engine's chain
+            for k in range(3):  # a full sync, then deltas
+                results = sender.update(segments(state))
+                assert results[0][0], results
+                m = sender.pop_metrics()
+                assert m["perf/update_weights_fingerprint_mismatches"] == 0, m
+                assert m["perf/update_weights_fingerprint_uncovered"] == 0, m
+                assert k == 0 or m["perf/update_weights_xor"] == (encoding == "xor_zstd"), m
+                state = next(rl_steps(trainer, 1, seed=k))
+            assert [s.version for s in engine.status()] == [sender.version] * 2  # both ranks
+            transport.close()
+    finally:
+        srv.stop()
