@@ -47,9 +47,11 @@ def _rank_main(rank, init_method, root, n_syncs, errors, encoding, arch, raw, ru
                 ok, msg = host.call("_apply_delta", vdir, files, str(v))
             assert ok, f"rank {rank} v{v}: {msg}"
             assert receiver_state(host.model).xor_raw == raw  # what the status tells the sender to send raw
-            # per file: checksum + checks, and how many of its entries each storage of the shard holds; per request:
-            # two TP agreements (xor_zstd: one more agreement, and the check that every element was rebuilt)
-            assert run or len(syncs.ops) <= 3 * len(files) + 2 + 3 * (encoding == "xor_zstd" and v > 1), \
+            # per file: checksum + checks, and how many of its entries each storage of the shard holds (xor_zstd:
+            # for its base read too); per request: two TP agreements (xor_zstd: one more agreement, and the check
+            # that every element was rebuilt)
+            xor = encoding == "xor_zstd" and v > 1
+            assert run or len(syncs.ops) <= (3 + xor) * len(files) + 2 + 3 * xor, \
                 (len(files), syncs.ops)
             holds(v)
     except BaseException:

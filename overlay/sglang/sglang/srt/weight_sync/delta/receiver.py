@@ -201,7 +201,7 @@ def _apply_request(self, payloads: Sequence[DeltaPayload], weight_version: Optio
         error = peer
     if xor and error is None:  # every rank agreed to rebuild: the rebuild's collectives match on all of them
         try:
-            payloads = rebuild_xor(state.direct or {}, manifest, payloads, device)
+            payloads = rebuild_xor(state.plan, manifest, payloads, device)
             decoded = [validate_payload(p, manifest) for p in payloads]
         except DeltaError as e:
             error = e

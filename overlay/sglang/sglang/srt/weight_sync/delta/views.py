@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import logging
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -20,7 +19,7 @@ import torch
 
 from sglang.srt.weight_sync.delta import fingerprint
 from sglang.srt.weight_sync.delta.collectives import tp_agree, tp_group
-from sglang.srt.weight_sync.delta.ops import INT_VIEW, gather, host_values, repeat_counts, shifted_cat, take, to_device
+from sglang.srt.weight_sync.delta.ops import INT_VIEW, gather, host_values, repeat_counts, take, to_device
 from sglang.srt.weight_sync.delta.positions import Run
 from sglang.srt.weight_sync.delta.validate import unxor
 from sglang.srt.weight_sync.delta.wire import DeltaError, DeltaPayload, Refusal
@@ -64,22 +63,6 @@ class Direct:
         if ptr_flat[0] != c.ptr or geometry is None:
             return None
         return cls(ptr_flat[1], soff, doff, *geometry)
-
-    def targets(self, idx: torch.Tensor, whole: bool) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
-        """(a mask of the entries of ``idx`` this view holds, or None for all; every entry's offset in ``flat``,
-        meaningful where the mask holds). No host synchronization: the caller selects for a whole flush at once."""
-        if not self.dims:
-            offsets = idx + (self.doff - self.soff)
-            return (None, offsets) if whole else ((idx >= self.soff) & (idx < self.soff + self.numel), offsets)
-        rem = idx - self.soff
-        ok = rem >= 0
-        out = torch.full_like(idx, self.doff)
-        for size, sstride, dstride in self.dims:
-            i = torch.div(rem, sstride, rounding_mode="floor")
-            ok &= (i >= 0) & (i < size)
-            rem -= i * sstride
-            out += i * dstride
-        return ok & (rem == 0), out
 
 
 @functools.lru_cache(maxsize=1 << 12)  # a model's copies share a few geometries (every expert's, every layer's)
@@ -184,11 +167,28 @@ def write_run(plan: WritePlan, run: Run, values: torch.Tensor, check: "ReadBack"
         _write_items(plan, run.positions, values, [item], check)
 
 
-def _write_items(plan: WritePlan, x: torch.Tensor, values: torch.Tensor, items: list, check: "ReadBack") -> None:
-    """One pass over ``items`` (all whole blocks, or all part views, or one view): positions and values gathered in
-    storage order, mapped to storage offsets (index arithmetic on the rows: row shards first, by a range check, then
-    the other views through their dims), the entries a part view does not hold dropped (one host read of the count
-    per storage), then one write and one read-back per storage."""
+@dataclasses.dataclass
+class _Located:
+    """Where a pass's entries land: per entry (kept ones only) its HF position, its item, its offset in its storage's
+    flat tensor and its index in the positions (``src``; None: entry ``k`` is position ``k``); ``segments``: per
+    destination storage, ``(storage id, first entry, end)``; per item (in the pass's order) its name and the shift
+    from its positions to its values."""
+
+    names: List[str]
+    shifts: np.ndarray
+    segments: List[Tuple[int, int, int]]
+    idx: torch.Tensor
+    item: torch.Tensor
+    offsets: torch.Tensor
+    src: Optional[torch.Tensor]
+
+
+def _locate(plan: WritePlan, x: torch.Tensor, items: list) -> _Located:
+    """One pass over ``items`` (``(row, start in x, start in values, count, name)``; all whole blocks, or all part
+    views): positions gathered in storage order and mapped to storage offsets by index arithmetic on the rows (row
+    shards by a range check, the other views through their dims), the entries a part view does not hold dropped (one
+    host read: how many each storage keeps). The one way positions find their place in model storage, for writes and
+    for the bases ``xor_zstd`` is relative to."""
     device = x.device
     # row shards first, then the rest; grouped by storage within each, flush order within one
     order = sorted(range(len(items)), key=lambda k: (-items[k][0][_KIND], items[k][0][_SID]))
@@ -199,16 +199,10 @@ def _write_items(plan: WritePlan, x: torch.Tensor, values: torch.Tensor, items: 
     firsts = np.cumsum(n) - n
     total = int(n.sum())
     if (xa == firsts).all():  # in run order and back to back (a dense model): a slice, no gather
-        idx, at = x[:total], None
+        idx, src = x[:total], None
     else:
-        at = torch.arange(total, device=device).add_(repeat_counts(to_device((xa - firsts).tolist(), device), counts))
-        idx = take(x, at)
-    shift = va - xa  # a run's values pair with its positions at one shift, unless a dense param lies between
-    if (shift == shift[0]).all():
-        vals = values[int(va[0]):int(va[0]) + total] if at is None else gather(values, at.add_(int(shift[0])))
-    else:
-        vals = gather(values, torch.arange(total, device=device).add_(
-            repeat_counts(to_device((va - firsts).tolist(), device), counts)))
+        src = torch.arange(total, device=device).add_(repeat_counts(to_device((xa - firsts).tolist(), device), counts))
+        idx = take(x, src)
     item = repeat_counts(torch.arange(len(items), device=device), counts)  # each entry's item
     sids = rows[:, _SID]
     cuts = np.r_[0, np.flatnonzero(np.diff(sids) | np.diff(rows[:, _KIND])) + 1, len(items)]
@@ -235,12 +229,25 @@ def _write_items(plan: WritePlan, x: torch.Tensor, values: torch.Tensor, items: 
             held[runs:] &= rem == 0
         ends = host_values(take(held.cumsum(0), to_device((np.cumsum(n)[cuts[1:] - 1] - 1).tolist(), device)))
         hits = torch.nonzero_static(held, size=ends[-1]).squeeze(1)
-        offsets, vals, idx, item = take(offsets, hits), gather(vals, hits), take(idx, hits), take(item, hits)
-    wrong = []
-    for s, a, b in zip(sids[cuts[:-1]].tolist(), [0] + ends[:-1], ends):
-        if b > a:
-            wrong.append(_scatter(plan.flats[s], offsets[a:b], vals[a:b]))
-    check.add(wrong, item, idx, [it[4] for it in items])
+        src = hits if src is None else take(src, hits)
+        offsets, idx, item = take(offsets, hits), take(idx, hits), take(item, hits)
+    segments = [(s, a, b) for s, a, b in zip(sids[cuts[:-1]].tolist(), [0] + ends[:-1], ends) if b > a]
+    return _Located([it[4] for it in items], va - xa, segments, idx, item, offsets, src)
+
+
+def _write_items(plan: WritePlan, x: torch.Tensor, values: torch.Tensor, items: list, check: "ReadBack") -> None:
+    """:func:`_locate` the items, gather their values in the same order, then one write and one read-back per
+    storage."""
+    loc = _locate(plan, x, items)
+    total, shifts = loc.offsets.numel(), loc.shifts
+    if (shifts == shifts[0]).all():  # a run's values pair with its positions at one shift, unless a dense param lies
+        k = int(shifts[0])          # between
+        vals = values[k:k + total] if loc.src is None else gather(values, loc.src + k)
+    else:
+        at = torch.arange(total, device=x.device) if loc.src is None else loc.src
+        vals = gather(values, at + take(to_device(shifts.tolist(), x.device), loc.item))
+    wrong = [_scatter(plan.flats[s], loc.offsets[a:b], vals[a:b]) for s, a, b in loc.segments]
+    check.add(wrong, loc.item, loc.idx, loc.names)
 
 
 def _write_bits(flat: torch.Tensor, offsets: torch.Tensor, bits: torch.Tensor) -> None:
@@ -292,58 +299,40 @@ def _bits(flat: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return take(flat.view(INT_VIEW[flat.element_size()]), offsets)
 
 
-def read_base(direct: Dict[str, List[Direct]], params, idxs, dtype, device, held_parts: list) -> torch.Tensor:
-    """The committed values at ``idxs`` through each param's recorded views, aligned with the flush's values;
-    appends, per param, the mask of the entries this rank holds (None: all of them) to ``held_parts``.
-
-    A param with a whole-block view is read with the others of its storage in one gather per storage; the
-    rest per param. Entries no view holds read as zero (a param no rank stores travels raw) or as anything
-    (the caller refuses a param that is held only in part)."""
+def read_base(plan: Optional[WritePlan], params, idxs, dtype, device, held_parts: list) -> torch.Tensor:
+    """The committed values at ``idxs`` through each param's recorded views of ``dtype`` (others hold other bytes than
+    the trainer's: no base), aligned with the flush's values, located as writes are (:func:`_locate`: one pass for
+    whole blocks, one for part views, one gather per storage); appends, per param, the mask of the entries this rank
+    holds (None: all of them) to ``held_parts``. Entries no view holds read as zero (a param no rank stores travels
+    raw) or as anything (the caller refuses a param that is held only in part)."""
     counts = [p.nnz for p in params]
-    out = torch.zeros(sum(counts), dtype=INT_VIEW[dtype.itemsize], device=device)
-    blocks: Dict[Tuple[int, torch.dtype], list] = {}  # storage -> [(view, positions, start in out)]
+    total = sum(counts)
+    out = torch.zeros(total, dtype=INT_VIEW[dtype.itemsize], device=device)
+    x = torch.cat([torch.arange(p.numel, device=device) if i is None else i.to(device) for p, i in zip(params, idxs)]) \
+        if params else out.new_zeros(0, dtype=torch.int64)
+    groups: Tuple[list, list] = ([], [])  # (part views, whole blocks)
+    held = torch.zeros(total, dtype=torch.bool, device=device)
     at = 0
-    for p, idx, n in zip(params, idxs, counts):
-        numel = p.numel
-        idx = torch.arange(numel, device=device) if idx is None else idx if idx.device == device else idx.to(device)
-        targets = direct.get(p.name, ())
-        if len(targets) == 1 and targets[0].flat.dtype == dtype:  # one view of the whole tensor, as most params have
-            block = targets[0] if not targets[0].dims and targets[0].soff == 0 and targets[0].numel == numel else None
-        else:
-            targets = [t for t in targets if t.flat.dtype == dtype]  # other bytes than the trainer's: no base
-            block = next((t for t in targets if not t.dims and t.soff == 0 and t.numel == numel), None)
-        if block is not None:
-            blocks.setdefault((block.flat.data_ptr(), dtype), []).append((block, idx, at))
-            held_parts.append(None)
-        else:
-            v, h = None, torch.zeros(n, dtype=torch.bool, device=device)
-            for t in targets:
-                mask, offsets = t.targets(idx, whole=t.soff == 0 and t.numel == numel)
-                got = _bits(t.flat, offsets.clamp(0, max(t.flat.numel() - 1, 0)))  # outside this view: masked off
-                if mask is None:
-                    v, h = got, None
-                    break
-                v = got if v is None else torch.where(mask, got, v)
-                h |= mask
-            if v is not None and n:
-                out[at:at + n] = v
-            held_parts.append(h)
+    for p, n in zip(params, counts):
+        rows = [r for r in (plan.rows.get(p.name, ()) if plan is not None else ()) if plan.flats[r[_SID]].dtype == dtype]
+        for r in rows:
+            groups[r[_KIND] == _WHOLE].append((r, at, at, n, p.name))
+        held_parts.append(None if any(r[_KIND] == _WHOLE for r in rows) else held[at:at + n])
         at += n
-    for entries in blocks.values():  # idx is clamped into each param: every offset lies inside its block
-        if len(entries) == 1:  # gathered straight into place, from the block's start
-            t, idx, start = entries[0]
-            torch.index_select(t.flat[t.doff:].view(out.dtype), 0, idx, out=out[start:start + idx.numel()])
+    for whole, items in enumerate(groups):
+        if not items or not total:
             continue
-        flat, sizes = entries[0][0].flat, [idx.numel() for _, idx, _ in entries]
-        src = shifted_cat([idx for _, idx, _ in entries], [t.doff for t, _, _ in entries], device)
-        firsts = itertools.accumulate(sizes, initial=0)
-        dst = torch.arange(sum(sizes), device=device).add_(repeat_counts(
-            to_device([start - first for (_, _, start), first in zip(entries, firsts)], device), sizes))
-        out.index_copy_(0, dst, _bits(flat, src))
+        loc = _locate(plan, x, items)
+        for s, a, b in loc.segments:
+            dst = torch.arange(a, b, device=device) if loc.src is None else loc.src[a:b]
+            out.index_copy_(0, dst, _bits(plan.flats[s], loc.offsets[a:b]))
+        if not whole:
+            held.index_fill_(0, loc.src if loc.src is not None else torch.arange(loc.offsets.numel(), device=device),
+                             True)
     return out.view(dtype)
 
 
-def rebuild_xor(direct: Dict[str, List[Direct]], manifest, payloads: Sequence[DeltaPayload], device) -> List[DeltaPayload]:
+def rebuild_xor(plan: Optional[WritePlan], manifest, payloads: Sequence[DeltaPayload], device) -> List[DeltaPayload]:
     """``xor_zstd``: rebuild every flush's new values from this rank's committed bytes (see ``validate.unxor``).
 
     With tensor parallelism a rank holds only its shard of some params; the ranks rebuild together with
@@ -354,7 +343,7 @@ def rebuild_xor(direct: Dict[str, List[Direct]], manifest, payloads: Sequence[De
     held_masks: list = []  # per param: None (all held) or a mask
     group, error = tp_group(), None
     try:
-        rebuilt = [unxor(pl, manifest, lambda ps, ix, pl=pl: read_base(direct, ps, ix, pl.values.dtype, device, held_masks))
+        rebuilt = [unxor(pl, manifest, lambda ps, ix, pl=pl: read_base(plan, ps, ix, pl.values.dtype, device, held_masks))
                    for pl in payloads]
     except DeltaError as e:
         error = e
