@@ -299,36 +299,36 @@ def _bits(flat: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return take(flat.view(INT_VIEW[flat.element_size()]), offsets)
 
 
-def read_base(plan: Optional[WritePlan], params, idxs, dtype, device, held_parts: list) -> torch.Tensor:
+def read_base(plan: Optional[WritePlan], params, idxs, dtype, device, helds: list) -> torch.Tensor:
     """The committed values at ``idxs`` through each param's recorded views of ``dtype`` (others hold other bytes than
     the trainer's: no base), aligned with the flush's values, located as writes are (:func:`_locate`: one pass for
-    whole blocks, one for part views, one gather per storage); appends, per param, the mask of the entries this rank
-    holds (None: all of them) to ``held_parts``. Entries no view holds read as zero (a param no rank stores travels
-    raw) or as anything (the caller refuses a param that is held only in part)."""
+    whole blocks, one for part views, one gather per storage). Appends to ``helds`` the flush's mask of the entries
+    this rank holds, and whether any param is held through part views only. Entries no view holds read as zero (a
+    param no rank stores travels raw) or as anything (the caller refuses a param that is held only in part)."""
     counts = [p.nnz for p in params]
     total = sum(counts)
     out = torch.zeros(total, dtype=INT_VIEW[dtype.itemsize], device=device)
     x = torch.cat([torch.arange(p.numel, device=device) if i is None else i.to(device) for p, i in zip(params, idxs)]) \
         if params else out.new_zeros(0, dtype=torch.int64)
     groups: Tuple[list, list] = ([], [])  # (part views, whole blocks)
-    held = torch.zeros(total, dtype=torch.bool, device=device)
-    at = 0
+    whole, at = [], 0
     for p, n in zip(params, counts):
         rows = [r for r in (plan.rows.get(p.name, ()) if plan is not None else ()) if plan.flats[r[_SID]].dtype == dtype]
         for r in rows:
             groups[r[_KIND] == _WHOLE].append((r, at, at, n, p.name))
-        held_parts.append(None if any(r[_KIND] == _WHOLE for r in rows) else held[at:at + n])
+        whole.append(any(r[_KIND] == _WHOLE for r in rows))
         at += n
-    for whole, items in enumerate(groups):
+    held = repeat_counts(to_device(whole, device), counts).bool() if total else out.new_zeros(0, dtype=torch.bool)
+    for is_whole, items in enumerate(groups):
         if not items or not total:
             continue
         loc = _locate(plan, x, items)
         for s, a, b in loc.segments:
             dst = torch.arange(a, b, device=device) if loc.src is None else loc.src[a:b]
             out.index_copy_(0, dst, _bits(plan.flats[s], loc.offsets[a:b]))
-        if not whole:
-            held.index_fill_(0, loc.src if loc.src is not None else torch.arange(loc.offsets.numel(), device=device),
-                             True)
+        if not is_whole:
+            held.index_fill_(0, loc.src, True)
+    helds.append((held, bool(groups[0])))
     return out.view(dtype)
 
 
@@ -340,10 +340,10 @@ def rebuild_xor(plan: Optional[WritePlan], manifest, payloads: Sequence[DeltaPay
     owners contribute its rebuilt bytes, every rank gets them all. The checksum then judges the whole
     flush on every rank. Called on every rank after the ranks agreed to rebuild, so the collectives match.
     """
-    held_masks: list = []  # per param: None (all held) or a mask
+    helds: list = []  # per flush: (the entries this rank holds, whether some param is held in part views only)
     group, error = tp_group(), None
     try:
-        rebuilt = [unxor(pl, manifest, lambda ps, ix, pl=pl: read_base(plan, ps, ix, pl.values.dtype, device, held_masks))
+        rebuilt = [unxor(pl, manifest, lambda ps, ix, pl=pl: read_base(plan, ps, ix, pl.values.dtype, device, helds))
                    for pl in payloads]
     except DeltaError as e:
         error = e
@@ -352,10 +352,11 @@ def rebuild_xor(plan: Optional[WritePlan], manifest, payloads: Sequence[DeltaPay
     if error is not None:
         raise error
     params = [p for pl in rebuilt for p in pl.spec.params]
-    if group is not None and params:
+    if not params:
+        return rebuilt
+    held = torch.cat([h for h, _ in helds]) if len(helds) > 1 else helds[0][0]
+    if group is not None:
         world, rank = group.world_size, group.rank_in_group
-        held = torch.cat([torch.ones(p.nnz, dtype=torch.bool, device=device) if h is None else h
-                          for p, h in zip(params, held_masks)])
         owner = torch.where(held, rank, world).to(torch.int32)
         torch.distributed.all_reduce(owner, op=torch.distributed.ReduceOp.MIN, group=group.device_group)
         # an element no rank holds is a raw param's (XOR zero): every rank has the same bytes, rank 0 gives them
@@ -372,16 +373,17 @@ def rebuild_xor(plan: Optional[WritePlan], manifest, payloads: Sequence[DeltaPay
             n = parts[k].numel()
             out[k] = dataclasses.replace(rebuilt[k], values=raw[at:at + n].view(rebuilt[k].values.dtype))
             at += n
-        rebuilt = out
-        held_masks = list((owner < world).split([p.nnz for p in params]))
+        rebuilt, held = out, owner < world
+    elif not any(some for _, some in helds):
+        return rebuilt  # every param held whole here, or not at all
     # A param no rank holds any of (the loader ignores it, e.g. a tied lm_head) travels raw: XOR zero. A param
-    # held only in part cannot be rebuilt. One host read for the flush.
-    partial = [(k, h) for k, h in enumerate(held_masks) if h is not None and h.numel()]
-    if partial:
-        some = torch.stack([h.any() & ~h.all() for _, h in partial])
-        bad = host_values(some)
-        if any(bad):
-            name = params[partial[bad.index(True)][0]].name
-            raise DeltaError(f"param {name!r}: xor_zstd values need its committed bytes, which this engine cannot read "
-                             "all of through recorded views (send it planes_zstd)", Refusal.NO_BASE)
+    # held only in part cannot be rebuilt. Per param, how many of its entries are held: one host read.
+    counts = np.array([p.nnz for p in params], dtype=np.int64)
+    ends = np.cumsum(counts)
+    sums = torch.cat([held.new_zeros(1, dtype=torch.int64), held.cumsum(0)])
+    got = take(sums, to_device(ends.tolist(), device)) - take(sums, to_device((ends - counts).tolist(), device))
+    bad = host_values(((got > 0) & (got < to_device(counts.tolist(), device))).nonzero_static(size=1, fill_value=-1))
+    if bad[0][0] >= 0:
+        raise DeltaError(f"param {params[bad[0][0]].name!r}: xor_zstd values need its committed bytes, which this "
+                         "engine cannot read all of through recorded views (send it planes_zstd)", Refusal.NO_BASE)
     return rebuilt
