@@ -19,10 +19,10 @@ venvs:
 
 # One pytest run per SGLang pin: the same tests against both patched versions, except modules whose subject does
 # not change with the pin, run with the first only: the wire format, checksum and fingerprint (no SGLang code), the
-# package's layout, the bench's report and gpu-check's dry run (our scripts), and the 50-sync soak (`make soak
-# PIN=...` runs 200 on any pin). slime's updater runs in `make test-slime` (its own venv: Megatron, Ray).
+# package's layout, the bench's report and gpu-check's dry run (our scripts). The soak runs 12 syncs per pause mode
+# on each pin (`make soak PIN=...` runs 200). slime's updater runs in `make test-slime` (its own venv: Megatron, Ray).
 ONE_PIN_TESTS = tests/test_wire.py tests/test_checksum.py tests/test_fingerprint.py tests/test_layout.py \
-  tests/test_bench.py tests/test_gpu_check.py tests/test_soak.py
+  tests/test_bench.py tests/test_gpu_check.py
 test: venvs
 	@rc=0; skip=""; for p in $(PINS); do \
 	  echo "=== tests against patched sglang $$p ==="; \
@@ -76,8 +76,8 @@ gpu-check:
 gpu-bundle:
 	scripts/gpu_bundle.sh $(BUILD)
 
-# 200 syncs into a real server with random (seeded) faults (`make test` runs the same with 50, first pin), and the disk
-# transport's fan-out to four real servers.
+# 200 syncs per pause mode into a real server serving generation traffic, with random (seeded) faults (`make test`
+# runs 12), one `soak:` line per mode; and the disk transport's fan-out to four real servers.
 soak:
 	@scripts/build_venv.sh $(PIN) $(BUILD)
 	SOAK_SYNCS=200 $(BUILD)/venv-$(PIN)/bin/python -m pytest tests/test_soak.py tests/test_disk_fanout.py -s $(PYTEST_ARGS)

@@ -22,10 +22,11 @@ SERVER_FLAGS = ["--update-weight-delta-chunk-bytes", "16384", "--update-weight-g
 
 
 class Tamperable:
-    """The engine as the sender sees it: a real HttpEngine; a test may rewrite one announcement."""
+    """The engine as the sender sees it: a real HttpEngine (it pauses generation around each sync, in its
+    ``pause_mode``); a test may rewrite one announcement."""
 
-    def __init__(self, url):
-        self.http = HttpEngine(url, timeout=120)
+    def __init__(self, url, pause_mode="abort"):
+        self.http = HttpEngine(url, timeout=120, pause_mode=pause_mode)
         self.rewrite = None
 
     def update_weights_from_disk(self, model_path, files, weight_version):
@@ -36,6 +37,12 @@ class Tamperable:
 
     def update_weights_from_distributed(self, *args):
         return self.http.update_weights_from_distributed(*args)
+
+    def pause_generation(self):
+        return self.http.pause_generation()
+
+    def continue_generation(self):
+        return self.http.continue_generation()
 
     def fingerprint(self):
         return self.http.fingerprint()
