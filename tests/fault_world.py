@@ -2,7 +2,8 @@
 
 Faults are injected on the real path: published files are corrupted after the writer's rename
 (the transport's post-write hook), announcements are tampered with on their way to the server,
-and the engine's process can be killed between two loader calls (``SGLANG_DELTA_TEST_KILL_FILE``).
+the engine's process can be killed between two loader calls (``SGLANG_DELTA_TEST_KILL_FILE``), and its element
+write can set a wrong value (``SGLANG_DELTA_TEST_BAD_WRITE_FILE``, a test venv's shim).
 """
 import glob
 import json
@@ -57,6 +58,7 @@ class World:
         self.cfg = hf_config("llama", vocab=300)
         self.boot = write_hf_checkpoint(str(root / "boot"), self.cfg, bf16_state(hf_model(self.cfg, seed=2)))
         self.kill_file = root / "kill-engine"
+        self.bad_write_file = root / "bad-write"  # tests/cpu_shims/delta_test_faults.py
         self.trainer = hf_model(self.cfg, seed=1)
         self.steps = rl_steps(self.trainer, 1 << 20)
         self.hook = None
@@ -70,7 +72,8 @@ class World:
 
     def start_server(self):
         self.server = Server(self.boot, str(self.root / f"server-{time.time():.0f}.log"), extra=SERVER_FLAGS,
-                             env={"SGLANG_DELTA_TEST_KILL_FILE": str(self.kill_file)}).wait_healthy()
+                             env={"SGLANG_DELTA_TEST_KILL_FILE": str(self.kill_file),
+                                  "SGLANG_DELTA_TEST_BAD_WRITE_FILE": str(self.bad_write_file)}).wait_healthy()
 
     def _hook(self, vdir):
         hook, self.hook = self.hook, None

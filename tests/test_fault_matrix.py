@@ -1,7 +1,8 @@
 """Fault matrix: a real patched SGLang server on CPU, the real sender core, one fault per test.
 
 Every test injects one fault on the real path (bytes corrupted after the writer's rename, a
-tampered announcement, a process killed, a disk that fills up, a peer that never broadcasts) and
+tampered announcement, a process killed, a disk that fills up, a peer that never broadcasts, a write that sets a
+wrong value; the process, disk, broadcast and write faults while the engine serves generation requests) and
 proves: the error names the cause (and the parameter, where one is at fault), the engine's weights
 are untouched (its fingerprint still equals the last acknowledged version), the sender recovers by
 itself on the next sync, and trainer and engine are bit-identical afterwards (read back over HTTP).
@@ -9,8 +10,6 @@ itself on the next sync, and trainer and engine are bit-identical afterwards (re
 import glob
 import json
 import os
-import resource
-import signal
 import struct
 import time
 
@@ -23,7 +22,8 @@ from fault_world import World, blob_range, fault, first_file, flip_bit, position
 from sglang.srt.weight_sync.delta.sender import DeltaSender
 from sglang.srt.weight_sync.delta.transport import HttpEngine, NcclTransport
 from sglang.srt.weight_sync.delta.files import read_safetensors, write_safetensors
-from sglang.srt.weight_sync.delta.wire import POSITIONS, VALUES, dtype_to_str
+from sglang.srt.weight_sync.delta.wire import POSITIONS, VALUES, Refusal, dtype_to_str
+from traffic import Traffic
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +32,21 @@ def world(tmp_path_factory):
     yield w
     w.transport.close()
     w.server.stop()
+
+
+@pytest.fixture
+def traffic(world):
+    """Three streams of generation requests against the world's server for the whole test: none may fail, except
+    while the test has its server down (``traffic.outage``: (start, end) of ``time.perf_counter``)."""
+    with Traffic(lambda: world.server.url) as t:
+        t.outage = None
+        first = t.mark()
+        yield t
+        t.stop()
+        failed = [r for r in t.failures(first)
+                  if t.outage is None or not (t.outage[0] <= r.end and r.start <= t.outage[1])]
+        assert not failed, [r.detail for r in failed[:3]]
+        assert sum(r.outcome == "completed" for r in t.since(first)) > 0, t.summary(first)
 
 
 # ---------------------------------------------------------------- file faults (after the rename)
@@ -52,7 +67,8 @@ def test_flipped_bit_in_positions(world):
     fault(world, "checksum mismatch", hook=flip_bit(POSITIONS))
 
 
-def test_flipped_bit_in_values(world):
+def test_flipped_bit_in_values(world, traffic):
+    """A published file changed after its rename, while the engine serves."""
     fault(world, "checksum mismatch", hook=flip_bit(VALUES))
 
 
@@ -218,31 +234,48 @@ def test_dtype_mismatch(world):
 # ---------------------------------------------------------------- processes, disks, networks
 
 
-def test_engine_killed_mid_apply(world):
-    """The engine process dies between two loader calls: a new engine (same boot checkpoint) gets a full sync."""
+def test_engine_killed_mid_apply(world, traffic):
+    """The engine process dies between two loader calls while it serves: a new engine (same boot checkpoint) gets a
+    full sync; requests fail only while no engine runs."""
     world.kill_file.write_text("")
+    t0 = time.perf_counter()
     ok, msg, _ = world.sync()
     assert not ok and msg.startswith("transport:"), msg
     world.server.stop()
     world.start_server()
     world.engine.http = HttpEngine(world.server.url, timeout=120)
+    traffic.outage = (t0, time.perf_counter())
     world.recovers()
     assert world.sender.pop_metrics()["perf/update_weights_full_sync_engines"] == 1
+    traffic.wait_completed()  # the new engine serves
 
 
-def test_writer_hits_a_full_disk(world):
-    """The writer's files exceed the file-size limit (EFBIG, as a full disk gives ENOSPC): nothing is announced."""
-    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
-    try:
-        ok, msg, _ = world.sync()
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-        signal.signal(signal.SIGXFSZ, old_handler)
-    assert not ok and "transport: publish failed" in msg and "File too large" in msg, msg
+def test_disk_fills_up_mid_publish(world, traffic):
+    """The disk fills up under the writer (a real ENOSPC from the kernel: the publish's temporary file is
+    ``/dev/full``): the sync fails cleanly, nothing is announced, the engine serves on untouched, the next sync is
+    correct."""
+    vdir = os.path.join(world.transport.root, f"weight_v{world.sender.version + 1:06d}")
+    os.makedirs(vdir)
+    os.symlink("/dev/full", os.path.join(vdir, "rank0000_flush000000.safetensors.tmp"))
+    seen = world.engine.status()[0].request
+    ok, msg, _ = world.sync()
+    assert not ok and "transport: publish failed" in msg and "No space left on device" in msg, msg
+    assert world.engine.status()[0].request == seen  # no request reached the engine
     world.engine_holds(world.state, world.sender.state.version)
     world.recovers()
+
+
+def test_a_write_that_sets_a_wrong_value(world, traffic):
+    """The engine's element write sets one wrong bit (a buggy kernel) while it serves: the read-back refuses the
+    apply (code ``verify``, the param named), the engine is dirty, and a full sync recovers it."""
+    world.bad_write_file.write_text("")
+    ok, msg, _ = world.sync()
+    assert not ok and "read-back after write" in msg and "param '" in msg, msg
+    assert not world.bad_write_file.exists()  # the fault fired
+    status = world.engine.status()[0]
+    assert status.code == Refusal.VERIFY.value and status.needs_full and status.reason == "dirty", status
+    world.recovers()
+    assert world.sender.pop_metrics()["perf/update_weights_full_sync_engines"] == 1
 
 
 def test_engine_unreachable_for_one_sync(world):
@@ -267,8 +300,9 @@ def test_non_contiguous_tensors_handed_to_the_encoder(world):
     world.state = state
 
 
-def test_broadcast_peer_that_never_arrives(world):
-    """The engine waits on a broadcast nobody sends: it gives up after --update-weight-group-timeout, untouched."""
+def test_broadcast_peer_that_never_arrives(world, traffic):
+    """The engine waits on a broadcast nobody sends while it serves: it gives up after --update-weight-group-timeout,
+    untouched, and its requests complete."""
     pg = join_update_group(world.server, "silent")
     state = next(world.steps)
     t0 = time.time()
