@@ -107,34 +107,41 @@ def update_group(host, backend: str, name: str):
     from cpu_harness import free_port
     from sglang.srt.utils.common import init_custom_process_group
 
-    from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
-    from torch.distributed.distributed_c10d import _world
+    import torch.distributed.distributed_c10d as c10d
+    from torch._C._distributed_c10d import _unregister_process_group
 
-    init, box, lock = f"tcp://127.0.0.1:{free_port()}", {}, threading.Lock()
+    init, box, lock, local = f"tcp://127.0.0.1:{free_port()}", {}, threading.Lock(), threading.local()
     for rank in (0, 1):  # a group re-created under the same name (after an abort) replaces the old one
         try:
             _unregister_process_group(f"{name}:rank{rank}")
         except Exception:
             pass
+    register = c10d._register_process_group
+
+    def register_per_rank(group_name, pg):
+        """A group name is registered once per process: each rank's group is registered as ``name:rankN``, in
+        whichever order the two finish connecting."""
+        with lock:
+            register(f"{group_name}:rank{local.rank}" if group_name == name else group_name, pg)
 
     def create(rank):
-        """A group name is registered once per process: each rank, once created, moves its registration aside."""
+        local.rank = rank
         try:
             pg = init_custom_process_group(backend=backend, init_method=init, world_size=2, rank=rank, group_name=name)
         except Exception as e:  # the peer thread's failure is reported by the caller, not lost with the thread
             box[rank] = e
             raise
-        with lock:
-            _unregister_process_group(name)
-            _world.pg_names[pg] = f"{name}:rank{rank}"
-            _register_process_group(f"{name}:rank{rank}", pg)
+        c10d._world.pg_names[pg] = f"{name}:rank{rank}"
         box[rank] = pg
 
-    peer = threading.Thread(target=create, args=(1,))
-    peer.start()
-    peer.join(5)  # gloo connects lazily, so the peer may be done before rank 0 starts; NCCL waits for it
-    create(0)
-    peer.join(120)
+    c10d._register_process_group = register_per_rank
+    try:
+        peer = threading.Thread(target=create, args=(1,))
+        peer.start()
+        create(0)
+        peer.join(120)
+    finally:
+        c10d._register_process_group = register
     if box.get(1) is None or isinstance(box[1], Exception):
         raise RuntimeError(f"update group {name!r} ({backend}, {init}): the engine rank's side failed: {box.get(1)!r}")
     host._model_update_group[name] = box[1]

@@ -265,17 +265,24 @@ def test_disk_fills_up_mid_publish(world, traffic):
     world.recovers()
 
 
-def test_a_write_that_sets_a_wrong_value(world, traffic):
+def test_a_write_that_sets_a_wrong_value(world, traffic, caplog):
     """The engine's element write sets one wrong bit (a buggy kernel) while it serves: the read-back refuses the
-    apply (code ``verify``, the param named), the engine is dirty, and a full sync recovers it."""
+    apply (code ``verify``), the engine is dirty, and the sender repairs it with a full sync before generation
+    resumes: the same ``update`` returns with the engine bit-identical, the failure and the repair counted."""
+    fulls = world.engine.status()[0].applied.get("full", 0)
     world.bad_write_file.write_text("")
-    ok, msg, _ = world.sync()
-    assert not ok and "read-back after write" in msg and "param '" in msg, msg
+    ok, msg, state = world.sync()
+    assert ok, msg
     assert not world.bad_write_file.exists()  # the fault fired
+    failure = next(r.getMessage() for r in caplog.records if "failed on engine 0" in r.getMessage())
+    assert "read-back after write" in failure and "param '" in failure, failure
+    metrics = world.sender.pop_metrics()
+    assert (metrics["perf/update_weights_failures"], metrics["perf/update_weights_repairs"],
+            metrics["perf/update_weights_full_sync_engines"]) == (1, 1, 1), metrics
+    world.engine_holds(state, world.sender.version)
+    world.state = state
     status = world.engine.status()[0]
-    assert status.code == Refusal.VERIFY.value and status.needs_full and status.reason == "dirty", status
-    world.recovers()
-    assert world.sender.pop_metrics()["perf/update_weights_full_sync_engines"] == 1
+    assert status.version == world.sender.version and status.applied["full"] == fulls + 1, status
 
 
 def test_engine_unreachable_for_one_sync(world):

@@ -248,7 +248,7 @@ def test_a_stale_full_sync_is_refused_and_the_sender_moves_above_the_engines_ver
     assert_params_equal(engine.host.model, reference(cfg, state))
 
 
-def test_a_silently_corrupted_engine_is_caught_by_the_fingerprint_and_fully_resynced(tmp_path):
+def test_a_silently_corrupted_engine_is_caught_by_the_fingerprint_and_repaired_before_update_returns(tmp_path, caplog):
     cfg, steps, a, b, sender = two_engines(tmp_path, "qwen2-moe", "deltas", 4, fingerprint_every=2)
     assert all(ok for ok, _ in sender.update(segments(next(steps))).values())  # v2: checked, all equal
     m = sender.pop_metrics()
@@ -256,14 +256,15 @@ def test_a_silently_corrupted_engine_is_caught_by_the_fingerprint_and_fully_resy
     param = dict(b.host.model.named_parameters())["model.layers.0.mlp.experts.w2_weight"]
     param.view(-1).view(torch.int16)[123] ^= 1  # one flipped bit no sync wrote (e.g. a stray kernel)
     assert all(ok for ok, _ in sender.update(segments(next(steps))).values())  # v3: not checked
-    results = sender.update(segments(next(steps)))  # v4: checked
-    assert results[0][0] and not results[1][0]
-    assert "fingerprint mismatch after version 4 on 1 param(s), e.g. ['model.layers.0.mlp.experts." in results[1][1]
-    assert "the engine needs a full sync" in results[1][1]
-    assert sender.pop_metrics()["perf/update_weights_fingerprint_mismatches"] == 1
     state = next(steps)
-    assert all(ok for ok, _ in sender.update(segments(state)).values())
-    assert sender.pop_metrics()["perf/update_weights_full_sync_engines"] == 1
+    results = sender.update(segments(state))  # v4: checked, b differs; repaired (v5, full) before update returns
+    assert all(ok for ok, _ in results.values()), results
+    m = sender.pop_metrics()
+    assert (m["perf/update_weights_fingerprint_mismatches"], m["perf/update_weights_repairs"],
+            m["perf/update_weights_full_sync_engines"]) == (1, 1, 1), m
+    assert sender.version == 5
+    mismatch = next(r.getMessage() for r in caplog.records if "fingerprint mismatch" in r.getMessage())
+    assert "fingerprint mismatch after version 4 on 1 param(s), e.g. ['model.layers.0.mlp.experts." in mismatch
     assert_both_hold(cfg, state, a, b)
 
 

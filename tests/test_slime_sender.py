@@ -29,7 +29,8 @@ def world(tmp_path_factory):
                                    num_key_value_heads=H.GROUPS, intermediate_size=H.FFN, vocab_size=H.VOCAB,
                                    rms_norm_eps=1e-5, max_position_embeddings=128, tie_word_embeddings=False)
     boot = write_hf_checkpoint(str(root / "boot"), cfg, bf16_state(hf_model(cfg, seed=2)))
-    server = Server(boot, str(root / "server.log")).wait_healthy()
+    server = Server(boot, str(root / "server.log"),  # tests/cpu_shims/delta_test_faults.py: a wrong write on demand
+                    env={"SGLANG_DELTA_TEST_BAD_WRITE_FILE": str(root / "bad-write")}).wait_healthy()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}})
     H.init_world(free_port())
@@ -159,6 +160,37 @@ def test_disk_transport(world, encoding):
                        update_weight_disk_dir=str(world["root"] / "shared"), update_weight_delta_zstd_level=1)
     up, densities = run_syncs(world, args, world.get("version", 0), xor=encoding == "xor_zstd")
     assert densities[0] == 1.0 and all(0 < d < 0.2 for d in densities[1:]), densities
+    world["version"] = up.weight_version
+
+
+def test_a_wrong_write_is_repaired_before_generation_resumes(world):
+    """The engine's element write sets a wrong bit during a delta (a buggy kernel, injected in the server): the
+    read-back refuses the apply, every rank runs slime's gathers again, and the engine gets its full sync inside the
+    same ``update_weights``, before slime resumes generation."""
+    import slime_harness as H
+    from slime.backends.megatron_utils.update_weight.update_weight_from_distributed_delta import (
+        UpdateWeightFromDistributedDelta,
+    )
+
+    args = H.make_args(update_weight_transport="disk", update_weight_delta_encoding="deltas_zstd",
+                       update_weight_disk_dir=str(world["root"] / "shared"), update_weight_delta_zstd_level=1)
+    up = UpdateWeightFromDistributedDelta(args, [world["model"]], weights_getter=lambda: {}, model_name="llama",
+                                          quantization_config=None)
+    up.weight_version = world.get("version", 0)
+    up.connect_rollout_engines(world["engines"], world["lock"])
+    up.update_weights()  # a new sender: a full sync
+    assert up.pop_metrics()["perf/update_weights_failures"] == 0
+    world["trainer"].step()
+    bad = world["root"] / "bad-write"
+    bad.write_text("")
+    up.update_weights()
+    m = up.pop_metrics()
+    assert not bad.exists()  # the fault fired
+    assert (m["perf/update_weights_failures"], m["perf/update_weights_repairs"],
+            m["perf/update_weights_full_sync_engines"]) == (1, 1, 1), m
+    engine_has(world["server"], H.hf_state(args, world["model"]))
+    assert up.weight_version == up._sender.status[0].version  # the repair's version, acknowledged
+    up.disconnect_rollout_engines()
     world["version"] = up.weight_version
 
 

@@ -17,6 +17,9 @@ Contract:
   it cannot answer; otherwise the next delta. That engine alone gets the full sync: over disk as its own
   files, over a shared NCCL group as broadcasts the others receive without applying. An engine ahead of
   this sender (it outlived a trainer restart) moves the chain above its version.
+* An engine a sync left with wrong weights (a write failed after others landed: dirty; or its fingerprint differs)
+  gets its full sync at once, before the engines resume generation (``repair_dirty``), so no request is served by a
+  half-written model; a caller whose segments run collectives on other ranks (slime) repairs in step with them.
 * Failures are never swallowed: logged, counted in :meth:`DeltaSender.pop_metrics`, acted on.
 
 The snapshot and its host<->device traffic live in :mod:`snapshot`, the bucket in :mod:`bucket`, the diff and a
@@ -34,19 +37,15 @@ import torch
 
 from sglang.srt.weight_sync.delta import fingerprint
 from sglang.srt.weight_sync.delta.collectives import StageGroup
-from sglang.srt.weight_sync.delta.bucket import DeltaBucket
-from sglang.srt.weight_sync.delta.diff import ChangeRun, encode_flush
 from sglang.srt.weight_sync.delta.ops import gc_paused
 from sglang.srt.weight_sync.delta.snapshot import Chunk, DeltaState
+from sglang.srt.weight_sync.delta.sync_run import SyncRun
 from sglang.srt.weight_sync.delta.wire import (
     WIRE_FORMAT,
     DeltaEncoding,
     DeltaError,
-    DeltaPayload,
     DeltaStatus,
     Refusal,
-    nan_sentinel,
-    sparse_allowed,
 )
 
 logger = logging.getLogger(__name__)
@@ -71,6 +70,7 @@ class EngineStatus:
     dense: frozenset = frozenset()  # names some rank can take only dense (fp8 without recorded views)
     wire_formats: frozenset = frozenset()  # the spec layouts its ranks read (empty: not known yet)
     unsupported: bool = False  # a rank refused its last request as code 'unsupported': no sync can help
+    dirty: bool = False  # its weights are known wrong: a write failed after others landed, or its fingerprint differs
 
 
 def _engine_ranks(engine) -> List[DeltaStatus]:
@@ -93,13 +93,16 @@ class DeltaSender:
 
     def __init__(self, transport, engines: Sequence, encoding: str = "deltas", buffer_bytes: int = 512 << 20,
                  device: Optional[torch.device] = None, fingerprint_every: int = 0,
-                 stages: Optional[StageGroup] = None):
+                 stages: Optional[StageGroup] = None, repair_dirty: bool = True):
         self.encoding = DeltaEncoding(encoding).value
         self.buffer_bytes = buffer_bytes
         self.state = DeltaState(device)
         self.version = 0  # last sync attempted
         self._metrics: Dict[str, float] = {}
-        self._counters = dict.fromkeys(("failures", "resyncs", "fingerprint_mismatches", "snapshot_fold_failures"), 0)
+        self._counters = dict.fromkeys(("failures", "resyncs", "repairs", "fingerprint_mismatches",
+                                        "snapshot_fold_failures"), 0)
+        self.repair_dirty = repair_dirty
+        self.left_dirty: List[int] = []  # engines the last sync left with wrong weights (dirty, or a fingerprint)
         self.fingerprint_every = fingerprint_every  # check engines' weight fingerprints every K syncs (0: never)
         self.attach(transport, engines, stages)
 
@@ -146,11 +149,49 @@ class DeltaSender:
             st.xor_raw = frozenset.intersection(*(frozenset(r.xor_raw) for r in ranks))
             st.dense = frozenset().union(*(r.dense for r in ranks))
             st.unsupported = any(r.code == Refusal.UNSUPPORTED.value for r in ranks)
+            st.dirty = any(r.reason == "dirty" for r in ranks)
 
     def update(self, segments: Sequence[Callable[[], Iterable[Chunk]]]) -> Dict[int, Tuple[bool, str]]:
-        """One sync over ``segments`` (callables yielding chunks of HF ``(name, tensor)``); publishes after each."""
+        """One sync over ``segments`` (callables yielding chunks of HF ``(name, tensor)``); publishes after each.
+        Engines with ``pause_generation`` are paused around it; one that a failed write left dirty gets its full sync
+        before they resume (``repair_dirty``: the segments are called again), so no request is served by a
+        half-written model."""
         with gc_paused():
-            return self._update(segments)
+            paused = []
+            for e in self.engines:  # no forward pass sees a sync half-applied (slime pauses on its own)
+                if hasattr(e, "pause_generation"):
+                    try:
+                        e.pause_generation()
+                        paused.append(e)
+                    except Exception:  # an unreachable engine fails its own requests below
+                        logger.exception("pause_generation failed")
+            try:
+                results = self._update(segments)
+                if self.repair_dirty:  # every pipeline stage repairs, or none: stage 0 knows the engines
+                    dirty = self.left_dirty if self.stages is None else \
+                        self.stages.share(self.left_dirty if self.stages.first else None)
+                    if dirty:
+                        results = self.repair(segments, len(dirty))
+            finally:  # a fingerprint sync's check ran while paused: no request competed with it
+                for e in paused:
+                    try:
+                        e.continue_generation()
+                    except Exception:  # the engine's own failure shows in its result; keep the others going
+                        logger.exception("continue_generation failed")
+            return results
+
+    def repair(self, segments: Sequence[Callable[[], Iterable[Chunk]]], engines: int) -> Dict[int, Tuple[bool, str]]:
+        """The full sync of the ``engines`` the last sync left with wrong weights (``left_dirty``), as a sync of its
+        own (the others get its delta), before any metrics are popped: they keep the failures and mismatches of
+        the sync it repairs and count the repair. Once: an engine it leaves dirty again waits for the next sync."""
+        logger.warning("delta sync v%d left %d engine(s) with wrong weights: full sync now, before generation "
+                       "resumes", self.version, engines)
+        first = {name: self._metrics.get(f"perf/update_weights_{name}", 0.0) for name in self._counters}
+        results = self._update(segments)
+        for name, n in first.items():  # this sync's counts: both passes (the run's totals counted each already)
+            self._metrics[f"perf/update_weights_{name}"] = self._metrics.get(f"perf/update_weights_{name}", 0.0) + n
+        self._count("repairs", engines)
+        return results
 
     def _update(self, segments: Sequence[Callable[[], Iterable[Chunk]]]) -> Dict[int, Tuple[bool, str]]:
         try:
@@ -185,67 +226,54 @@ class DeltaSender:
         delta_targets = [i for i in self.status if i not in full_targets]
         resyncs = sum(self.status[i].version is not None for i in full_targets)  # engines synced before
         t0 = time.perf_counter()
-        run = _SyncRun(self, v, delta_targets, full_targets, self._encodings(delta_targets),
+        run = SyncRun(self, v, delta_targets, full_targets, self._encodings(delta_targets),
                        fingerprint_on=bool(self.fingerprint_every) and v % self.fingerprint_every == 0)
-        paused = []
         try:
-            try:
-                for e in self.engines:  # no forward pass sees a sync half-applied (slime pauses on its own)
-                    if hasattr(e, "pause_generation"):
-                        try:
-                            e.pause_generation()
-                            paused.append(e)
-                        except Exception:  # an unreachable engine fails its own requests below
-                            logger.exception("pause_generation failed")
-                self.transport.begin(v)
-                for k, segment in enumerate(segments):
-                    run.final_segment = k == len(segments) - 1
-                    run.pipeline_pass(segment())
-                    run.flush_and_publish()
-                t_encode = time.perf_counter() - t0 - run.fingerprint_s
-                results = run.finish()
-            except Exception as e:  # what reached which engine is unknown: every engine gets a full sync next
-                logger.exception("delta sync v%d aborted", v)
-                t_encode = time.perf_counter() - t0 - run.fingerprint_s
-                results = {i: (False, f"transport: sync aborted: {e!r}") for i in self.status}
-            finally:
-                if self.stages is not None:  # every stage's part is done before any engine serves again
-                    results = self._combine(results)
-            t_finalize = time.perf_counter() - t0 - t_encode - run.fingerprint_s
-            acked = [i for i, (ok, _) in results.items() if ok]
-            failed = [i for i in results if i not in acked]
-            for i in acked:
-                self.status[i].version, self.status[i].needs_full, self.status[i].last_error = v, False, ""
-            if len(acked) == len(self.engines):
-                self.state.commit(v)
-            else:
-                self.state.stage()
-            # what a full sync let an engine write directly (xor bases, byte-sparse params) only its status says
-            relearn = [i for i in acked if i in full_targets]
-            if self.stages is None or self.stages.first:  # the other stages adopt stage 0's view at the next sync
-                self._learn(failed + relearn)
-            for i in failed:
-                st = self.status[i]
-                st.last_error = results[i][1]
-                logger.error("delta sync v%d failed on engine %d (%s): %s", v, i,
-                             "full sync next" if st.needs_full else "next delta covers it", results[i][1])
-            self._metrics = run.metrics(t_encode, t_finalize)
-            self._metrics["perf/update_weights_xor"] = float(run.encodings.get("delta") == DeltaEncoding.XOR_ZSTD.value)
-            self._count("failures", len(failed))
-            self._count("snapshot_fold_failures", fold_failed)
-            self._count("resyncs", resyncs)
-            self._count("fingerprint_mismatches", 0)
-            timings = getattr(self.transport, "timings", None)
-            if timings is not None:
-                self._metrics.update({f"perf/update_weights_{k}": v for k, v in timings().items()})
-            if run.fingerprints is not None and len(acked) == len(self.engines):
-                self._check_fingerprints(run.fingerprints, results, run.fingerprint_s)
-        finally:  # a fingerprint sync's check runs while paused: no request competes with it
-            for e in paused:
-                try:
-                    e.continue_generation()
-                except Exception:  # the engine's own failure shows in its result; keep the others going
-                    logger.exception("continue_generation failed")
+            self.transport.begin(v)
+            for k, segment in enumerate(segments):
+                run.final_segment = k == len(segments) - 1
+                run.pipeline_pass(segment())
+                run.flush_and_publish()
+            t_encode = time.perf_counter() - t0 - run.fingerprint_s
+            results = run.finish()
+        except Exception as e:  # what reached which engine is unknown: every engine gets a full sync next
+            logger.exception("delta sync v%d aborted", v)
+            t_encode = time.perf_counter() - t0 - run.fingerprint_s
+            results = {i: (False, f"transport: sync aborted: {e!r}") for i in self.status}
+        finally:
+            if self.stages is not None:  # every stage's part is done before any engine serves again
+                results = self._combine(results)
+        t_finalize = time.perf_counter() - t0 - t_encode - run.fingerprint_s
+        acked = [i for i, (ok, _) in results.items() if ok]
+        failed = [i for i in results if i not in acked]
+        for i in acked:
+            st = self.status[i]
+            st.version, st.needs_full, st.last_error, st.dirty = v, False, "", False
+        if len(acked) == len(self.engines):
+            self.state.commit(v)
+        else:
+            self.state.stage()
+        # what a full sync let an engine write directly (xor bases, byte-sparse params) only its status says
+        relearn = [i for i in acked if i in full_targets]
+        if self.stages is None or self.stages.first:  # the other stages adopt stage 0's view at the next sync
+            self._learn(failed + relearn)
+        for i in failed:
+            st = self.status[i]
+            st.last_error = results[i][1]
+            logger.error("delta sync v%d failed on engine %d (%s): %s", v, i,
+                         "full sync next" if st.needs_full else "next delta covers it", results[i][1])
+        self._metrics = run.metrics(t_encode, t_finalize)
+        self._metrics["perf/update_weights_xor"] = float(run.encodings.get("delta") == DeltaEncoding.XOR_ZSTD.value)
+        self._count("failures", len(failed))
+        self._count("snapshot_fold_failures", fold_failed)
+        self._count("resyncs", resyncs)
+        self._count("fingerprint_mismatches", 0)
+        timings = getattr(self.transport, "timings", None)
+        if timings is not None:
+            self._metrics.update({f"perf/update_weights_{k}": v for k, v in timings().items()})
+        if run.fingerprints is not None and len(acked) == len(self.engines):
+            self._check_fingerprints(run.fingerprints, results, run.fingerprint_s)
+        self.left_dirty = [i for i, (ok, _) in results.items() if not ok and self.status[i].dirty]
         return results
 
     def _plan(self) -> dict:
@@ -301,7 +329,7 @@ class DeltaSender:
                     mismatch.setdefault(int(i), f"pipeline stage {k}: {m}")
         for i, msg in sorted(mismatch.items()):
             self._count("fingerprint_mismatches", 1)
-            self.status[i].needs_full = True
+            self.status[i].needs_full = self.status[i].dirty = True
             results[i] = (False, msg)
             logger.error("delta sync v%d: engine %d %s", self.version, i, msg)
         p = "perf/update_weights_"
@@ -325,187 +353,3 @@ class DeltaSender:
             out[f"perf/update_weights_{name}_total"] = float(n)
         self._metrics = {}
         return out
-
-
-class _SyncRun:
-    """The working set of one sync: buckets, the 1-step lookahead, flush counters, engine results."""
-
-    def __init__(self, sender: DeltaSender, version: int, delta_targets: List[int], full_targets: List[int],
-                 encodings: Dict[str, str], fingerprint_on: bool = False):
-        self.s, self.v, self.encodings = sender, version, encodings
-        self.xor_raw = sender.status[delta_targets[0]].xor_raw if delta_targets else frozenset()
-        self.dense = frozenset().union(*(sender.status[i].dense for i in delta_targets))
-        self.fingerprints: Optional[Dict[str, "fingerprint.Pending"]] = {} if fingerprint_on else None
-        self.fingerprint_s = 0.0  # trainer-side hashing, reported apart from encode
-        self.targets = {"delta": delta_targets, "full": full_targets}
-        bounds = [sender.status[i].max_request_bytes for i in delta_targets + full_targets]
-        self.max_request = min([b for b in bounds if b], default=0)  # the engines' bound on one request
-        cap = min(sender.buffer_bytes, self.max_request or sender.buffer_bytes)
-        self.buckets = {k: DeltaBucket(encodings[k], cap) for k, t in self.targets.items() if t}
-        self.flush = 0  # request index within the sync (shared by all files of one disk publish)
-        self.final_segment = False
-        self.held: Dict[str, DeltaPayload] = {}  # NCCL: each kind's last flush waits to learn whether it is final
-        self.requests = {"delta": 0, "full": 0}  # NCCL: request index per kind (an engine gets one kind's requests)
-        self.results: Dict[int, Tuple[bool, str]] = {}
-        self.elements = self.nnz = self.wire_bytes = self.raw_bytes = self.flushes = 0
-
-    def pipeline_pass(self, chunks: Iterable[Chunk]) -> None:
-        """Process chunk k while chunk k+1's snapshot is already on its way (CUDA); plain loop on CPU."""
-        link, prev = self.s.state.link, None
-        for chunk in chunks:
-            chunk = list(chunk)
-            handles = link.prefetch([self.s.state.snapshot.get(n) for n, _ in chunk], [t.device for _, t in chunk])
-            if prev is not None:
-                self._process(*prev)
-            prev = (chunk, handles)
-        if prev is not None:
-            self._process(*prev)
-
-    def _process(self, chunk: Chunk, handles) -> None:
-        """One chunk: one diff, then per param only host bookkeeping (which bucket entry it extends, flush
-        boundaries); tensors are cut per diff run, not per param."""
-        state = self.s.state
-        chunk = list(chunk)
-        bases = state.link.ready(handles)
-        xor = self.encodings.get("delta") == DeltaEncoding.XOR_ZSTD.value
-        found = state.changes(chunk, bases, olds=xor)
-        delta, full = self.buckets.get("delta"), self.buckets.get("full")
-        if full is None and delta is not None and self._whole(chunk, found, xor) and delta.add_chunk(chunk, found):
-            self.elements += sum(t.numel() for _, t in chunk)  # the usual chunk of a delta sync: no call per param
-            self.nnz += found[0].idx.numel()
-        else:
-            self._params(chunk, found, bases, xor)
-        state.record(chunk, found)
-        if self.fingerprints is not None:  # hashed where the tensors live (on the GPU during training), per chunk
-            t0 = time.perf_counter()
-            self.fingerprints.update(fingerprint.tensor_shares(chunk))
-            self.fingerprint_s += time.perf_counter() - t0
-
-    def _params(self, chunk: Chunk, found: Sequence[ChangeRun], bases, xor: bool) -> None:
-        """A chunk's params into the buckets one by one: flush boundaries, dense params, ``xor_raw`` ones."""
-        delta, full = self.buckets.get("delta"), self.buckets.get("full")
-        member: Dict[int, Tuple[ChangeRun, int]] = {k: (f, j) for f in found for j, k in enumerate(f.ks)}
-        sparse_dtypes: Dict[torch.dtype, Tuple[bool, bool]] = {}
-        for k, (name, tensor) in enumerate(chunk):
-            f, j = member.get(k, (None, 0))
-            n = tensor.numel() if f is None else f.counts[j]
-            self.elements += tensor.numel()
-            self.nnz += n
-            for kind, bucket in self.buckets.items():
-                if bucket.should_flush(name):
-                    self._flush(kind)
-            if delta is not None and n:  # an unchanged param is left out of the spec
-                dtype = tensor.dtype
-                if dtype not in sparse_dtypes:
-                    sparse_dtypes[dtype] = (sparse_allowed(dtype), nan_sentinel(dtype))
-                allowed, sentinel = sparse_dtypes[dtype]
-                sparse = f is not None and allowed and (sentinel or name not in self.dense)
-                if sparse and not (xor and name in self.xor_raw):
-                    delta.add_found(f, j, name, list(tensor.shape))
-                else:
-                    idx, values, old = f.share(j) if sparse else (None, None, None)
-                    delta.add(name, tensor, idx, self._xor_base(name, tensor, bases[k], idx, old), values)
-            if full is not None:
-                full.add(name, tensor, None)
-
-    def _whole(self, chunk: Chunk, found: Sequence[ChangeRun], xor: bool) -> bool:
-        """Whether every param of a one-run chunk goes sparse into the delta bucket, as the loop in :meth:`_process`
-        would decide param by param: its dtype travels sparse, no engine keeps one of its names dense, and none is
-        ``xor_raw`` when the encoding is ``xor_zstd``."""
-        if len(found) != 1:
-            return False
-        dtype = found[0].values.dtype
-        names = [n for n, _ in chunk]
-        return sparse_allowed(dtype) and (nan_sentinel(dtype) or self.dense.isdisjoint(names)) and \
-            not (xor and not self.xor_raw.isdisjoint(names))
-
-    def _xor_base(self, name: str, tensor: torch.Tensor, base: Optional[torch.Tensor],
-                  idx: Optional[torch.Tensor], at_idx: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """xor_zstd: base_version's values where this delta sends values (zero for a name the engines never store
-        or one without a snapshot, which the engines' manifest refuses anyway); ``at_idx``: the snapshot's values
-        at ``idx``, as the diff gathered them."""
-        if self.encodings.get("delta") != DeltaEncoding.XOR_ZSTD.value:
-            return None
-        if base is None or name in self.xor_raw:
-            return torch.zeros(tensor.numel() if idx is None else idx.numel(), dtype=tensor.dtype, device=tensor.device)
-        return base.reshape(-1) if idx is None else at_idx
-
-    def _spec_fields(self, kind: str, final: bool) -> dict:
-        full = kind == "full"
-        base = self.v if full else self.s.state.version
-        stages = self.s.stages
-        return dict(full=full, base_version=base, version=self.v, flush=self.flush, final=final,
-                    source=stages.rank if stages else 0, sources=stages.size if stages else 1)
-
-    def _flush(self, kind: str) -> None:
-        bucket = self.buckets[kind]
-        if not len(bucket):
-            return
-        t = self.s.transport
-        for payload in bucket.take(**self._spec_fields(kind, self.final_segment)):
-            self.flushes += 1
-            self.raw_bytes += payload.positions.numel() + payload.values.numel() * payload.values.element_size()
-            if getattr(t, "shared_group", False):
-                if kind in self.held:
-                    self._release(kind, final=False)
-                self.held[kind] = payload
-            else:
-                t.write(payload, kind)  # bytes are counted by the transport once written
-
-    def _release(self, kind: str, final: bool) -> None:
-        payload = self.held.pop(kind)
-        payload.spec.flush, payload.spec.final = self.requests[kind], final
-        payload.spec.part, payload.spec.last_part = 0, True  # one file per broadcast request
-        payload.seal(spec_only=True)
-        nbytes = payload.positions.numel() + payload.values.numel() * payload.values.element_size()
-        if self.max_request and nbytes > self.max_request:  # declaring it would be refused unreceived
-            raise DeltaError(f"a flush of {nbytes} bytes exceeds the engines' max_request_bytes "
-                             f"{self.max_request} (one param larger than an engine rank's bound)")
-        self.wire_bytes += nbytes
-        self._collect(self.s.transport.send(payload, self.targets[kind]))
-        self.requests[kind] += 1
-
-    def flush_and_publish(self) -> None:
-        """End of a segment: flush the buckets and tell the engines (disk) — every target kind gets a request,
-        empty if nothing changed, so flush indices stay aligned and the final request always arrives."""
-        final = self.final_segment
-        for kind in list(self.buckets):
-            self._flush(kind)
-        t = self.s.transport
-        if getattr(t, "shared_group", False):
-            for kind in self.buckets if final else ():  # every kind's final request, empty if nothing is held
-                if kind not in self.held:
-                    self.held[kind] = encode_flush([], self.encodings[kind], bases=[], **self._spec_fields(kind, True))
-                self._release(kind, final=True)
-            return
-        for kind in self.buckets:
-            if not t.pending(kind):
-                t.write(encode_flush([], self.encodings[kind], bases=[], **self._spec_fields(kind, final)), kind)
-        t.publish({k: v for k, v in self.targets.items() if v})
-        self.flush += 1
-
-    def _collect(self, results: Dict[int, Tuple[bool, str]]) -> None:
-        for i, (ok, msg) in results.items():
-            if i not in self.results or (self.results[i][0] and not ok):
-                self.results[i] = (ok, msg)
-
-    def finish(self) -> Dict[int, Tuple[bool, str]]:
-        t = self.s.transport
-        if not getattr(t, "shared_group", False):
-            self._collect(t.collect())
-            self.wire_bytes += t.wire_bytes
-        for i in self.targets["delta"] + self.targets["full"]:
-            self.results.setdefault(i, (False, "transport: no request reached this engine"))
-        return self.results
-
-    def metrics(self, t_encode: float, t_finalize: float) -> Dict[str, float]:
-        p = "perf/update_weights_"
-        m = {p + "version": float(self.v), p + "density": self.nnz / max(1, self.elements),
-             p + "wire_bytes": float(self.wire_bytes), p + "flushes": float(self.flushes),
-             p + "encode_s": t_encode, p + "finalize_s": t_finalize,
-             p + "full_sync_engines": float(len(self.targets["full"]))}
-        if self.wire_bytes:
-            m[p + "compression_ratio"] = self.raw_bytes / self.wire_bytes
-        link = self.s.state.link
-        m[p + "h2d_bytes"], m[p + "d2h_bytes"] = float(link.h2d_bytes), float(link.d2h_bytes)
-        return m

@@ -20,7 +20,7 @@ from typing import Dict, List
 import torch
 
 from sglang.srt.weight_sync.delta import fingerprint
-from sglang.srt.weight_sync.delta.sender import DeltaBucket
+from sglang.srt.weight_sync.delta.bucket import DeltaBucket
 from sglang.srt.weight_sync.delta.diff import changed_positions, encode_flush
 from sglang.srt.weight_sync.delta.files import flush_file, maybe_zstd_decompress, read_safetensors
 from sglang.srt.weight_sync.delta.positions import encode_positions

@@ -117,7 +117,7 @@ class UpdateWeightFromDistributedDelta(UpdateWeightFromDistributed):
         self._sender = DeltaSender(transport, engines, encoding=self.args.update_weight_delta_encoding,
                                    buffer_bytes=self.args.update_weight_buffer_size,
                                    fingerprint_every=getattr(self.args, "update_weight_delta_fingerprint_interval", 0),
-                                   stages=stages)
+                                   stages=stages, repair_dirty=False)  # every rank repairs in step: _send_weights
         self._sender.version = self.weight_version  # continue the engines' version chain
 
     def _stage_group(self) -> StageGroup | None:
@@ -230,13 +230,17 @@ class UpdateWeightFromDistributedDelta(UpdateWeightFromDistributed):
         return [non_expert] + [expert_segment(k == _EXPERT_SUBPASSES - 1) for k in range(_EXPERT_SUBPASSES)]
 
     def _send_weights(self, pbar) -> None:
-        segments = self._segments()
-        if self._sender is None:  # not the PP source: join the gathers and barriers, send nothing
-            for segment in segments:
-                for _ in segment():
-                    pass
+        """One sync; an engine it left with wrong weights (dirty, or a fingerprint mismatch) gets its full sync now,
+        before generation resumes: every rank runs the gathers again, so the source ranks' decision reaches all."""
+        results = self._send_once(self._sender.update if self._sender is not None else None)
+        dirty = torch.tensor([len(self._sender.left_dirty) if self._sender is not None else 0])
+        dist.all_reduce(dirty, op=dist.ReduceOp.MAX, group=get_gloo_group())
+        if dirty.item():
+            n = int(dirty.item())
+            results = self._send_once((lambda segments: self._sender.repair(segments, n))
+                                      if self._sender is not None else None)
+        if self._sender is None:
             return
-        results = self._sender.update(segments)
         self.weight_version = self._sender.version
         metrics = self._sender.pop_metrics()
         Timer().add("delta_encode", metrics["perf/update_weights_encode_s"])
@@ -247,3 +251,13 @@ class UpdateWeightFromDistributedDelta(UpdateWeightFromDistributed):
                 logger.error("engine %d did not take weight version %d: %s", i, self._sender.version, msg)
         if pbar is not None:
             pbar.update(int(metrics["perf/update_weights_flushes"]))
+
+    def _send_once(self, sync):
+        """``sync(segments)`` on a stage's source rank; the other ranks join the gathers and barriers, send nothing."""
+        segments = self._segments()
+        if sync is None:
+            for segment in segments:
+                for _ in segment():
+                    pass
+            return None
+        return sync(segments)
