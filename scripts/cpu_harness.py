@@ -188,9 +188,9 @@ _DIST_READY = False
 
 
 def init_sglang_inprocess(tp_rank: int = 0, tp_size: int = 1, init_method: Optional[str] = None,
-                          ep_size: int = 1) -> None:
-    """gloo TP world (``ep_size``: of it, the MoE layers' expert-parallel width) + the server-args/topology globals the
-    model classes read (per SGLang era)."""
+                          ep_size: int = 1, backend: str = "gloo", device: str = "cpu") -> None:
+    """A TP world (``ep_size``: of it, the MoE layers' expert-parallel width; gloo on the CPU, nccl on GPUs) + the
+    server-args/topology globals the model classes read (per SGLang era)."""
     global _DIST_READY
     if _DIST_READY:
         return
@@ -198,9 +198,9 @@ def init_sglang_inprocess(tp_rank: int = 0, tp_size: int = 1, init_method: Optio
     from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
     from sglang.srt.server_args import ServerArgs
 
-    init_distributed_environment(world_size=tp_size, rank=tp_rank, local_rank=tp_rank, backend="gloo",
+    init_distributed_environment(world_size=tp_size, rank=tp_rank, local_rank=tp_rank, backend=backend,
                                  distributed_init_method=init_method or f"tcp://127.0.0.1:{free_port()}")
-    args = ServerArgs(model_path="dummy", tp_size=tp_size, ep_size=ep_size, device="cpu")
+    args = ServerArgs(model_path="dummy", tp_size=tp_size, ep_size=ep_size, device=device)
     era_b = False
     try:
         from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context  # v0.5.23
@@ -215,9 +215,9 @@ def init_sglang_inprocess(tp_rank: int = 0, tp_size: int = 1, init_method: Optio
         era_b = True
     if era_b:
         initialize_model_parallel(tensor_model_parallel_size=tp_size, expert_model_parallel_size=ep_size,
-                                  backend="gloo")
+                                  backend=backend)
     else:  # v0.5.23 reads the widths from the published ServerArgs
-        initialize_model_parallel(backend="gloo")
+        initialize_model_parallel(backend=backend)
     if era_b:  # v0.5.15: ModelRunner sets the dp-attention globals; only hidden_size/dtype are read
         import types
 
@@ -387,28 +387,35 @@ def write_hf_checkpoint(out_dir: str, cfg, state: Dict[str, torch.Tensor]) -> st
     return out_dir
 
 
+def _device_flags(device: str) -> List[str]:
+    """CPU: SGLang's torch-native paths, one small TP rank (a later ``--tp`` overrides). CUDA: SGLang's defaults
+    (CUDA graphs and the overlap scheduler on), a modest share of the memory."""
+    if device == "cuda":
+        return ["--mem-fraction-static", "0.3"]
+    return ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph", "--mem-fraction-static",
+            "0.1", "--skip-server-warmup", "--tp", "1", "--max-total-tokens", "2048", "--sampling-backend", "pytorch",
+            "--grammar-backend", "none"]
+
+
 class Server:
-    """``python -m sglang.launch_server`` on CPU; stopped by PID (children included)."""
+    """``python -m sglang.launch_server`` (on CPU unless ``device="cuda"``); stopped by PID (children included)."""
 
     def __init__(self, model_dir: str, log_path: str, extra: Optional[List[str]] = None,
-                 env: Optional[Dict[str, str]] = None, api_key: Optional[str] = None):
+                 env: Optional[Dict[str, str]] = None, api_key: Optional[str] = None, device: str = "cpu"):
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._args = [model_dir, log_path, (["--api-key", api_key] if api_key else []) + (extra or []),
-                      dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **(env or {}))]
+                      dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **(env or {})), device]
         self._launch()
 
     def _launch(self) -> None:
         import subprocess
         import sys
 
-        model_dir, log_path, extra, env = self._args
+        model_dir, log_path, extra, env, device = self._args
         self.port = free_port(below=50000)  # SGLang derives further ports from it (e.g. +10000 for gRPC)
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_dir, "--device", "cpu",
-               "--attention-backend", "torch_native", "--host", "127.0.0.1", "--port", str(self.port),
-               "--disable-cuda-graph", "--mem-fraction-static", "0.1", "--skip-server-warmup", "--tp", "1",
-               "--max-total-tokens", "2048", "--sampling-backend", "pytorch", "--grammar-backend", "none",
-               "--log-level", "warning"] + extra
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_dir, "--host", "127.0.0.1",
+               "--port", str(self.port), "--log-level", "warning"] + _device_flags(device) + extra
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 

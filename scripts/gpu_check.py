@@ -11,6 +11,10 @@ Checks (each PASS or FAIL in the report; any FAIL exits 1):
   bit, a second SGLang model loaded in full with the trainer's weights, and the sender's
   fingerprint check agrees.
 
+* Sharded engines (``gpu_check_sharded``): a TP=2 x EP=2 Qwen3-MoE engine on two GPUs, every rank bit-identical to
+  its own plain load after each delta; and a real ``launch_server`` (``--tp 2`` on two GPUs) with CUDA graphs and the
+  overlap scheduler on, through a training loop with the fingerprint checked after every sync.
+
 Figures: diff + encode throughput against a device copy of the same bytes; host<->device bytes
 per delta sync against the 4N bytes of copying whole chunks both ways; the overlap of the
 snapshot prefetch with the diff kernels (profiler trace); a delta apply against a full
@@ -368,7 +372,7 @@ def check_fp8(report, args, device, workdir) -> None:
         transport.close()
 
 
-def run(args, device, report) -> None:
+def run(args, device, report, stubbed: bool) -> None:
     from cpu_harness import InProcessEngine, bf16_state, delta_flushes, full_flushes, hf_config, hf_model, rl_steps, \
         segments, sglang_model
     from sglang.srt.weight_sync.delta import receiver
@@ -377,6 +381,7 @@ def run(args, device, report) -> None:
     from sglang.srt.weight_sync.delta.transport import DiskTransport, NcclTransport
     from sglang.srt.weight_sync.delta.diff import changed_positions, changes_many
     from sglang.srt.weight_sync.delta.wire import zstd_level
+    from gpu_check_sharded import check_server, check_sharded_ranks
 
     check_hashes(report, device)
     cfg = hf_config("qwen3", vocab=args.vocab, hidden=args.hidden, layers=args.layers)
@@ -493,6 +498,8 @@ def run(args, device, report) -> None:
     report.check(ok and ok2, f"delta apply `deltas` {1e3 * t_apply:.2f} ms vs full load_weights {1e3 * t_full:.2f} ms "
                              f"({ratio})" + ("" if ok and ok2 else f" — {msg} / {msg2}"))
     check_fp8(report, args, device, workdir)
+    check_sharded_ranks(report, args, device, workdir, stubbed)
+    check_server(report, args, device, workdir, stubbed)
 
 
 def main():
@@ -529,7 +536,7 @@ def main():
 
         report.add(f"# gpu-check: {name}; torch {torch.__version__}; SGLang {sglang.__version__} "
                    f"(patched){'; sgl_kernel: import stub' if stubbed else ''}\n")
-        run(args, device, report)
+        run(args, device, report, stubbed)
     except Exception as e:
         import traceback
 

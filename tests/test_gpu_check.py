@@ -26,6 +26,12 @@ def test_dry_run_passes_every_check(tmp_path):
     assert "PASS: mix64" not in text and "PASS: weight fingerprint equal on CPU" not in text
     for enc in ("deltas_zstd", "xor_zstd"):  # the FP8 rollout lane
         assert f"PASS: fp8 step 3 {enc}: delta, e4m3 density" in text
+    for rank in (0, 1):  # the sharded lane: TP=2 x EP=2 ranks (CPU processes, gloo)
+        for v, kind in ((1, "full sync"), (2, "deltas_zstd"), (3, "xor_zstd")):
+            assert f"PASS: rank {rank} v{v} {kind}: bit-identical to a plain load on the rank" in text
+        assert f"PASS: rank {rank}: no loader call in a delta" in text
+    for step in range(4):  # the real server lane (SGLang's CPU flags here)
+        assert f"PASS: server step {step} " in text
 
 
 def test_without_cuda_it_fails_and_says_why(tmp_path):
