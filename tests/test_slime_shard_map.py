@@ -1,0 +1,90 @@
+"""The sharded sender's map from a trainer rank's Megatron shard to HF names and positions, derived from slime's own
+``all_gather_param`` + ``convert_to_hf`` on element ids (``delta_shard_map``): on a real Megatron GPTModel at TP=1 and
+TP=2 (one process per rank, gloo), every element a rank holds lands exactly where slime's real conversion of the
+gathered param puts it, bit for bit, and the ranks together cover every HF element once (replicated params: once per
+rank). A conversion that is not a permutation (FP8 quantization) is named and keeps the gather path. Runs in
+``make test-slime`` (needs Megatron and a patched slime checkout)."""
+import multiprocessing as mp
+import os
+import traceback
+
+import pytest
+
+SLIME = os.environ.get("SLIME_PATCHED_DIR")
+pytestmark = pytest.mark.skipif(
+    not SLIME, reason="slime tests need a patched slime checkout: run `make test-slime SLIME_DIR=/path/to/slime`")
+
+
+def _scatter(m, values):
+    """The HF tensors this rank's shard fills through the map (unmapped elements NaN), and a mask of what it filled."""
+    import torch
+
+    flat = values.reshape(-1)
+    tgt, hpos, mapped = m.locate(torch.arange(flat.numel()))
+    out = []
+    for j, (name, shape) in enumerate(m.targets):
+        t = torch.full(shape, float("nan"), dtype=values.dtype)
+        hit = torch.zeros(shape, dtype=torch.int32)
+        sel = mapped & (tgt == j)
+        t.view(-1)[hpos[sel]] = flat[sel]
+        hit.view(-1)[hpos[sel]] = 1
+        out.append((name, t, hit))
+    return out
+
+
+def _rank(rank, tp, port, errors):
+    try:
+        import torch
+        import torch.distributed as dist
+
+        import slime_harness as H
+        from megatron.core import mpu
+        from slime.backends.megatron_utils.megatron_to_hf import convert_to_hf
+        from slime.backends.megatron_utils.update_weight.common import all_gather_param, named_params_and_buffers
+        from slime.backends.megatron_utils.update_weight.delta_shard_map import build_shard_maps
+
+        torch.set_num_threads(1)
+        H.init_world(port, rank=rank, tp=tp)
+        model = H.build_model()
+        args = H.make_args()
+        maps = build_shard_maps(args, [model], "llama")
+        params = list(named_params_and_buffers(args, [model]))
+        assert set(maps) == {n for n, _ in params} and all(m.pure for m in maps.values()), \
+            [(m.name, m.why) for m in maps.values() if not m.pure]
+        sharded = 0
+        for name, param in params:
+            m = maps[name]
+            want = dict(convert_to_hf(args, "llama", name, all_gather_param(name, param), None))
+            assert [n for n, _ in m.targets] == list(want), (name, m.targets, list(want))
+            for hf_name, got, hit in _scatter(m, param.detach()):
+                ref = want[hf_name]
+                assert got.shape == ref.shape, (hf_name, got.shape, ref.shape)
+                sel = hit.bool()
+                assert torch.equal(got[sel].view(torch.int16), ref[sel].view(torch.int16)), hf_name
+                dist.all_reduce(hit, group=mpu.get_tensor_model_parallel_group())
+                replicated = not getattr(param, "tensor_model_parallel", False) or tp == 1
+                assert bool((hit == (tp if replicated else 1)).all()), (hf_name, hit.unique())
+                sharded += not replicated
+            assert m.runs.shape[0] <= max(1, param.shape[0]) * len(m.targets) * 2, (name, m.runs.shape)  # runs, not elements
+        assert sharded > 0 or tp == 1
+        if tp == 1:  # slime's FP8 rollout conversion quantizes: not a permutation of elements
+            fp8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+            impure = [m for m in build_shard_maps(args, [model], "llama", fp8).values() if not m.pure]
+            assert impure and all(m.why for m in impure), [(m.name, m.why) for m in impure]
+    except BaseException:
+        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_every_element_of_a_shard_lands_where_slimes_conversion_puts_it(tp):
+    from cpu_harness import free_port
+
+    ctx = mp.get_context("spawn")
+    errors, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_rank, args=(r, tp, port, errors)) for r in range(tp)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(600)
+    failures = [errors.get() for _ in range(errors.qsize())]
+    assert not failures and all(p.exitcode == 0 for p in procs), "\n".join(failures)
