@@ -165,3 +165,37 @@ def test_a_flush_decoded_again_run_by_run_lands_bit_identical(monkeypatch, arch,
                                                                   base_version=v - 1))
         assert ok, msg
         assert_params_equal(host.model, reference(cfg, states[v - 1]))
+
+
+def test_an_xor_flush_is_rebuilt_a_run_at_a_time(tmp_path, monkeypatch):
+    """``xor_zstd`` reads each run's base at its positions and rebuilds that run before the next: no int64 tensor of
+    the whole flush's positions exists during the apply (the largest stays near one run), every param bit-identical."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from sglang.srt.weight_sync.delta import positions
+
+    class Largest(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (list, tuple)) else [out]:
+                if isinstance(t, torch.Tensor) and t.dtype == torch.int64:
+                    Largest.n = max(Largest.n, t.numel())
+            return out
+
+    run = 100
+    monkeypatch.setattr(positions, "_DECODE_RUN", run)
+    cfg, states = trained("qwen3-tied")
+    transport = DiskTransport(str(tmp_path))
+    host = Host(nan_filled(sglang_model(cfg)))
+    assert all(ok for ok, _ in transport.apply(host, full_flushes(states[0], version=1), "xor_zstd"))
+    payloads = delta_flushes(states[0], states[1], "xor_zstd", version=2, base_version=1,
+                             raw=receiver_state(host.model).xor_raw)
+    total = sum(p.nnz for pl in payloads for p in pl.spec.params if not p.dense)
+    biggest = max(p.nnz for pl in payloads for p in pl.spec.params)
+    with Largest():
+        results = transport.apply(host, payloads, "xor_zstd")
+    assert all(ok for ok, _ in results), results
+    assert_params_equal(host.model, reference(cfg, states[1]))
+    assert Largest.n <= 2 * (run + biggest) < total, (Largest.n, run, biggest, total)

@@ -133,8 +133,7 @@ class Run:
 class Positions:
     """A checked flush's int64 positions, per sparse param.
 
-    Kept from the checking pass where a flush is one run, and for ``xor_zstd`` (the base is read at them);
-    otherwise decoded again, a run at a time into one reused buffer, as the writes take them: int64 positions are
+    Kept from the checking pass where a flush is one run; otherwise decoded again, a run at a time into one reused buffer, as the writes take them: int64 positions are
     4x the bytes of bf16 values, so an engine's memory per apply stays the flush plus one run's positions.
     """
 
@@ -179,6 +178,25 @@ class Positions:
             yield Run(run, x, list(itertools.accumulate(counts[:-1], initial=0)))
 
 
+    def pieces(self, params: Sequence[DeltaParam]) -> Iterator[Tuple[List[DeltaParam], List[Optional[torch.Tensor]]]]:
+        """``params`` (a flush's, in spec order) in groups of consecutive params of about ``_DECODE_RUN`` values,
+        each param with its positions clamped into its range (None for a dense param: all of it; unverified until
+        the flags are read): what an ``xor_zstd`` base is read at, a run at a time. A group's tensors hold until
+        the next group is asked for; params without values are left out (their values are empty)."""
+        for dense, stretch in itertools.groupby((p for p in params if p.val_end > p.val_start), key=lambda p: p.dense):
+            stretch = list(stretch)
+            if dense:
+                for run, _ in _runs(stretch):
+                    yield run, [None] * len(run)
+                continue
+            for run in self.runs(stretch):  # kept: the stretch is a contiguous part of a kept run
+                counts = [p.nnz for p in run.params]
+                lo, hi = run.starts[0], run.starts[-1] + counts[-1]
+                x = torch.minimum(run.positions[lo:hi],
+                                  repeat_counts(to_device([p.numel - 1 for p in run.params], self._pos.device), counts))
+                yield run.params, [x[a - lo:a - lo + n] for a, n in zip(run.starts, counts)]
+
+
 class _RunBuffer:
     """The memory every run of a flush decodes in, grown to the largest run (its pages are touched once, not per
     run): the int64 positions, and aligned room for wire ints that sit off their alignment (a blob read from a
@@ -221,21 +239,19 @@ def _runs(params: Sequence[DeltaParam]) -> Iterator[Tuple[List[DeltaParam], List
         yield run, counts
 
 
-def decode_all(payload: DeltaPayload, sparse: List[DeltaParam], clamp: bool = False) -> Tuple[Positions, list]:
+def decode_all(payload: DeltaPayload, sparse: List[DeltaParam]) -> Tuple[Positions, list]:
     """Check every sparse param's positions: a :class:`Positions`, and the fault flags (unread).
 
     Per run of about ``_DECODE_RUN`` positions the tensor ops have no host synchronization and do not grow with
     its params (a copy per stretch of one width, a cumsum, small gathers); the per-param work is host arithmetic.
     Each param's positions must come out strictly increasing (gaps do by construction; ``indices`` are flagged
-    when not — unsorted but valid positions are then checked one param at a time, see :func:`_check_one_by_one`).
-    ``clamp``: kept positions past a param's end are clamped to its last element after the flags saw them (safe
-    to gather with; equal to the decoded positions whenever the flags pass)."""
+    when not — unsorted but valid positions are then checked one param at a time, see :func:`_check_one_by_one`)."""
     pos = payload.positions
     gaps = _gaps(payload.spec.encoding)
     live = [p for p in sparse if p.val_end > p.val_start]
     runs = list(_runs(live))
     sizes = [sum(c) for _, c in runs]
-    keep = clamp or sum(sizes) <= _DECODE_RUN
+    keep = sum(sizes) <= _DECODE_RUN
     buffer = _RunBuffer(pos.device)
     buffer.take(max(sizes, default=0))  # once: runs differ in size, and each growth is fresh pages
     flags, tops, kept = [], [], [] if keep else None
@@ -246,8 +262,6 @@ def decode_all(payload: DeltaPayload, sparse: List[DeltaParam], clamp: bool = Fa
             x = _decode_run(pos, run, counts, gaps, x, top, buffer)
         tops.append(top)
         if keep:
-            if clamp:  # one op for the run, not one per param
-                x = torch.minimum(x, repeat_counts(to_device([p.numel - 1 for p in run], pos.device), counts))
             kept.append(Run(run, x, list(itertools.accumulate(counts[:-1], initial=0))))
     order = {} if keep else {p.name: k for k, p in enumerate(live)}
     top = None if keep or not tops else tops[0] if len(tops) == 1 else torch.cat(tops)

@@ -188,24 +188,31 @@ def _structure_one_by_one(payload: DeltaPayload, manifest, where: str) -> List[D
 def unxor(payload: DeltaPayload, manifest, read_base) -> DeltaPayload:
     """An ``xor_zstd`` flush with its new values rebuilt: ``values ^ base``, before anything is trusted.
 
-    The structure is checked first and positions are decoded clamped into each param's range (they are
-    not verified yet); ``read_base(params, positions)`` returns the committed bytes at those positions,
-    one tensor aligned with ``values`` (``positions[k]`` is None for a dense param: all of it). The
-    checksum over the rebuilt values, in :func:`validate_payload`, then decides: a wrong base, a
+    The structure is checked first and positions are decoded a run at a time, clamped into each param's range
+    (they are not verified yet); ``read_base(params, positions)`` returns the committed bytes at those positions
+    for consecutive params, one tensor aligned with their values (``positions[k]`` is None for a dense param:
+    all of it). The checksum over the rebuilt values, in :func:`validate_payload`, then decides: a wrong base, a
     corrupted blob or a lying spec is a mismatch, never a wrong weight.
     """
     spec, val = payload.spec, payload.values
     where = f" in {payload.source}" if payload.source else ""
     if DeltaEncoding(spec.encoding) is not DeltaEncoding.XOR_ZSTD or not payload.xored:
         raise DeltaError(f"unxor needs xor_zstd values{where}, got a {spec.encoding} flush")
-    positions, flags = decode_all(payload, check_structure(payload, manifest), clamp=True)  # validate reuses it
-    base = read_base(spec.params, [positions.of(p) for p in spec.params])
-    if base.dtype != val.dtype or base.shape != val.shape:
-        raise DeltaError(f"base values{where}: {base.dtype} {list(base.shape)} do not match the flush's "
-                         f"{val.dtype} {list(val.shape)}", Refusal.NO_BASE)
+    positions, flags = decode_all(payload, check_structure(payload, manifest))  # validate reuses it
     iv = INT_VIEW[val.element_size()]
-    rebuilt = torch.bitwise_xor(val.view(iv), base.to(val.device).view(iv)).view(val.dtype)
-    return dataclasses.replace(payload, values=rebuilt, xored=False, sums=None, decoded=(manifest, positions, flags))
+    rebuilt, at = torch.empty_like(val.view(iv)), 0
+    for params, idxs in positions.pieces(spec.params):  # a run's positions at a time: no int64 copy of the flush
+        n = sum(p.val_end - p.val_start for p in params)
+        base = read_base(params, idxs)
+        if base.dtype != val.dtype or base.shape != (n,):
+            raise DeltaError(f"base values{where}: {base.dtype} {list(base.shape)} do not match the flush's "
+                             f"{val.dtype} [{n}] at value {at}", Refusal.NO_BASE)
+        torch.bitwise_xor(val.view(iv)[at:at + n], base.to(val.device).view(iv), out=rebuilt[at:at + n])
+        at += n
+    if at != val.numel():  # check_structure tiles the values with the params: this is a bug, not bad input
+        raise DeltaError(f"base values{where}: {at} rebuilt of {val.numel()}", Refusal.NO_BASE)
+    return dataclasses.replace(payload, values=rebuilt.view(val.dtype), xored=False, sums=None,
+                               decoded=(manifest, positions, flags))
 
 
 def _check_one_by_one(payload: DeltaPayload, where: str) -> None:

@@ -301,9 +301,9 @@ def _bits(flat: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
 
 def read_base(plan: Optional[WritePlan], params, idxs, dtype, device, helds: list) -> torch.Tensor:
     """The committed values at ``idxs`` through each param's recorded views of ``dtype`` (others hold other bytes than
-    the trainer's: no base), aligned with the flush's values, located as writes are (:func:`_locate`: one pass for
-    whole blocks, one for part views, one gather per storage). Appends to ``helds`` the flush's mask of the entries
-    this rank holds, and whether any param is held through part views only. Entries no view holds read as zero (a
+    the trainer's: no base), aligned with these consecutive params' values (a run of the flush), located as writes
+    are (:func:`_locate`: one pass for whole blocks, one for part views, one gather per storage). Appends to
+    ``helds`` the run's mask of the entries this rank holds, and whether any param is held through part views only. Entries no view holds read as zero (a
     param no rank stores travels raw) or as anything (the caller refuses a param that is held only in part)."""
     counts = [p.nnz for p in params]
     total = sum(counts)
@@ -351,8 +351,8 @@ def rebuild_xor(plan: Optional[WritePlan], manifest, payloads: Sequence[DeltaPay
         raise error or DeltaError("another tensor-parallel rank could not rebuild the xor_zstd values", Refusal.PEER)
     if error is not None:
         raise error
-    params = [p for pl in rebuilt for p in pl.spec.params]
-    if not params:
+    params = [p for pl in rebuilt for p in pl.spec.params if p.val_end > p.val_start]
+    if not params:  # no values at all (every rank sees the same flushes: none enters the collectives)
         return rebuilt
     held = torch.cat([h for h, _ in helds]) if len(helds) > 1 else helds[0][0]
     if group is not None:
