@@ -2,8 +2,11 @@
 ``all_gather_param`` + ``convert_to_hf`` on element ids (``delta_shard_map``): on a real Megatron GPTModel at TP=1 and
 TP=2 (one process per rank, gloo), every element a rank holds lands exactly where slime's real conversion of the
 gathered param puts it, bit for bit, and the ranks together cover every HF element once (replicated params: once per
-rank). A conversion that is not a permutation (FP8 quantization) is named and keeps the gather path. Runs in
-``make test-slime`` (needs Megatron and a patched slime checkout)."""
+rank). A conversion that is not a permutation (FP8 quantization) is named and keeps the gather path. And the
+sharded diff (``delta_shard_diff``) at TP=2 and at DP=2: each rank's snapshot is its own slice (together: the model
+once), and after real AdamW steps the changes the ranks send the source equal, position for position and bit for
+bit, the diff of slime's full conversion before and after, in bytes that follow the changed elements. Runs in
+``make test-slime`` (needs Megatron and a patched slime checkout).""" 
 import multiprocessing as mp
 import os
 import traceback
@@ -88,3 +91,66 @@ def test_every_element_of_a_shard_lands_where_slimes_conversion_puts_it(tp):
         p.join(600)
     failures = [errors.get() for _ in range(errors.qsize())]
     assert not failures and all(p.exitcode == 0 for p in procs), "\n".join(failures)
+
+
+def _rank_diff(rank, tp, dp, port, errors):
+    try:
+        import torch
+        import torch.distributed as dist
+
+        import slime_harness as H
+        from slime.backends.megatron_utils.update_weight.common import named_params_and_buffers
+        from slime.backends.megatron_utils.update_weight.delta_shard_diff import ShardDiffer, send_changes
+        from slime.backends.megatron_utils.update_weight.delta_shard_map import build_shard_maps
+        from sglang.srt.weight_sync.delta.diff import changed_positions
+
+        torch.set_num_threads(1)
+        H.init_world(port, rank=rank, tp=tp, dp=dp)
+        model = H.build_model()
+        args = H.make_args()
+        params = list(named_params_and_buffers(args, [model]))
+        differ = ShardDiffer(build_shard_maps(args, [model], "llama"))
+        differ.seed(params)
+        old = H.hf_state(args, model)  # collective: every rank
+        model_bytes = sum(t.numel() * t.element_size() for t in old.values())
+        mine = torch.tensor([differ.snapshot_bytes])
+        dist.all_reduce(mine)
+        assert int(mine) == model_bytes, (int(mine), model_bytes)  # the ranks' slices: the model, once
+        assert differ.snapshot_bytes <= model_bytes // (tp * dp) + 4096, (differ.snapshot_bytes, model_bytes)
+        trainer = H.StageTrainer(model, seed=0)  # one seed: replicas step alike
+        for step in range(3):
+            trainer.step()
+            new = H.hf_state(args, model)
+            merged, sent = send_changes(differ.changes(params), dst=0)
+            total = torch.tensor([sent])
+            dist.all_reduce(total)
+            if rank == 0:
+                changed = 0
+                for name, t in new.items():
+                    want = changed_positions(old[name], t)
+                    changed += want.numel()
+                    pos, val = merged.pop(name, (torch.zeros(0, dtype=torch.int64), t.new_zeros(0)))
+                    assert torch.equal(pos, want), (step, name, pos.numel(), want.numel())
+                    assert torch.equal(val.view(torch.int16), t.reshape(-1)[want].view(torch.int16)), (step, name)
+                assert not merged, sorted(merged)  # no name without a change
+                assert changed > 0 and int(total) <= 1.2 * changed * (4 + 2) + 1024, (int(total), changed)
+            differ.commit()
+            old = new
+    except BaseException:
+        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+
+
+@pytest.mark.parametrize("tp, dp", [(2, 1), (1, 2)])
+def test_each_rank_sends_what_changed_in_its_own_slice(tp, dp):
+    from cpu_harness import free_port
+
+    ctx = mp.get_context("spawn")
+    errors, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_rank_diff, args=(r, tp, dp, port, errors)) for r in range(tp * dp)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(600)
+    failures = [errors.get() for _ in range(errors.qsize())]
+    assert not failures and all(p.exitcode == 0 for p in procs), "\n".join(failures)
+

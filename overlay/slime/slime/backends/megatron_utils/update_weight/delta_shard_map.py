@@ -37,6 +37,7 @@ class ParamMap:
     runs: torch.Tensor  # int64 [R, 4]
     pure: bool = True
     why: str = ""
+    replicated: bool = False  # every rank of its TP group holds all of it (slime's gather returns it as is)
 
     def locate(self, positions: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(target index, HF flat position, mapped mask) of sorted local flat ``positions``: one search over the
@@ -115,6 +116,7 @@ def build_shard_maps(args, model, model_name: str, quantization_config=None) -> 
                                       f"conversion failed on ids: {e!r}")
                 continue
             maps[name] = _invert(name, tuple(param.shape), offset, hf)
+            maps[name].replicated = full.data_ptr() == ids.data_ptr() and full.shape == ids.shape
     impure = [m for m in maps.values() if not m.pure]
     if impure:
         logger.warning("%d param(s) keep slime's gather path (their conversion is not a permutation), e.g. %s: %s",
