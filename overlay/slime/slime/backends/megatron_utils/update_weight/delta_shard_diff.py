@@ -30,10 +30,6 @@ class Changes:
 
     entries: List[Tuple[str, torch.Tensor, torch.Tensor]]
 
-    @property
-    def elements(self) -> int:
-        return sum(p.numel() for _, p, _ in self.entries)
-
 
 def owned_range(m: ParamMap, numel: int) -> Tuple[int, int]:
     """The slice of the shard's flat range this rank owns among the ranks holding the same shard."""
