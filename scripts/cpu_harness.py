@@ -181,6 +181,21 @@ def full_flushes(state: Dict[str, torch.Tensor], *, version: int, max_params: in
             for k, b in enumerate(by_dtype)]
 
 
+def publish_request(root: str, version: int, payloads, zstd: bool, name: str = "weight") -> str:
+    """One disk request: every flush of a sync as a numbered part of one publish, as the disk transport writes
+    them, under ``root/<name>_v<version>``."""
+    from sglang.srt.weight_sync.delta.files import as_parts, flush_file
+
+    vdir = os.path.join(root, f"{name}_v{version:06d}")
+    os.makedirs(vdir)
+    for pl in payloads:
+        pl.spec.flush, pl.spec.final = 0, True
+    for k, pl in enumerate(as_parts(payloads)):
+        with open(os.path.join(vdir, f"rank0000_flush{k:06d}.safetensors"), "wb") as f:
+            f.write(flush_file(pl, 1 if zstd else None))
+    return vdir
+
+
 # ---------------------------------------------------------------- in-process SGLang
 
 

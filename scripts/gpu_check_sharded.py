@@ -30,20 +30,6 @@ def _moe_config(args):
     return cfg
 
 
-def _publish(root: str, version: int, payloads, zstd: bool) -> str:
-    """One request: every flush of the sync as a numbered part of one publish, as the disk transport writes them."""
-    from sglang.srt.weight_sync.delta.files import as_parts, flush_file
-
-    vdir = os.path.join(root, f"weight_v{version:06d}")
-    os.makedirs(vdir)
-    for pl in payloads:
-        pl.spec.flush, pl.spec.final = 0, True
-    for k, pl in enumerate(as_parts(payloads)):
-        with open(os.path.join(vdir, f"rank0000_flush{k:06d}.safetensors"), "wb") as f:
-            f.write(flush_file(pl, 1 if zstd else None))
-    return vdir
-
-
 def _rank(rank: int, device_type: str, init: str, root: str, args, stubbed: bool, out) -> None:
     """One engine rank: apply every published version, compare with a plain load on this rank, time both."""
     try:
@@ -98,7 +84,7 @@ def _sync(device) -> None:
 
 
 def check_sharded_ranks(report, args, device, workdir, stubbed: bool) -> None:
-    from cpu_harness import delta_flushes, free_port, full_flushes, rl_states
+    from cpu_harness import delta_flushes, free_port, full_flushes, publish_request, rl_states
 
     what = f"TP={GROUP_RANKS} x EP={EP} Qwen3-MoE engine ranks"
     if device.type == "cuda" and torch.cuda.device_count() < GROUP_RANKS:
@@ -111,9 +97,9 @@ def check_sharded_ranks(report, args, device, workdir, stubbed: bool) -> None:
     cfg = _moe_config(args)
     states = rl_states(cfg, len(PLAN) + 1, seed=0)
     torch.save(states, os.path.join(root, "states.pt"))
-    _publish(root, 1, full_flushes(states[0], version=1, max_params=40), zstd=False)
+    publish_request(root, 1, full_flushes(states[0], version=1, max_params=40), zstd=False)
     for v, enc in PLAN.items():
-        _publish(root, v, delta_flushes(states[v - 2], states[v - 1], enc, version=v, base_version=v - 1,
+        publish_request(root, v, delta_flushes(states[v - 2], states[v - 1], enc, version=v, base_version=v - 1,
                                         max_params=40), zstd=True)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

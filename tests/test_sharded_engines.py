@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from cpu_harness import (FP8_BLOCK, Server, bf16_state, delta_flushes, fp8_block_quantize, free_port, full_flushes,
-                         hf_config, hf_model, join_update_group, rl_states, rl_steps, segments, write_hf_checkpoint)
+                         hf_config, hf_model, join_update_group, publish_request, rl_states, rl_steps, segments,
+                         write_hf_checkpoint)
 from delta_helpers import GlooSender
-from sglang.srt.weight_sync.delta.files import as_parts, flush_file
 from sglang.srt.weight_sync.delta.sender import DeltaSender
 from sglang.srt.weight_sync.delta.transport import DiskTransport, HttpEngine, NcclTransport
 from sglang.srt.weight_sync.delta.wire import POSITIONS, VALUES, dtype_to_str, zstd_level
@@ -29,18 +29,6 @@ def config(arch: str, quant):
     cfg = hf_config(arch, hidden=512 if quant else 256, layers=2)
     cfg.num_experts = cfg.n_routed_experts = 8
     return cfg
-
-
-def publish(root: str, version: int, payloads, zstd: bool, name: str = "weight") -> str:
-    """One request: every flush of the sync as a part of one publish (as the disk transport writes them)."""
-    vdir = os.path.join(root, f"{name}_v{version:06d}")
-    os.makedirs(vdir)
-    for pl in payloads:
-        pl.spec.flush, pl.spec.final = 0, True
-    for k, pl in enumerate(as_parts(payloads)):
-        with open(os.path.join(vdir, f"rank0000_flush{k:06d}.safetensors"), "wb") as f:
-            f.write(flush_file(pl, 1 if zstd else None))
-    return vdir
 
 
 def _rank(rank, world, ep, arch, quant, root, sender_init, errors):
@@ -116,7 +104,7 @@ def test_every_rank_of_a_sharded_engine_takes_each_delta_bit_identically(tmp_pat
         states = [fp8_block_quantize(s) for s in states]
     root = str(tmp_path)
     torch.save(states, os.path.join(root, "states.pt"))
-    publish(root, 1, full_flushes(states[0], version=1, max_params=40), zstd=False)
+    publish_request(root, 1, full_flushes(states[0], version=1, max_params=40), zstd=False)
     for v, (encoding, transport) in PLAN.items():
         payloads = delta_flushes(states[v - 2], states[v - 1], encoding, version=v, base_version=v - 1, max_params=40)
         if transport == "broadcast":
@@ -124,11 +112,11 @@ def test_every_rank_of_a_sharded_engine_takes_each_delta_bit_identically(tmp_pat
                        os.path.join(root, f"broadcast_v{v}.pt"))
             broadcast = payloads
         else:
-            publish(root, v, payloads, zstd=True)
+            publish_request(root, v, payloads, zstd=True)
     expert = next(n for n in states[0] if ".mlp.experts.0.gate_proj.weight" in n)
     old, new = dict(states[3]), dict(states[4])
     old[expert.replace(".0.", ".99.")], new[expert.replace(".0.", ".99.")] = old[expert], new[expert]  # on no rank
-    publish(root, 5, delta_flushes(old, new, "deltas_zstd", version=5, base_version=4), zstd=True, name="unknown")
+    publish_request(root, 5, delta_flushes(old, new, "deltas_zstd", version=5, base_version=4), zstd=True, name="unknown")
 
     sender = GlooSender(group_name=GROUP, world_size=world + 1)
     for pl in broadcast:

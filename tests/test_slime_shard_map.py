@@ -78,19 +78,24 @@ def _rank(rank, tp, port, errors):
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_every_element_of_a_shard_lands_where_slimes_conversion_puts_it(tp):
+def _spawn(target, ranks: int, *args):
+    """``target(rank, *args, port, errors)`` in one process per rank; every rank's failure, reported."""
     from cpu_harness import free_port
 
     ctx = mp.get_context("spawn")
     errors, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_rank, args=(r, tp, port, errors)) for r in range(tp)]
+    procs = [ctx.Process(target=target, args=(r, *args, port, errors)) for r in range(ranks)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(600)
     failures = [errors.get() for _ in range(errors.qsize())]
     assert not failures and all(p.exitcode == 0 for p in procs), "\n".join(failures)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_every_element_of_a_shard_lands_where_slimes_conversion_puts_it(tp):
+    _spawn(_rank, tp, tp)
 
 
 def _rank_diff(rank, tp, dp, port, errors):
@@ -142,15 +147,4 @@ def _rank_diff(rank, tp, dp, port, errors):
 
 @pytest.mark.parametrize("tp, dp", [(2, 1), (1, 2)])
 def test_each_rank_sends_what_changed_in_its_own_slice(tp, dp):
-    from cpu_harness import free_port
-
-    ctx = mp.get_context("spawn")
-    errors, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_rank_diff, args=(r, tp, dp, port, errors)) for r in range(tp * dp)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(600)
-    failures = [errors.get() for _ in range(errors.qsize())]
-    assert not failures and all(p.exitcode == 0 for p in procs), "\n".join(failures)
-
+    _spawn(_rank_diff, tp * dp, tp, dp)
