@@ -19,7 +19,7 @@ venvs:
 
 # One pytest run per SGLang pin: the same tests against both patched versions, except modules whose subject does
 # not change with the pin, run with the first only: the wire format, checksum and fingerprint (no SGLang code), the
-# package's layout, the bench's report and gpu-check's dry run (our scripts). The soak runs 12 syncs per pause mode
+# package's layout, the bench's report and gpu-check's dry run (our scripts). The soak runs 8 syncs per pause mode
 # on each pin (`make soak PIN=...` runs 200). slime's updater runs in `make test-slime` (its own venv: Megatron, Ray).
 ONE_PIN_TESTS = tests/test_wire.py tests/test_checksum.py tests/test_fingerprint.py tests/test_layout.py \
   tests/test_bench.py tests/test_gpu_check.py
@@ -79,7 +79,7 @@ gpu-bundle:
 	scripts/gpu_bundle.sh $(BUILD)
 
 # 200 syncs per pause mode into a real server serving generation traffic, with random (seeded) faults (`make test`
-# runs 12), one `soak:` line per mode; and the disk transport's fan-out to four real servers.
+# runs 8), one `soak:` line per mode; and the disk transport's fan-out to four real servers.
 soak:
 	@scripts/build_venv.sh $(PIN) $(BUILD)
 	SOAK_SYNCS=200 $(BUILD)/venv-$(PIN)/bin/python -m pytest tests/test_soak.py tests/test_disk_fanout.py -s $(PYTEST_ARGS)
