@@ -22,7 +22,7 @@ from fault_world import World, blob_range, fault, first_file, flip_bit, position
 from sglang.srt.weight_sync.delta.sender import DeltaSender
 from sglang.srt.weight_sync.delta.transport import HttpEngine, NcclTransport
 from sglang.srt.weight_sync.delta.files import read_safetensors, write_safetensors
-from sglang.srt.weight_sync.delta.wire import POSITIONS, VALUES, Refusal, dtype_to_str
+from sglang.srt.weight_sync.delta.wire import POSITIONS, VALUES, dtype_to_str
 from traffic import Traffic
 
 
