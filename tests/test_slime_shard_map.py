@@ -2,7 +2,8 @@
 ``all_gather_param`` + ``convert_to_hf`` on element ids (``delta_shard_map``): on a real Megatron GPTModel at TP=1 and
 TP=2 (one process per rank, gloo), every element a rank holds lands exactly where slime's real conversion of the
 gathered param puts it, bit for bit, and the ranks together cover every HF element once (replicated params: once per
-rank). A conversion that is not a permutation (FP8 quantization) is named and keeps the gather path. And the
+rank). A conversion that is not a permutation (FP8 quantization, an integral shift of every element) is named and
+keeps the gather path. And the
 sharded diff (``delta_shard_diff``) at TP=2 and at DP=2: each rank's snapshot is its own slice (together: the model
 once), and after real AdamW steps the changes the ranks send the source equal, position for position and bit for
 bit, the diff of slime's full conversion before and after, in bytes that follow the changed elements. Runs in
@@ -74,6 +75,18 @@ def _rank(rank, tp, port, errors):
             fp8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
             impure = [m for m in build_shard_maps(args, [model], "llama", fp8).values() if not m.pure]
             assert impure and all(m.why for m in impure), [(m.name, m.why) for m in impure]
+        # a converter that shifts every element by one place (integral arithmetic: still distinct integers) maps
+        # nothing: checked over the whole gathered param, so no rank takes the shift for a permutation
+        from slime.backends.megatron_utils.update_weight import delta_shard_map
+
+        real = delta_shard_map.convert_to_hf
+        delta_shard_map.convert_to_hf = lambda *a, **k: [(n, t + 1) for n, t in real(*a, **k)]
+        try:
+            shifted = build_shard_maps(args, [model], "llama")
+        finally:
+            delta_shard_map.convert_to_hf = real
+        assert all(not m.pure and "out of range" in m.why for m in shifted.values()), \
+            [(m.name, m.why) for m in shifted.values() if m.pure]
     except BaseException:
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
 

@@ -10,6 +10,7 @@ values: bytes follow the changed elements, and no rank gathers a full param.
 from __future__ import annotations
 
 import dataclasses
+import math
 import pickle
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -19,7 +20,7 @@ from megatron.core import mpu
 
 from sglang.srt.weight_sync.delta.diff import changes_many
 from sglang.srt.weight_sync.delta.ops import host_values, repeat_counts, to_device
-from slime.backends.megatron_utils.update_weight.delta_shard_map import ParamMap
+from slime.backends.megatron_utils.update_weight.delta_shard_map import ParamMap, locate
 
 _I32 = (1 << 31) - 1
 
@@ -60,9 +61,7 @@ class ShardDiffer:
         self._found: List[Tuple[List[str], torch.Tensor, torch.Tensor, List[int]]] = []  # the last diff, per run
         self.base, self.targets, runs, at, t = {}, [], [], 0, 0
         for name, m in self.maps.items():
-            numel = 1
-            for d in m.shape:
-                numel *= d
+            numel = math.prod(m.shape)
             shifted = m.runs.clone()
             shifted[:, 0] += at
             shifted[:, 1] += t
@@ -115,11 +114,8 @@ class ShardDiffer:
             device = run.idx.device
             shift = to_device([self.base[n] + self.ranges[n][0] for n in names], device)
             flat = run.idx + repeat_counts(shift, run.counts)  # positions in the joined map's space
-            runs = self.runs.to(device)
-            k = torch.searchsorted(runs[:, 0], flat, right=True) - 1
-            kc = k.clamp(min=0)
-            mapped = (k >= 0) & (flat < runs[kc, 0] + runs[kc, 3])  # vocab padding maps nowhere
-            tgt, hpos = runs[kc, 1][mapped], (runs[kc, 2] + flat - runs[kc, 0])[mapped]
+            tgt, hpos, mapped = locate(self.runs.to(device), flat)  # vocab padding maps nowhere
+            tgt, hpos = tgt[mapped], hpos[mapped]
             order = torch.argsort(tgt * (1 << 40) + hpos)
             counts = host_values(torch.bincount(tgt, minlength=len(self.targets)))
             live = [j for j, c in enumerate(counts) if c]

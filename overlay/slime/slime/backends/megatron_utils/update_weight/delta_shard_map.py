@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from typing import Dict, List, Tuple
 
 import torch
@@ -40,13 +41,18 @@ class ParamMap:
     replicated: bool = False  # every rank of its TP group holds all of it (slime's gather returns it as is)
 
     def locate(self, positions: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(target index, HF flat position, mapped mask) of sorted local flat ``positions``: one search over the
-        runs, no per-element host work."""
-        starts, ends = self.runs[:, 0], self.runs[:, 0] + self.runs[:, 3]
-        k = torch.searchsorted(starts, positions, right=True) - 1
-        kc = k.clamp(min=0)
-        mapped = (k >= 0) & (positions < ends[kc])
-        return self.runs[kc, 1], self.runs[kc, 2] + positions - starts[kc], mapped
+        """(target index, HF flat position, mapped mask) of sorted local flat ``positions``."""
+        return locate(self.runs, positions)
+
+
+def locate(runs: torch.Tensor, positions: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(target, HF flat position, mapped mask) of ``positions`` through ``runs`` (sorted by local start): one
+    search over the runs, no per-element host work. Positions in no run (vocab padding) are not mapped."""
+    starts = runs[:, 0]
+    k = torch.searchsorted(starts, positions, right=True) - 1
+    kc = k.clamp(min=0)
+    mapped = (k >= 0) & (positions < starts[kc] + runs[kc, 3])
+    return runs[kc, 1], runs[kc, 2] + positions - starts[kc], mapped
 
 
 def _tp_rank(name: str) -> int:
@@ -65,22 +71,27 @@ def _id_param(name: str, param: torch.Tensor) -> torch.nn.Parameter:
     return ids
 
 
-def _invert(name: str, shape, offset: int, hf: List[Tuple[str, torch.Tensor]]) -> ParamMap:
-    """Runs from the converted id tensors; impure when a target lost the ids' dtype, holds a non-id, or an element of
-    this shard lands twice."""
+def _invert(name: str, shape, offset: int, ids: Tuple[int, int], hf: List[Tuple[str, torch.Tensor]]) -> ParamMap:
+    """Runs from the converted id tensors. Impure when a target lost the ids' dtype, or the targets together hold
+    anything but distinct ids of the gathered param (``ids``: its first id and count): a non-integer, an id out of
+    range (an integral shift or scale), an id placed twice (checked over every rank's ids, not only this rank's)."""
     targets = [(n, tuple(t.shape)) for n, t in hf]
     empty = torch.zeros(0, 4, dtype=torch.int64)
-    n = 1
-    for d in shape:
-        n *= d
-    locs, tgts, hfs = [], [], []
-    for j, (hf_name, t) in enumerate(hf):
+    n = math.prod(shape)
+    for hf_name, t in hf:
         if t.dtype != IDS:
             return ParamMap(name, tuple(shape), targets, empty, False, f"{hf_name}: converted to {t.dtype}")
-        flat = t.detach().reshape(-1)
-        if not bool(torch.equal(flat, flat.round())):
-            return ParamMap(name, tuple(shape), targets, empty, False, f"{hf_name}: not a permutation (arithmetic)")
-        local = flat.to(torch.int64) - offset
+    every = torch.cat([t.detach().reshape(-1) for _, t in hf]) if hf else torch.zeros(0, dtype=IDS)
+    if not bool(torch.equal(every, every.round())):
+        return ParamMap(name, tuple(shape), targets, empty, False, "not a permutation (arithmetic on the ids)")
+    every = torch.sort(every.to(torch.int64)).values
+    if every.numel() and (int(every[0]) < ids[0] or int(every[-1]) >= ids[0] + ids[1]):
+        return ParamMap(name, tuple(shape), targets, empty, False, "not a permutation (ids out of range)")
+    if every.numel() > 1 and bool((every[1:] == every[:-1]).any()):
+        return ParamMap(name, tuple(shape), targets, empty, False, "an element lands in two places")
+    locs, tgts, hfs = [], [], []
+    for j, (hf_name, t) in enumerate(hf):
+        local = t.detach().reshape(-1).to(torch.int64) - offset
         mine = ((local >= 0) & (local < n)).nonzero().squeeze(1)
         locs.append(local[mine])
         hfs.append(mine)
@@ -88,8 +99,6 @@ def _invert(name: str, shape, offset: int, hf: List[Tuple[str, torch.Tensor]]) -
     loc, tgt, hpos = torch.cat(locs), torch.cat(tgts), torch.cat(hfs)
     order = torch.argsort(loc)
     loc, tgt, hpos = loc[order], tgt[order], hpos[order]
-    if loc.numel() > 1 and bool((loc[1:] == loc[:-1]).any()):
-        return ParamMap(name, tuple(shape), targets, empty, False, "an element lands in two places")
     if not loc.numel():
         return ParamMap(name, tuple(shape), targets, empty)
     step = (loc[1:] == loc[:-1] + 1) & (hpos[1:] == hpos[:-1] + 1) & (tgt[1:] == tgt[:-1])
@@ -115,7 +124,8 @@ def build_shard_maps(args, model, model_name: str, quantization_config=None) -> 
                 maps[name] = ParamMap(name, tuple(param.shape), [], torch.zeros(0, 4, dtype=torch.int64), False,
                                       f"conversion failed on ids: {e!r}")
                 continue
-            maps[name] = _invert(name, tuple(param.shape), offset, hf)
+            first = int(full.min()) if full.numel() else 0  # the gathered ids: a contiguous range
+            maps[name] = _invert(name, tuple(param.shape), offset, (first, full.numel()), hf)
             maps[name].replicated = full.data_ptr() == ids.data_ptr() and full.shape == ids.shape
     impure = [m for m in maps.values() if not m.pure]
     if impure:
