@@ -509,3 +509,132 @@ def test_two_pipeline_stages(world, tmp_path, transport):
         assert rows[0][6] > 0
     assert got[0][0][6] + got[1][0][6] == len(H.hf_state(H.make_args(), world["model"]))  # the stages split the model
     world.pop("version", None)  # the engine's chain moved on: a later sender learns it from the engine's status
+
+
+def _sharded_rank(rank, layout, port, ray_address, url, args, out):
+    """One trainer rank of a sharded delta sync: real syncs into the server after real steps, the engine checked
+    against slime's own conversion by the stage's source, a diff failure injected on one rank once."""
+    import traceback
+
+    try:
+        import ray
+        import requests
+        import torch
+        import torch.distributed as dist
+
+        import slime_harness as H
+        from cpu_harness import engine_mismatch
+        from megatron.core import mpu
+        from sglang.srt.weight_sync.delta.diff import changed_positions
+        from slime.backends.megatron_utils.update_weight.update_weight_from_distributed_delta import (
+            UpdateWeightFromDistributedDelta,
+        )
+
+        torch.set_num_threads(1)
+        ray.init(address=ray_address, namespace="sharded-test", log_to_driver=False)
+        engine, lock = ray.get_actor("sharded-engine"), ray.get_actor("sharded-lock")
+        H.init_world(port, rank=rank, **layout)
+        model = H.build_model()
+        stage, tp_rank = mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank()
+        trainer = H.StageTrainer(model, seed=100 * stage + tp_rank)  # data-parallel replicas step alike
+        up = UpdateWeightFromDistributedDelta(args, [model], weights_getter=lambda: {}, model_name="llama",
+                                              quantization_config=None)
+        up.connect_rollout_engines([engine], lock)
+        source = up._is_pp_src_rank
+
+        class _Server:
+            def post(self, path, body):
+                return requests.post(url + path, json=body, timeout=60)
+
+        rows, held, old = [], None, None
+        for k in range(5):
+            mine = H.hf_state(args, model)  # collective over the stage's TP group
+            if k == 3 and rank == 1:  # this rank's diff fails once: no engine may get a byte of that sync
+                real = up._sharded.differ.changes
+                up._sharded.differ.changes = lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("injected"))
+            up.update_weights()
+            if k == 3 and rank == 1:
+                up._sharded.differ.changes = real
+            m = up.pop_metrics()
+            snap = torch.tensor([up._sharded.differ.snapshot_bytes])
+            dist.all_reduce(snap, group=up._sharded.group)
+            if source:
+                ok = m["perf/update_weights_failures"] == 0
+                holds = engine_mismatch(_Server(), mine if ok else held) is None
+                changed = sum(changed_positions(old[n], t).numel() for n, t in mine.items()) if old else 0
+                held = mine if ok else held
+                old = mine if ok else old
+                rows.append(dict(failures=m["perf/update_weights_failures"], holds=holds,
+                                 full=m["perf/update_weights_full_sync_engines"],
+                                 density=m["perf/update_weights_density"], changed=changed,
+                                 to_source=m["perf/update_weights_sharded_bytes_to_source"],
+                                 gather_params=m["perf/update_weights_sharded_gather_params"],
+                                 mismatches=m.get("perf/update_weights_fingerprint_mismatches", 0),
+                                 xor=m.get("perf/update_weights_xor", 0),
+                                 snapshot=int(snap), model=sum(t.numel() * t.element_size() for t in mine.values()),
+                                 sender_snapshot=len(up._sender.state.snapshot)))
+            share = up._sharded.differ.snapshot_bytes
+            stage_bytes = torch.tensor([sum(t.numel() * t.element_size() for t in mine.values()) if source else 0])
+            dist.all_reduce(stage_bytes, group=up._sharded.group)
+            ranks = dist.get_world_size(up._sharded.group)
+            assert share <= int(stage_bytes) // ranks + 4096, (k, share, int(stage_bytes), ranks)
+            trainer.step()
+        up.disconnect_rollout_engines()
+        out.put((rank, rows))
+    except BaseException:
+        out.put((rank, traceback.format_exc()))
+
+
+@pytest.mark.parametrize("layout, transport", [(dict(tp=2, dp=2), "disk"), (dict(tp=2, pp=2), "nccl")],
+                         ids=["tp2-dp2-disk-xor_zstd", "tp2-pp2-nccl-deltas"])
+def test_sharded_sender(world, tmp_path, layout, transport):
+    """``--update-weight-delta-sharded`` on a real Megatron model split TP=2 x DP=2 and TP=2 x PP=2 (one process per
+    rank, gloo), into a real server: the first sync gathers (full), later ones send only the changes each rank found
+    in its own slice (with ``xor_zstd`` their base values too); the engine equals slime's own full HF conversion
+    after every sync; each rank's snapshot is its share of its stage; the bytes moved to the source follow the
+    changed elements; a rank whose diff fails makes the sync fail with no engine touched, and the next sync recovers
+    as a delta."""
+    import multiprocessing as mp
+
+    import ray
+
+    import slime_harness as H
+    from cpu_harness import free_port
+    from slime.ray.utils import Lock
+
+    actors = [H.engine_actor_cls().options(name="sharded-engine", namespace="sharded-test").remote(world["server"].url),
+              Lock.options(num_cpus=0, name="sharded-lock", namespace="sharded-test").remote()]
+    xor = transport == "disk"
+    args = H.make_args(update_weight_transport=transport, update_weight_delta_encoding="xor_zstd" if xor else "deltas",
+                       update_weight_disk_dir=str(tmp_path / "shared"), update_weight_delta_sharded=True,
+                       update_weight_delta_fingerprint_interval=2, pipeline_model_parallel_size=layout.get("pp", 1))
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), free_port()
+    n = layout.get("tp", 1) * layout.get("dp", 1) * layout.get("pp", 1)
+    procs = [ctx.Process(target=_sharded_rank, args=(r, layout, port, ray.get_runtime_context().gcs_address,
+                                                     world["server"].url, args, out)) for r in range(n)]
+    try:
+        for p in procs:
+            p.start()
+        got = dict(out.get(timeout=900) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(60)
+        for actor in actors:
+            ray.kill(actor)
+    for r, rows in got.items():
+        assert not isinstance(rows, str), f"rank {r}:\n{rows}"
+    sources = {r: rows for r, rows in got.items() if rows}
+    assert len(sources) == layout.get("pp", 1), sorted(sources)
+    for r, rows in sources.items():
+        assert [row["failures"] for row in rows] == [0, 0, 0, 1, 0], (r, rows)
+        assert all(row["holds"] for row in rows), (r, rows)  # the last acknowledged version, bit for bit
+        assert [row["full"] for row in rows] == [1, 0, 0, 0, 0], (r, rows)  # the failed sync left no engine dirty
+        assert rows[0]["density"] == 1.0 and all(0 < row["density"] < 0.2 for row in rows[1:3]), (r, rows)
+        assert all(row["mismatches"] == 0 and row["gather_params"] == 0 for row in rows), (r, rows)
+        assert all(row["snapshot"] == row["model"] for row in rows), (r, rows)  # the ranks' slices: the stage once
+        assert all(row["sender_snapshot"] == 0 for row in rows), (r, rows)  # the source keeps no stage snapshot
+        assert [rows[i]["xor"] for i in (0, 1, 2, 4)] == [0, xor, xor, xor], (r, rows)  # after the full sync
+        for row in rows[1:3]:  # positions and values (and with xor_zstd the base values) of the changed elements
+            assert 0 < row["to_source"] <= 1.2 * row["changed"] * (4 + 2 + 2 * xor) + 1024, (r, row)
+    world.pop("version", None)  # the engine's chain moved on

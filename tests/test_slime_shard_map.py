@@ -6,7 +6,9 @@ rank). A conversion that is not a permutation (FP8 quantization, an integral shi
 keeps the gather path. And the
 sharded diff (``delta_shard_diff``) at TP=2 and at DP=2: each rank's snapshot is its own slice (together: the model
 once), and after real AdamW steps the changes the ranks send the source equal, position for position and bit for
-bit, the diff of slime's full conversion before and after, in bytes that follow the changed elements. Runs in
+bit, the diff of slime's full conversion before and after, in bytes that follow the changed elements; a diff left
+unacknowledged is carried again by the next; the ranks' fingerprint shares add up to each HF tensor's; and one
+diff with its commit runs as many kernels and host reads at 6 layers as at 2. Runs in
 ``make test-slime`` (needs Megatron and a patched slime checkout).""" 
 import multiprocessing as mp
 import os
@@ -111,6 +113,63 @@ def test_every_element_of_a_shard_lands_where_slimes_conversion_puts_it(tp):
     _spawn(_rank, tp, tp)
 
 
+def _merged(found):
+    """The source's changes as {HF name: (positions, values)}, names with a change only."""
+    out = {}
+    for p in found:
+        for j, name in enumerate(p.names):
+            pos, val, _ = p.run.share(j)
+            if pos.numel():
+                out[name] = (pos, val)
+    return out
+
+
+class _Ops:
+    """Counts the ops that run kernels (views are free): what a sync launches on a device."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        outer = self
+        self.n = 0
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if not func.is_view and func.__name__.split(".")[0] not in ("detach", "alias"):
+                    outer.n += 1
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+def _counts(args, layers):
+    """(kernel ops, host synchronizations) of one sharded diff and its commit on a model of ``layers`` layers."""
+    import slime_harness as H
+    from cpu_harness import SyncCounter
+    from slime.backends.megatron_utils.update_weight.common import named_params_and_buffers
+    from slime.backends.megatron_utils.update_weight.delta_shard_diff import ShardDiffer
+    from slime.backends.megatron_utils.update_weight.delta_shard_map import build_shard_maps
+
+    H.configure(H.HIDDEN, layers, H.HEADS, H.GROUPS, H.FFN, H.VOCAB)
+    model = H.build_model()
+    params = list(named_params_and_buffers(args, [model]))
+    differ = ShardDiffer(build_shard_maps(args, [model], "llama"))
+    differ.seed(params)
+    H.StageTrainer(model, seed=0).step()
+    with _Ops() as ops, SyncCounter() as syncs:
+        changes = differ.changes(params)
+        differ.commit()
+    assert changes.blocks
+    return ops.n, len(syncs.ops)
+
+
 def _rank_diff(rank, tp, dp, port, errors):
     try:
         import torch
@@ -121,6 +180,7 @@ def _rank_diff(rank, tp, dp, port, errors):
         from slime.backends.megatron_utils.update_weight.delta_shard_diff import ShardDiffer, send_changes
         from slime.backends.megatron_utils.update_weight.delta_shard_map import build_shard_maps
         from sglang.srt.weight_sync.delta.diff import changed_positions
+        from sglang.srt.weight_sync.delta.fingerprint import tensor_fingerprint
 
         torch.set_num_threads(1)
         H.init_world(port, rank=rank, tp=tp, dp=dp)
@@ -136,24 +196,37 @@ def _rank_diff(rank, tp, dp, port, errors):
         assert int(mine) == model_bytes, (int(mine), model_bytes)  # the ranks' slices: the model, once
         assert differ.snapshot_bytes <= model_bytes // (tp * dp) + 4096, (differ.snapshot_bytes, model_bytes)
         trainer = H.StageTrainer(model, seed=0)  # one seed: replicas step alike
+        carried = {}  # positions a staged (unacknowledged) diff sent: the next one carries them again
         for step in range(3):
             trainer.step()
             new = H.hf_state(args, model)
-            merged, sent = send_changes(differ.changes(params), dst=0)
+            found, sent = send_changes(differ.changes(params), dst=0, shares=differ.shares(params))
             total = torch.tensor([sent])
             dist.all_reduce(total)
             if rank == 0:
-                changed = 0
+                merged, changed, shares = _merged(found), 0, found[0].shares
                 for name, t in new.items():
                     want = changed_positions(old[name], t)
                     changed += want.numel()
+                    if name in carried:
+                        want = torch.unique(torch.cat([want, carried[name]]))
                     pos, val = merged.pop(name, (torch.zeros(0, dtype=torch.int64), t.new_zeros(0)))
                     assert torch.equal(pos, want), (step, name, pos.numel(), want.numel())
                     assert torch.equal(val.view(torch.int16), t.reshape(-1)[want].view(torch.int16)), (step, name)
+                    carried[name] = want
+                    ref = tensor_fingerprint(name, t)  # the ranks' fingerprint shares add up to the HF tensor's
+                    assert (shares[name].total, shares[name].count) == (ref.total, ref.count), (step, name)
                 assert not merged, sorted(merged)  # no name without a change
-                assert changed > 0 and int(total) <= 1.2 * changed * (4 + 2) + 1024, (int(total), changed)
+                assert set(shares) == set(new), sorted(set(new) - set(shares))
+                assert changed > 0 and int(total) <= 1.2 * changed * (4 + 2) * (1 + (step == 2)) + 1024, \
+                    (int(total), changed)
+            if step == 1:  # not acknowledged: its positions stay staged and the next diff sends them again
+                differ.stage()
+                continue
             differ.commit()
-            old = new
+            old, carried = new, {}
+        if tp == 2:  # per sync a constant number of kernels and host reads, whatever the layer count
+            assert _counts(args, 2) == _counts(args, 6), (_counts(args, 2), _counts(args, 6))
     except BaseException:
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
 

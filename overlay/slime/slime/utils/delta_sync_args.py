@@ -57,6 +57,9 @@ def validate_pause_mode(args) -> None:
 def sparse_delta_updater_cls(args):
     """The updater class for the sparse encodings, or None so slime's own selection (full, xor|overwrite) stands."""
     if args.update_weight_mode != "delta" or args.update_weight_delta_encoding not in SPARSE_DELTA_ENCODINGS:
+        if getattr(args, "update_weight_delta_sharded", False):
+            raise ValueError("--update-weight-delta-sharded runs with --update-weight-mode=delta and a sparse encoding "
+                             f"({', '.join(SPARSE_DELTA_ENCODINGS)})")
         return None
     from slime.backends.megatron_utils.update_weight.update_weight_from_distributed_delta import (
         UpdateWeightFromDistributedDelta,

@@ -85,6 +85,19 @@ class ChangeRun:
         return self.idx[a:b], self.values[a:b], None if self.olds is None else self.olds[a:b]
 
 
+@dataclasses.dataclass
+class Prediffed:
+    """Changes of HF params found outside the sender (a trainer's ranks diff their own shards), which the sender keeps
+    no snapshot of: ``names`` with their ``shapes``, and ``run`` (its ``ks`` index ``names``, sorted positions and the
+    new values; with ``xor_zstd`` base_version's values as ``olds``). ``shares``: their weight-fingerprint shares
+    (name -> ``fingerprint.NameSum``), when the sync checks fingerprints."""
+
+    names: List[str]
+    shapes: List[List[int]]
+    run: ChangeRun
+    shares: Optional[dict] = None
+
+
 _SHAPE, _DTYPE, _NBYTES = operator.attrgetter("shape"), operator.attrgetter("dtype"), operator.attrgetter("nbytes")
 
 

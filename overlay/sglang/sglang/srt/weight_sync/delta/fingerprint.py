@@ -444,6 +444,9 @@ def compare_shares(trainer: Dict[str, NameSum], engine: Dict[str, NameSum],
             uncovered.append(name)
             continue
         if share.dtype != mine.dtype:
+            if name not in tensors:  # hashed where it was found (a trainer's shard ranks), in its own dtype only
+                uncovered.append(name)
+                continue
             mine = tensor_fingerprint(name, tensors[name], dtype_from_str(share.dtype))
         if mine.total != share.total:
             differ.append(name)

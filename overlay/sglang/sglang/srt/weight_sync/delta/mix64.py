@@ -173,6 +173,19 @@ def row_sums(bits: torch.Tensor, row_keys: torch.Tensor, col_key: int, mask: int
     return mix64_(z, t).sum(1)
 
 
+def point_sums(bits: torch.Tensor, positions: torch.Tensor, seeds: torch.Tensor, ids: torch.Tensor,
+               totals: torch.Tensor, mask: int) -> None:
+    """``totals[ids[i]] += mix((positions[i] * C1 + seeds[i]) ^ ((bits[i] & mask) * C2))``: :func:`row_sums`'
+    element hashes for values at scattered HF indices (a trainer rank's share of many names), summed per name in
+    place."""
+    z = positions * i64(C1)
+    z += seeds
+    t = bits.to(torch.int64) & mask
+    t *= i64(C2)
+    z ^= t
+    totals.index_add_(0, ids, mix64_(z, t))
+
+
 def words_of(blob: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The blob's bytes as little-endian int64 words: the whole words (a view; a copy only when unaligned) and the
     zero-padded last one, if any (one word: the body is never copied to append it)."""

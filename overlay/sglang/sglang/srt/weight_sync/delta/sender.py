@@ -103,6 +103,7 @@ class DeltaSender:
                                         "snapshot_fold_failures"), 0)
         self.repair_dirty = repair_dirty
         self.left_dirty: List[int] = []  # engines the last sync left with wrong weights (dirty, or a fingerprint)
+        self.run: Optional[SyncRun] = None  # the sync in progress (its segments may read what it sends whom)
         self.fingerprint_every = fingerprint_every  # check engines' weight fingerprints every K syncs (0: never)
         self.attach(transport, engines, stages)
 
@@ -118,7 +119,8 @@ class DeltaSender:
             raise DeltaError("the sender and its disk transport must share one StageGroup")
         self.transport, self.engines, self.stages = transport, list(engines), stages
         # without a snapshot every engine starts with a full sync; with one, each engine's own status decides
-        self.status: Dict[int, EngineStatus] = {i: EngineStatus(needs_full=not self.state.snapshot)
+        kept = self.state.snapshot or (self.state.elsewhere and self.state.version)
+        self.status: Dict[int, EngineStatus] = {i: EngineStatus(needs_full=not kept)
                                                 for i in range(len(self.engines))}
 
     # -- one sync -------------------------------------------------------------
@@ -226,8 +228,8 @@ class DeltaSender:
         delta_targets = [i for i in self.status if i not in full_targets]
         resyncs = sum(self.status[i].version is not None for i in full_targets)  # engines synced before
         t0 = time.perf_counter()
-        run = SyncRun(self, v, delta_targets, full_targets, self._encodings(delta_targets),
-                       fingerprint_on=bool(self.fingerprint_every) and v % self.fingerprint_every == 0)
+        run = self.run = SyncRun(self, v, delta_targets, full_targets, self._encodings(delta_targets),
+                                 fingerprint_on=bool(self.fingerprint_every) and v % self.fingerprint_every == 0)
         try:
             self.transport.begin(v)
             for k, segment in enumerate(segments):
@@ -241,6 +243,7 @@ class DeltaSender:
             t_encode = time.perf_counter() - t0 - run.fingerprint_s
             results = {i: (False, f"transport: sync aborted: {e!r}") for i in self.status}
         finally:
+            self.run = None
             if self.stages is not None:  # every stage's part is done before any engine serves again
                 results = self._combine(results)
         t_finalize = time.perf_counter() - t0 - t_encode - run.fingerprint_s
@@ -272,7 +275,7 @@ class DeltaSender:
         if timings is not None:
             self._metrics.update({f"perf/update_weights_{k}": v for k, v in timings().items()})
         if run.fingerprints is not None and len(acked) == len(self.engines):
-            self._check_fingerprints(run.fingerprints, results, run.fingerprint_s)
+            self._check_fingerprints(run.fingerprints, results, run.fingerprint_s, run.found_shares)
         self.left_dirty = [i for i, (ok, _) in results.items() if not ok and self.status[i].dirty]
         return results
 
@@ -309,10 +312,13 @@ class DeltaSender:
         planes = DeltaEncoding.PLANES_ZSTD.value
         return {"delta": self.encoding if xor else planes, "full": planes}
 
-    def _check_fingerprints(self, pending: Dict[str, "fingerprint.Pending"], results, hashing_s: float) -> None:
-        """Every engine's fingerprint of this version against the trainer's; a mismatch means a full sync next."""
+    def _check_fingerprints(self, pending: Dict[str, "fingerprint.Pending"], results, hashing_s: float,
+                            found: Dict[str, "fingerprint.NameSum"]) -> None:
+        """Every engine's fingerprint of this version against the trainer's (``found``: the shares of names whose
+        changes were found elsewhere); a mismatch means a full sync next."""
         t0, uncovered, mismatch = time.perf_counter(), set(), {}
         mine = fingerprint.read_shares(pending)  # the trainer's hashes, read once for all params
+        mine.update(found)
         for i, engine in enumerate(self.engines):
             try:
                 theirs = fingerprint.merge_ranks(fingerprint.check_version(engine.fingerprint(), self.version))

@@ -169,6 +169,7 @@ class DeltaState:
         self.staged: Dict[str, torch.Tensor] = {}  # positions sent by unacknowledged syncs (sorted int64)
         self._copies: Dict[str, torch.Tensor] = {}  # this sync's new params, whole
         self._sent: List[Tuple[List[str], List[int], torch.Tensor, torch.Tensor]] = []  # (names, counts, idx, values)
+        self.elsewhere: frozenset = frozenset()  # names whose snapshot other processes keep (a trainer's shard ranks)
 
     @property
     def snapshot(self) -> Dict[str, torch.Tensor]:
@@ -223,7 +224,7 @@ class DeltaState:
         ``found``'s tensors are kept as they are (never changed)."""
         covered = set(itertools.chain.from_iterable(f.ks for f in found))
         for k, (name, tensor) in enumerate(chunk):
-            if k not in covered:
+            if k not in covered and name not in self.elsewhere:
                 self._copies[name] = self.link.host_copy(tensor)
         idxs = self.link.to_host_many([f.idx for f in found])
         kept = self.link.to_host_many([f.values for f in found])
@@ -267,6 +268,15 @@ class DeltaState:
                 folds.setdefault((run[0][0].untyped_storage().data_ptr(), values.dtype), []).append(run)
         for runs in folds.values():
             _fold(runs)
+
+    def keep_elsewhere(self, names) -> None:
+        """From now on other processes keep the snapshot of ``names`` (and re-send what an unacknowledged sync sent
+        of them): they leave this one, which never copies them again."""
+        self.settle()
+        self.elsewhere = frozenset(names)
+        for name in self.elsewhere:
+            self._snapshot.pop(name, None)
+            self.staged.pop(name, None)
 
     def stage(self) -> None:
         """Some engine did not acknowledge: the next sync re-sends these positions with current values."""

@@ -4,6 +4,7 @@ the transport, and the engines' results (:class:`~sender.DeltaSender` decides wh
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -11,7 +12,7 @@ import torch
 
 from sglang.srt.weight_sync.delta import fingerprint
 from sglang.srt.weight_sync.delta.bucket import DeltaBucket
-from sglang.srt.weight_sync.delta.diff import ChangeRun, encode_flush
+from sglang.srt.weight_sync.delta.diff import ChangeRun, Prediffed, encode_flush
 from sglang.srt.weight_sync.delta.snapshot import Chunk
 from sglang.srt.weight_sync.delta.wire import (
     DeltaEncoding,
@@ -36,6 +37,7 @@ class SyncRun:
         self.xor_raw = sender.status[delta_targets[0]].xor_raw if delta_targets else frozenset()
         self.dense = frozenset().union(*(sender.status[i].dense for i in delta_targets))
         self.fingerprints: Optional[Dict[str, "fingerprint.Pending"]] = {} if fingerprint_on else None
+        self.found_shares: Dict[str, "fingerprint.NameSum"] = {}  # fingerprint shares that came with Prediffed
         self.fingerprint_s = 0.0  # trainer-side hashing, reported apart from encode
         self.targets = {"delta": delta_targets, "full": full_targets}
         bounds = [sender.status[i].max_request_bytes for i in delta_targets + full_targets]
@@ -49,10 +51,22 @@ class SyncRun:
         self.results: Dict[int, Tuple[bool, str]] = {}
         self.elements = self.nnz = self.wire_bytes = self.raw_bytes = self.flushes = 0
 
+    @property
+    def gathers(self) -> bool:
+        """Whether this sync needs params whole (some engine gets a full sync): no :class:`Prediffed` then."""
+        return bool(self.targets["full"])
+
     def pipeline_pass(self, chunks: Iterable[Chunk]) -> None:
-        """Process chunk k while chunk k+1's snapshot is already on its way (CUDA); plain loop on CPU."""
+        """Process chunk k while chunk k+1's snapshot is already on its way (CUDA); plain loop on CPU. An item that is
+        a :class:`Prediffed` (changes found elsewhere) goes to the delta bucket as it is."""
         link, prev = self.s.state.link, None
         for chunk in chunks:
+            if isinstance(chunk, Prediffed):  # in order: the chunk before it first
+                if prev is not None:
+                    self._process(*prev)
+                    prev = None
+                self.found_pass(chunk)
+                continue
             chunk = list(chunk)
             handles = link.prefetch([self.s.state.snapshot.get(n) for n, _ in chunk], [t.device for _, t in chunk])
             if prev is not None:
@@ -80,6 +94,40 @@ class SyncRun:
             t0 = time.perf_counter()
             self.fingerprints.update(fingerprint.tensor_shares(chunk))
             self.fingerprint_s += time.perf_counter() - t0
+
+    def found_pass(self, found: Prediffed) -> None:
+        """Changes found outside the sender into the delta bucket: per param only host bookkeeping (flush boundaries,
+        spans of the run), no tensor op; nothing recorded, since their snapshot is kept where they were found."""
+        if self.gathers:
+            raise DeltaError("a full sync needs every param whole, not changes found elsewhere")
+        delta, f = self.buckets.get("delta"), found.run
+        xor = self.encodings.get("delta") == DeltaEncoding.XOR_ZSTD.value
+        dtype = f.values.dtype
+        if not sparse_allowed(dtype) or not (nan_sentinel(dtype) or self.dense.isdisjoint(found.names)):
+            raise DeltaError(f"params {found.names[:3]}: {dtype} changes found elsewhere cannot travel sparse to "
+                             "these engines")
+        if xor and f.olds is None:
+            raise DeltaError("xor_zstd needs base_version's values of changes found elsewhere (olds)")
+        if self.fingerprints is not None:
+            if found.shares is None:
+                raise DeltaError("this sync checks fingerprints: changes found elsewhere need their shares")
+            self.found_shares.update(found.shares)
+        for j, (name, shape) in enumerate(zip(found.names, found.shapes)):
+            n = f.counts[j]
+            self.elements += math.prod(shape)
+            self.nnz += n
+            if delta is None:
+                continue
+            if delta.should_flush(name):
+                self._flush("delta")
+            if not n:
+                continue
+            if xor and name in self.xor_raw:  # no engine rank stores it: XOR against zero
+                idx, values, _ = f.share(j)
+                delta.add(name, torch.empty(shape, dtype=dtype, device="meta"), idx, torch.zeros_like(values),
+                          values)
+            else:
+                delta.add_found(f, j, name, list(shape))
 
     def _params(self, chunk: Chunk, found: Sequence[ChangeRun], bases, xor: bool) -> None:
         """A chunk's params into the buckets one by one: flush boundaries, dense params, ``xor_raw`` ones."""

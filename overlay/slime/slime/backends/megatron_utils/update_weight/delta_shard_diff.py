@@ -17,9 +17,13 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from megatron.core import mpu
+from torch._utils import _flatten_dense_tensors
 
-from sglang.srt.weight_sync.delta.diff import changes_many
-from sglang.srt.weight_sync.delta.ops import host_values, repeat_counts, to_device
+from sglang.srt.weight_sync.delta import mix64
+from sglang.srt.weight_sync.delta.diff import ChangeRun, Prediffed, changes_many
+from sglang.srt.weight_sync.delta.fingerprint import NameSum, name_seed
+from sglang.srt.weight_sync.delta.ops import INT_VIEW, host_values, repeat_counts, to_device
+from sglang.srt.weight_sync.delta.wire import dtype_to_str
 from slime.backends.megatron_utils.update_weight.delta_shard_map import ParamMap, locate
 
 _I32 = (1 << 31) - 1
@@ -28,25 +32,31 @@ _I32 = (1 << 31) - 1
 @dataclasses.dataclass
 class Changes:
     """What one rank found changed: blocks of one value dtype, each its HF targets' ``names`` with ``counts``, and
-    their HF flat positions and values, grouped by target in that order and sorted within each."""
+    their HF flat positions and values (and base values, ``xor_zstd``), grouped by target in that order and sorted
+    within each; ``shapes``: every target's HF shape."""
 
-    blocks: List[Tuple[List[str], List[int], torch.Tensor, torch.Tensor]]
+    blocks: List[Tuple[List[str], List[int], torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]
+    shapes: Dict[str, Tuple[int, ...]]
 
 
 def owned_range(m: ParamMap, numel: int) -> Tuple[int, int]:
-    """The slice of the shard's flat range this rank owns among the ranks holding the same shard."""
-    dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
-    if m.replicated:
-        tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
-        replicas, me = dp * tp, tp_rank * dp + dp_rank
+    """The slice of the shard's flat range this rank owns among the ranks holding the same shard: data-parallel
+    replicas (expert-data-parallel ones for experts), and the TP ranks for a param TP does not split."""
+    expert = ".experts." in m.name
+    if expert:
+        dp, dp_rank = mpu.get_expert_data_parallel_world_size(), mpu.get_expert_data_parallel_rank()
+        tp, tp_rank = mpu.get_expert_tensor_parallel_world_size(), mpu.get_expert_tensor_parallel_rank()
     else:
-        replicas, me = dp, dp_rank
+        dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
+        tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
+    replicas, me = (dp * tp, tp_rank * dp + dp_rank) if m.replicated else (dp, dp_rank)
     per = -(-numel // replicas)
     return min(numel, me * per), min(numel, (me + 1) * per)
 
 
 class ShardDiffer:
-    """The host snapshot of this rank's owned slices (pinned on CUDA) and the diff of the live params against it.
+    """The host snapshot of this rank's owned slices (pinned on CUDA), the diff of the live params against it, and
+    the positions an unacknowledged sync sent (staged: local int32, carried again by the next diff).
 
     Every param's map joins one table (its runs shifted into one position space, its targets into one list), so a
     diff run of many params is mapped with one search, grouped by target with one sort and counted with one host
@@ -58,8 +68,9 @@ class ShardDiffer:
         self.snapshot: Dict[str, torch.Tensor] = {}  # views of ``flat``
         self.flat: Dict[torch.dtype, torch.Tensor] = {}
         self.at: Dict[str, int] = {}  # each param's slice's start in its dtype's buffer
+        self.staged: Dict[str, torch.Tensor] = {}  # positions in the owned slice (int32, host)
         self._found: List[Tuple[List[str], torch.Tensor, torch.Tensor, List[int]]] = []  # the last diff, per run
-        self.base, self.targets, runs, at, t = {}, [], [], 0, 0
+        self.base, self.targets, self.shapes, runs, at, t = {}, [], {}, [], 0, 0
         for name, m in self.maps.items():
             numel = math.prod(m.shape)
             shifted = m.runs.clone()
@@ -68,8 +79,10 @@ class ShardDiffer:
             runs.append(shifted)
             self.base[name] = at
             self.targets += [hf for hf, _ in m.targets]
+            self.shapes.update(m.targets)
             at, t = at + numel, t + len(m.targets)
         self.runs = torch.cat(runs) if runs else torch.zeros(0, 4, dtype=torch.int64)
+        self._seeds = torch.tensor([name_seed(n) for n in self.targets], dtype=torch.int64)
 
     @property
     def snapshot_bytes(self) -> int:
@@ -77,8 +90,10 @@ class ShardDiffer:
 
     def seed(self, params: Sequence[Tuple[str, torch.Tensor]]) -> None:
         """Take this rank's slices of ``params`` (after a full sync: what every engine holds), into one host buffer
-        per dtype (pinned on CUDA): ``snapshot`` holds a view of it per param."""
+        per dtype (pinned on CUDA): ``snapshot`` holds a view of it per param. Nothing stays staged."""
         self.snapshot.clear()
+        self.staged.clear()
+        self._found = []
         owned = []
         for name, p in params:
             if name in self.maps:
@@ -96,18 +111,29 @@ class ShardDiffer:
                 at += part.numel()
             self.flat[dtype] = buf
 
-    def changes(self, params: Sequence[Tuple[str, torch.Tensor]]) -> Changes:
-        """The owned elements whose bytes differ from the snapshot, as HF targets' positions and values: one joined
-        diff over all params (:func:`changes_many`), then per run of it one search over the joined map, one sort
-        and one host read."""
-        named = [(n, p) for n, p in params if n in self.snapshot]
-        pairs = []
-        for name, p in named:
-            lo, hi = self.ranges[name]
-            live = p.detach().reshape(-1)[lo:hi]
-            pairs.append((self.snapshot[name].to(live.device, non_blocking=True), live))
+    def _owned(self, params: Sequence[Tuple[str, torch.Tensor]]) -> List[Tuple[str, torch.Tensor]]:
+        out = []
+        for name, p in params:
+            if name in self.snapshot:
+                lo, hi = self.ranges[name]
+                out.append((name, p.detach().reshape(-1)[lo:hi]))
+        return out
+
+    def changes(self, params: Sequence[Tuple[str, torch.Tensor]], olds: bool = False) -> Changes:
+        """The owned elements whose bytes differ from the snapshot, or that an unacknowledged sync sent, as HF
+        targets' positions and values (with ``olds`` the snapshot's there: ``xor_zstd``'s base): one joined diff
+        over all params (:func:`changes_many`), then per run of it one search over the joined map, one sort and
+        one host read."""
+        named = self._owned(params)
+        pairs = [(self.snapshot[n].to(live.device, non_blocking=True), live) for n, live in named]
+        extra = None
+        if self.staged:  # widened for the diff in one op, not one per param
+            held = [n for n, _ in named if n in self.staged]
+            parts = torch.cat([self.staged[n] for n in held]).to(torch.int64).split([self.staged[n].numel()
+                                                                                   for n in held])
+            extra = [dict(zip(held, parts)).get(n) for n, _ in named]
         blocks, self._found = [], []
-        for run in changes_many(pairs):
+        for run in changes_many(pairs, extra, olds):
             if not run.idx.numel():
                 continue
             names = [named[k][0] for k in run.ks]
@@ -120,69 +146,145 @@ class ShardDiffer:
             counts = host_values(torch.bincount(tgt, minlength=len(self.targets)))
             live = [j for j, c in enumerate(counts) if c]
             blocks.append(([self.targets[j] for j in live], [counts[j] for j in live], hpos[order],
-                           run.values[mapped][order]))
+                           run.values[mapped][order], run.olds[mapped][order] if olds else None))
             self._found.append((names, run.idx, run.values, run.counts))
-        return Changes(blocks)
+        return Changes(blocks, self.shapes)
+
+    def shares(self, params: Sequence[Tuple[str, torch.Tensor]]) -> Dict[str, NameSum]:
+        """This rank's weight-fingerprint shares of every HF name its owned slices reach (the source adds the
+        ranks' shares up: the fingerprint is a sum over elements). Per dtype, in joined blocks: one search over the
+        joined map and one hash call per block, one host read at the end."""
+        named = self._owned(params)
+        totals = torch.zeros(len(self.targets), dtype=torch.int64)
+        counts = torch.zeros(len(self.targets), dtype=torch.int64)
+        dtypes: Dict[str, str] = {}
+        for dtype in {t.dtype for _, t in named}:
+            mine = [(n, t) for n, t in named if t.dtype == dtype and t.numel()]
+            for batch in _blocks(mine):
+                device = batch[0][1].device
+                bits = _flatten_dense_tensors([t for _, t in batch]).view(INT_VIEW[dtype.itemsize])
+                sizes = [t.numel() for _, t in batch]
+                starts = [0, *torch.tensor(sizes).cumsum(0).tolist()[:-1]]
+                shift = [self.base[n] + self.ranges[n][0] - s for (n, _), s in zip(batch, starts)]
+                flat = torch.arange(bits.numel(), device=device) + repeat_counts(to_device(shift, device), sizes)
+                tgt, hpos, mapped = locate(self.runs.to(device), flat)
+                tgt = tgt[mapped]
+                tot, cnt = totals.to(device), counts.to(device)
+                mix64.point_sums(bits[mapped], hpos[mapped], self._seeds.to(device)[tgt], tgt, tot,
+                                 mix64.i64((1 << (8 * dtype.itemsize)) - 1))
+                cnt.index_add_(0, tgt, torch.ones_like(tgt))
+                totals, counts = tot, cnt
+                for n, _ in batch:
+                    for hf, _ in self.maps[n].targets:
+                        dtypes[hf] = dtype_to_str(dtype)
+        out = {}
+        for j, (total, count) in enumerate(zip(host_values(totals), host_values(counts))):
+            if count:
+                out[self.targets[j]] = NameSum(total=total & mix64.M64, count=count, dtype=dtypes[self.targets[j]])
+        return out
 
     def commit(self) -> None:
         """Every engine took the sync: the last diff's elements take their new values in the snapshot, one
-        ``index_copy_`` per run of the diff."""
+        ``index_copy_`` per run of the diff; nothing stays staged."""
         for names, idx, values, counts in self._found:
             buf = self.flat[values.dtype]
             at = repeat_counts(to_device([self.at[n] for n in names], idx.device), counts)
             buf.index_copy_(0, (idx + at).to(buf.device), values.to(buf.device))
         self._found = []
+        self.staged.clear()
+
+    def stage(self) -> None:
+        """Some engine did not take the sync: the positions it carried (the staged ones among them) are carried
+        again by the next diff, with the values of then."""
+        for names, idx, _, counts in self._found:
+            for name, part in zip(names, idx.to(torch.int32).cpu().split(counts)):
+                self.staged[name] = part
+        self._found = []
 
 
-def send_changes(changes: Changes, dst: int, group=None) -> Tuple[Optional[Dict[str, Tuple[torch.Tensor, torch.Tensor]]], int]:
-    """Every rank's changes to ``dst`` (a global rank), which gets per HF name its positions (sorted) and values
-    (the others get None), and the tensor bytes this rank sent. One small object gather (names, counts, dtypes),
-    then the positions and values bytes point to point: bytes follow the changed elements. The source merges all
-    blocks of one dtype with one sort."""
+_BLOCK = 1 << 22  # elements hashed at once
+
+
+def _blocks(items: List[Tuple[str, torch.Tensor]]):
+    """``items`` in order, as batches of about :data:`_BLOCK` elements (a larger one alone)."""
+    batch, size = [], 0
+    for item in items:
+        if batch and size + item[1].numel() > _BLOCK:
+            yield batch
+            batch, size = [], 0
+        batch.append(item)
+        size += item[1].numel()
+    if batch:
+        yield batch
+
+
+def send_changes(changes: Changes, dst: int, group=None, data_group=None, shares: Optional[Dict[str, NameSum]] = None
+                 ) -> Tuple[Optional[List[Prediffed]], int]:
+    """Every rank's changes to ``dst`` (a global rank), which gets them as one :class:`Prediffed` per values dtype,
+    HF names in sorted order (a module's params stay together); the others get None. Also the tensor bytes this rank
+    sent. One small object gather over ``group`` (gloo: names, counts, shapes, dtypes; fingerprint ``shares``), then
+    the positions and values bytes point to point over ``data_group`` (NCCL: device to device): bytes follow the
+    changed elements. The source merges all blocks of one dtype with one sort."""
     me = dist.get_rank()
+    data_group = group if data_group is None else data_group
+    device = torch.device("cpu") if dist.get_backend(data_group) == "gloo" else \
+        torch.device("cuda", torch.cuda.current_device())
     meta, blobs = [], []
-    for names, counts, pos, val in changes.blocks:
+    for names, counts, pos, val, olds in changes.blocks:
         wide = bool(pos.numel()) and int(pos.max()) > _I32
-        meta.append((names, counts, str(val.dtype).removeprefix("torch."), wide))
+        meta.append((names, counts, str(val.dtype).removeprefix("torch."), wide, olds is not None))
         blobs.append(pos.to(torch.int64 if wide else torch.int32).view(torch.uint8))
-        blobs.append(val.reshape(-1).view(torch.uint8))
-    payload = torch.cat(blobs) if blobs else torch.zeros(0, dtype=torch.uint8)
+        blobs += [t.reshape(-1).view(torch.uint8) for t in (val, olds) if t is not None]
+    payload = (torch.cat(blobs) if blobs else torch.zeros(0, dtype=torch.uint8)).to(device)
+    shapes = {n: changes.shapes[n] for names, *_ in changes.blocks for n in names}
     metas: List = [None] * dist.get_world_size(group)
-    dist.all_gather_object(metas, (me, pickle.dumps(meta), payload.numel()), group=group)
+    dist.all_gather_object(metas, (me, pickle.dumps((meta, shapes, shares)), payload.numel()), group=group)
     if me != dst:
         if payload.numel():
-            dist.send(payload.cpu(), dst, group=group)
+            dist.send(payload, dst, group=data_group)
         return None, payload.numel()
-    ids: Dict[str, int] = {}
-    by_dtype: Dict[str, List] = {}  # dtype -> [(name ids per element counts, positions, values)]
-    for rank, blob_meta, size in metas:
-        data = payload if rank == me else torch.empty(size, dtype=torch.uint8)
+    unpacked = [(rank, *pickle.loads(blob), size) for rank, blob, size in metas]
+    every = sorted({n for _, meta_, _, _, _ in unpacked for names, *_ in meta_ for n in names})
+    ids = {n: j for j, n in enumerate(every)}
+    shapes, found_shares = {}, {}
+    by_dtype: Dict[str, List] = {}  # dtype -> [(name ids, counts, positions, values, olds)]
+    for rank, blob_meta, rank_shapes, rank_shares, size in unpacked:
+        shapes.update(rank_shapes)
+        for name, share in (rank_shares or {}).items():
+            acc = found_shares.setdefault(name, NameSum(dtype=share.dtype))
+            acc.total, acc.count = (acc.total + share.total) & mix64.M64, acc.count + share.count
+        data = payload if rank == me else torch.empty(size, dtype=torch.uint8, device=device)
         if rank != me and size:
-            dist.recv(data, rank, group=group)
+            dist.recv(data, rank, group=data_group)
         at = 0
-        for names, counts, dtype, wide in pickle.loads(blob_meta):
+        for names, counts, dtype, wide, has_olds in blob_meta:
             n, w, dt = sum(counts), 8 if wide else 4, getattr(torch, dtype)
             pos = data[at:at + n * w].clone().view(torch.int64 if wide else torch.int32).to(torch.int64)
             at += n * w
-            vs = torch.empty((), dtype=dt).element_size()
+            vs = dt.itemsize
             val = data[at:at + n * vs].clone().view(dt)
             at += n * vs
-            nid = [ids.setdefault(name, len(ids)) for name in names]
-            by_dtype.setdefault(dtype, []).append((nid, counts, pos, val))
-    out = {}
+            olds = None
+            if has_olds:
+                olds = data[at:at + n * vs].clone().view(dt)
+                at += n * vs
+            by_dtype.setdefault(dtype, []).append(([ids[name] for name in names], counts, pos, val, olds))
+    out = []
     for parts in by_dtype.values():
-        nid = torch.cat([repeat_counts(torch.tensor(i, dtype=torch.int64), c) for i, c, _, _ in parts])
-        pos = torch.cat([p for _, _, p, _ in parts])
-        val = torch.cat([v for _, _, _, v in parts])
-        order = torch.argsort(nid * (1 << 40) + pos)
-        pos, val = pos[order], val[order]
+        nid = torch.cat([repeat_counts(to_device(i, device), c) for i, c, *_ in parts])
+        order = torch.argsort(nid * (1 << 40) + torch.cat([p[2] for p in parts]))
+        pos, val = torch.cat([p[2] for p in parts])[order], torch.cat([p[3] for p in parts])[order]
+        olds = torch.cat([p[4] for p in parts])[order] if parts[0][4] is not None else None
         totals: Dict[int, int] = {}
-        for i, c, _, _ in parts:
+        for i, c, *_ in parts:
             for j, n in zip(i, c):
                 totals[j] = totals.get(j, 0) + n
-        names = {j: name for name, j in ids.items()}
-        at = 0
-        for j in sorted(totals):
-            out[names[j]] = (pos[at:at + totals[j]], val[at:at + totals[j]])
-            at += totals[j]
+        names = [every[j] for j in sorted(totals)]
+        counts = [totals[j] for j in sorted(totals)]
+        out.append(Prediffed(names, [list(shapes[n]) for n in names],
+                             ChangeRun(list(range(len(names))), counts, pos, val, olds)))
+    if found_shares:  # every name's shares, on one of the blocks (a sync may find nothing changed)
+        if not out:
+            out.append(Prediffed([], [], ChangeRun([], [], torch.zeros(0, dtype=torch.int64), torch.zeros(0))))
+        out[0].shares = found_shares
     return out, 0

@@ -24,12 +24,14 @@ from megatron.core import mpu
 from tqdm import tqdm
 
 from slime.observability.timer import Timer
+from slime.backends.megatron_utils.update_weight.common import named_params_and_buffers
 from slime.utils.distributed_utils import get_gloo_group
 from sglang.srt.weight_sync.delta.collectives import StageGroup
 from sglang.srt.weight_sync.delta.sender import _EXPERT_SUBPASSES, DeltaSender
 from sglang.srt.weight_sync.delta.transport import DiskTransport, NcclTransport
 from sglang.srt.weight_sync.delta.wire import DeltaStatus, zstd_level
 
+from .delta_sharded import ShardDiffFailed, ShardedSync
 from .update_weight_from_distributed import (
     UpdateWeightFromDistributed,
     connect_rollout_engines_from_distributed,
@@ -84,6 +86,7 @@ class UpdateWeightFromDistributedDelta(UpdateWeightFromDistributed):
         self._sender: DeltaSender | None = None
         self._disk = args.update_weight_transport == "disk"
         self._stages: StageGroup | None | bool = None  # False: created, and this rank is no stage's source
+        self._sharded: ShardedSync | None = None  # --update-weight-delta-sharded: this rank's diff of its shard
 
     def connect_rollout_engines(self, rollout_engines, rollout_engine_lock, engine_gpu_counts=None,
                                 engine_gpu_offsets=None, engine_parallel_configs=None) -> None:
@@ -97,6 +100,9 @@ class UpdateWeightFromDistributedDelta(UpdateWeightFromDistributed):
             super().connect_rollout_engines(rollout_engines, rollout_engine_lock, engine_gpu_counts,
                                             engine_gpu_offsets, engine_parallel_configs)
         stages = self._stage_group()
+        if getattr(self.args, "update_weight_delta_sharded", False) and self._sharded is None:  # collective
+            self._sharded = ShardedSync(self.args, self.model, self.model_name, self.quantization_config,
+                                        self._is_pp_src_rank)
         if not self._is_pp_src_rank:
             return
         engines = [_RayEngine(e) for e in rollout_engines]
@@ -192,10 +198,22 @@ class UpdateWeightFromDistributedDelta(UpdateWeightFromDistributed):
         if not self._disk:
             super().disconnect_rollout_engines()
 
+    def _named_params(self):
+        """The params the gather passes take: in a sharded delta sync only those the ranks cannot diff."""
+        params = super()._named_params()
+        sharded = self._sharded
+        if sharded is None or sharded.last is None or sharded.last["gather"]:
+            return params
+        return ((n, p) for n, p in params if n in sharded.impure)
+
     def _segments(self):
-        """Non-expert pass, then the expert pass in sub-passes; the parent's barriers close each pass."""
+        """Non-expert pass, then the expert pass in sub-passes; the parent's barriers close each pass. Sharded: the
+        first pass starts with the source's plan, then either rebuilds the shard maps (a gather sync) or sends the
+        changes the ranks found."""
 
         def non_expert():
+            if self._sharded is not None:
+                yield from self._sharded_start()
             for chunk in self._iter_non_expert_chunks():
                 yield [(n, t.clone()) for n, t in chunk]
             dist.barrier(group=get_gloo_group())
@@ -229,20 +247,36 @@ class UpdateWeightFromDistributedDelta(UpdateWeightFromDistributed):
 
         return [non_expert] + [expert_segment(k == _EXPERT_SUBPASSES - 1) for k in range(_EXPERT_SUBPASSES)]
 
+    def _sharded_start(self):
+        """The sharded sync's first steps on every rank of the stage: the source's plan; then new maps (a gather sync)
+        or this rank's changes, which the source yields as found elsewhere."""
+        sharded = self._sharded
+        sharded.plan(self._sender if self._is_pp_src_rank else None)
+        params = list(named_params_and_buffers(self.args, self.model))
+        if sharded.last["gather"]:
+            sharded.rebuild(params, self._sender)
+            return
+        yield from sharded.found(params)
+
     def _send_weights(self, pbar) -> None:
         """One sync; an engine it left with wrong weights (dirty, or a fingerprint mismatch) gets its full sync now,
-        before generation resumes: every rank runs the gathers again, so the source ranks' decision reaches all."""
+        before generation resumes: every rank runs the gathers again, so the source ranks' decision reaches all.
+        Sharded: after each pass every rank learns its outcome (seed, commit or stage its part)."""
         results = self._send_once(self._sender.update if self._sender is not None else None)
+        self._settle_shards()
         dirty = torch.tensor([len(self._sender.left_dirty) if self._sender is not None else 0])
         dist.all_reduce(dirty, op=dist.ReduceOp.MAX, group=get_gloo_group())
         if dirty.item():
             n = int(dirty.item())
             results = self._send_once((lambda segments: self._sender.repair(segments, n))
                                       if self._sender is not None else None)
+            self._settle_shards()
         if self._sender is None:
             return
         self.weight_version = self._sender.version
         metrics = self._sender.pop_metrics()
+        if self._sharded is not None:
+            metrics.update(self._sharded.metrics())
         Timer().add("delta_encode", metrics["perf/update_weights_encode_s"])
         Timer().add("delta_finalize", metrics["perf/update_weights_finalize_s"])
         self.update_weight_metrics.update(metrics)
@@ -252,12 +286,20 @@ class UpdateWeightFromDistributedDelta(UpdateWeightFromDistributed):
         if pbar is not None:
             pbar.update(int(metrics["perf/update_weights_flushes"]))
 
+    def _settle_shards(self) -> None:
+        if self._sharded is not None and self._sharded.last is not None:
+            self._sharded.settle(self._sender)
+            self._sharded.last = None
+
     def _send_once(self, sync):
         """``sync(segments)`` on a stage's source rank; the other ranks join the gathers and barriers, send nothing."""
         segments = self._segments()
         if sync is None:
-            for segment in segments:
-                for _ in segment():
-                    pass
+            try:
+                for segment in segments:
+                    for _ in segment():
+                        pass
+            except ShardDiffFailed:  # the source aborts its sync there too (nothing reached an engine)
+                logger.exception("sharded delta sync v%d: a rank could not diff its shard", self.weight_version)
             return None
         return sync(segments)

@@ -1,0 +1,150 @@
+"""``--update-weight-delta-sharded``: every trainer rank of a pipeline stage diffs the slice of its own shard it owns
+and sends the stage's source rank only what changed; no rank holds or scans the whole stage.
+
+The source rank's :class:`~sglang.srt.weight_sync.delta.sender.DeltaSender` still decides every sync. Its decision
+reaches the stage's ranks at the start of the sync (:meth:`ShardedSync.plan`): a sync that gives some engine a full
+sync (or the first, or one after an unacknowledged full sync) gathers every param as slime does and rebuilds the
+shard maps; any other sync gathers only the params whose conversion is not a permutation (``delta_shard_map``) and
+takes the rest as changes found on the ranks. After the sync the outcome reaches them too (:meth:`ShardedSync.settle`):
+seed the snapshots, commit the diff, or keep its positions staged; so ack before advance holds on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from megatron.core import mpu
+
+from sglang.srt.weight_sync.delta.diff import Prediffed
+from sglang.srt.weight_sync.delta.wire import DeltaEncoding
+from slime.backends.megatron_utils.update_weight.delta_shard_diff import ShardDiffer, send_changes
+from slime.backends.megatron_utils.update_weight.delta_shard_map import build_shard_maps
+from slime.utils.distributed_utils import get_gloo_group
+
+logger = logging.getLogger(__name__)
+
+_OUTCOMES = ("seed", "drop", "commit", "stage")
+
+
+class ShardDiffFailed(RuntimeError):
+    """Some trainer rank could not find its changes: raised on every rank of every stage, before any byte moves."""
+
+
+def stage_groups(source: bool) -> Tuple[object, object, int]:
+    """(gloo group, data group, source's global rank) of this rank's pipeline stage (collective: every rank creates
+    every stage's groups, in stage order). The data group is the default backend's (NCCL on GPUs): the changed
+    bytes go device to device; the gloo one carries the small decisions."""
+    pp_rank = mpu.get_pipeline_model_parallel_rank()
+    me = torch.tensor([pp_rank, int(source)], dtype=torch.int64)
+    every = [torch.zeros(2, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, me, group=get_gloo_group())
+    mine = None
+    for stage in range(mpu.get_pipeline_model_parallel_world_size()):
+        ranks = [r for r, t in enumerate(every) if int(t[0]) == stage]
+        sources = [r for r in ranks if int(every[r][1])]
+        if len(sources) != 1:
+            raise RuntimeError(f"pipeline stage {stage} has source ranks {sources}, not one")
+        gloo = dist.new_group(ranks, backend="gloo")
+        data = dist.new_group(ranks) if dist.get_backend() != "gloo" else gloo
+        if stage == pp_rank:
+            mine = (gloo, data, sources[0])
+    return mine
+
+
+class ShardedSync:
+    """One rank's part of sharded delta syncs: its shard maps and :class:`ShardDiffer`, and the stage's decisions."""
+
+    def __init__(self, args, model, model_name: str, quantization_config, source: bool):
+        self.args, self.model, self.model_name, self.qcfg, self.source = args, model, model_name, quantization_config, source
+        self.group, self.data_group, self.src = stage_groups(source)
+        self.differ: Optional[ShardDiffer] = None
+        self.seeded = False
+        self.impure: frozenset = frozenset()  # Megatron names that keep slime's gather path
+        self.last: Optional[dict] = None  # this pass's plan
+        self.sent_bytes = 0
+
+    def _share(self, obj):
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.src, group=self.group)
+        return box[0]
+
+    def plan(self, sender) -> dict:
+        """The source's decision for this sync, on every rank of the stage: whether it gathers every param, checks
+        fingerprints, sends xor bases (``sender``: the source's, inside its sync; None elsewhere)."""
+        mine = None
+        if self.source:
+            run = sender.run
+            mine = {"gather": run.gathers or not self.seeded, "fingerprint": run.fingerprints is not None,
+                    "xor": run.encodings.get("delta") == DeltaEncoding.XOR_ZSTD.value}
+        self.last = self._share(mine)
+        return self.last
+
+    def rebuild(self, params: Sequence[Tuple[str, torch.Tensor]], sender) -> None:
+        """New shard maps through slime's own conversion (a gather sync: shapes may have changed); a param is
+        pure only if it is so on every rank of the stage (a rank whose map disagrees sends it the gather way). The
+        source's sender stops keeping a snapshot of what the ranks now keep."""
+        maps = build_shard_maps(self.args, self.model, self.model_name, self.qcfg)
+        pure = torch.tensor([int(maps[n].pure) for n, _ in params], dtype=torch.int64)
+        dist.all_reduce(pure, op=dist.ReduceOp.MIN, group=self.group)
+        for (name, _), ok in zip(params, pure.tolist()):
+            if not ok and maps[name].pure:
+                maps[name].pure, maps[name].why = False, "impure on another rank of the stage"
+        self.impure = frozenset(n for n, m in maps.items() if not m.pure)
+        self.differ = ShardDiffer(maps)
+        if self.source:
+            hf = [hf for m in self.differ.maps.values() for hf, _ in m.targets]
+            if any(hf_name in set(hf) for m in maps.values() if not m.pure for hf_name, _ in m.targets):
+                raise RuntimeError("an HF name is filled by a pure and an impure param: cannot split it")
+            sender.state.keep_elsewhere(hf)
+        if self.impure:
+            logger.warning("sharded delta sync: %d param(s) keep slime's gather path, e.g. %s", len(self.impure),
+                           sorted(self.impure)[:3])
+
+    def found(self, params: Sequence[Tuple[str, torch.Tensor]]) -> List[Prediffed]:
+        """This rank's changes (and fingerprint shares, when the plan checks them) to the source: what the source
+        sends as found elsewhere (empty on the other ranks)."""
+        plan, error = self.last, None
+        try:
+            changes = self.differ.changes(params, olds=plan["xor"])
+            shares = self.differ.shares(params) if plan["fingerprint"] else None
+        except Exception as e:  # every rank of every stage learns it here: no engine gets a byte of this sync
+            logger.exception("sharded delta sync: this rank could not diff its shard")
+            error = e
+        failed = torch.tensor([int(error is not None)], dtype=torch.int64)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=get_gloo_group())  # the passes' barriers span the stages
+        if int(failed):
+            raise ShardDiffFailed(f"a trainer rank could not diff its shard{f': {error!r}' if error else ''}")
+        out, sent = send_changes(changes, self.src, self.group, self.data_group, shares)
+        total = torch.tensor([sent], dtype=torch.int64)
+        dist.all_reduce(total, group=self.group)
+        self.sent_bytes = int(total)
+        return out or []
+
+    def settle(self, sender) -> str:
+        """After a sync's pass: the source's outcome on every rank — ``seed`` (a gather sync every engine took),
+        ``drop`` (one some engine did not: the next gathers again), ``commit`` or ``stage`` (a sharded delta)."""
+        outcome = None
+        if self.source:
+            acked = sender.state.version == sender.version
+            outcome = ("seed" if acked else "drop") if self.last["gather"] else ("commit" if acked else "stage")
+        outcome = self._share(outcome)
+        if outcome not in _OUTCOMES:
+            raise RuntimeError(f"unknown sharded sync outcome {outcome!r}")
+        if outcome == "seed":
+            from slime.backends.megatron_utils.update_weight.common import named_params_and_buffers
+
+            self.differ.seed(list(named_params_and_buffers(self.args, self.model)))
+        elif outcome == "commit":
+            self.differ.commit()
+        elif outcome == "stage":
+            self.differ.stage()
+        self.seeded = outcome in ("seed", "commit", "stage")
+        return outcome
+
+    def metrics(self) -> Dict[str, float]:
+        p = "perf/update_weights_sharded_"
+        return {p + "gather_params": float(len(self.impure)), p + "bytes_to_source": float(self.sent_bytes),
+                p + "snapshot_bytes": float(self.differ.snapshot_bytes if self.differ else 0)}
