@@ -46,9 +46,9 @@ def install_cpu_accelerator():
     torch.cuda.current_device = lambda: torch.device("cpu")  # Megatron uses it as a device
 
 
-def init_world(port: int, rank: int = 0, pp: int = 1, tp: int = 1, dp: int = 1):
-    """One process per rank of a TP x PP x DP world; the tests that send run TP=DP=1: each stage's process is its
-    source rank."""
+def init_world(port: int, rank: int = 0, pp: int = 1, tp: int = 1, dp: int = 1, ep: int = 1):
+    """One process per rank of a TP x PP x DP world (experts: EP x expert-TP (= TP) x expert-DP over the same
+    ranks)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
@@ -56,7 +56,8 @@ def init_world(port: int, rank: int = 0, pp: int = 1, tp: int = 1, dp: int = 1):
 
     install_cpu_accelerator()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=pp * tp * dp, rank=rank)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             expert_model_parallel_size=ep)
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     init_gloo_group()
 
@@ -123,6 +124,50 @@ def build_model(seed: int = 1):
     return model
 
 
+EXPERTS, MOE_FFN = 4, 32
+
+
+def _param(shape, g, **attrs):
+    p = torch.nn.Parameter((torch.randn(shape, generator=g) * 0.02).bfloat16())
+    for k, v in attrs.items():
+        setattr(p, k, v)
+    return p
+
+
+class _MoE(torch.nn.Module):
+    """A Qwen3-MoE layer's MLP as slime's converter names it: ``router.weight`` and the experts this EP rank holds as
+    Transformer Engine's grouped linears (``experts.linear_fc1.weight{i}``), split over expert-TP like Megatron's."""
+
+    def __init__(self, layer: int):
+        super().__init__()
+        from megatron.core import parallel_state as ps
+
+        ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
+        g = torch.Generator().manual_seed(1000 * layer + 10 * ps.get_expert_model_parallel_rank()
+                                          + ps.get_expert_tensor_parallel_rank())
+        self.router = torch.nn.Module()
+        self.router.weight = _param((EXPERTS, HIDDEN), torch.Generator().manual_seed(layer), tensor_model_parallel=False)
+        self.experts = torch.nn.Module()
+        self.experts.linear_fc1, self.experts.linear_fc2 = torch.nn.Module(), torch.nn.Module()
+        for i in range(EXPERTS // ep):
+            setattr(self.experts.linear_fc1, f"weight{i}", _param((2 * MOE_FFN // etp, HIDDEN), g, allreduce=False,
+                    tensor_model_parallel=True, partition_dim=0, partition_stride=1))
+            setattr(self.experts.linear_fc2, f"weight{i}", _param((HIDDEN, MOE_FFN // etp), g, allreduce=False,
+                    tensor_model_parallel=True, partition_dim=1, partition_stride=1))
+
+
+def build_moe_model(seed: int = 1):
+    """:func:`build_model` with every layer's MLP a MoE (``_MoE``) and its norm ``pre_mlp_layernorm`` (Qwen3-MoE's
+    layout for slime's ``qwen3moe`` converter). Its params are what weight sync reads; it is stepped with seeded
+    gradients (:class:`StageTrainer`), not run."""
+    model = build_model(seed)
+    for k, layer in enumerate(model.module.decoder.layers):
+        layer.mlp = _MoE(k)
+        layer.pre_mlp_layernorm = torch.nn.Module()
+        layer.pre_mlp_layernorm.weight = _param((HIDDEN,), torch.Generator().manual_seed(k), tensor_model_parallel=False)
+    return model
+
+
 class Trainer:
     """bf16 model params, fp32 master weights, AdamW at an RL learning rate (what Megatron's optimizer does)."""
 
@@ -152,11 +197,17 @@ class Trainer:
 
 class StageTrainer(Trainer):
     """A pipeline stage's AdamW step on its own params, with seeded gradients (no pipeline schedule on CPU): the
-    same optimizer arithmetic, so the same sparse byte changes per step."""
+    same optimizer arithmetic, so the same sparse byte changes per step. A param TP does not split gets its gradient
+    from ``shared_seed`` (the same on every TP rank of the stage, as Megatron's all-reduced gradients are)."""
+
+    def __init__(self, model, lr: float = 1e-6, seed: int = 0, shared_seed: int = None):
+        super().__init__(model, lr, seed)
+        self.shared = torch.Generator().manual_seed(seed if shared_seed is None else shared_seed)
 
     def step(self):
-        for m in self.master:
-            m.grad = torch.randn(m.shape, generator=self.g) * 1e-2
+        for p, m in zip(self.params, self.master):
+            g = self.g if getattr(p, "tensor_model_parallel", False) else self.shared
+            m.grad = torch.randn(m.shape, generator=g) * 1e-2
         self.opt.step()
         with torch.no_grad():
             for p, m in zip(self.params, self.master):
@@ -189,14 +240,24 @@ def make_args(**over):
     return a
 
 
-def hf_state(args, model):
-    """What the engine must hold: slime's own gather + HF conversion of the Megatron params (bf16)."""
+def hf_state(args, model, model_name: str = "llama"):
+    """What the engine must hold: slime's own gather + HF conversion of the Megatron params (bf16); with expert
+    parallelism every EP rank's experts (gathered as slime's updater does)."""
     from slime.backends.megatron_utils.megatron_to_hf import convert_to_hf
     from slime.backends.megatron_utils.update_weight.common import all_gather_param, named_params_and_buffers
 
-    out = {}
+    from megatron.core import mpu
+
+    gathered, experts = [], []
     for name, param in named_params_and_buffers(args, [model]):
-        for hf_name, t in convert_to_hf(args, "llama", name, all_gather_param(name, param), None):
+        (experts if ".experts." in name else gathered).append((name, all_gather_param(name, param).detach().clone()))
+    if experts and mpu.get_expert_model_parallel_world_size() > 1:
+        every = [None] * mpu.get_expert_model_parallel_world_size()
+        dist.all_gather_object(every, experts, group=mpu.get_expert_model_parallel_group())
+        experts = [item for rank in every for item in rank]
+    out = {}
+    for name, full in gathered + experts:
+        for hf_name, t in convert_to_hf(args, model_name, name, full, None):
             out[hf_name] = t.detach().clone()
     return out
 

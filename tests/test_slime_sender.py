@@ -511,6 +511,27 @@ def test_two_pipeline_stages(world, tmp_path, transport):
     world.pop("version", None)  # the engine's chain moved on: a later sender learns it from the engine's status
 
 
+def _engine_holds(server, url, state):
+    """Whether the engine holds ``state`` bit for bit: read back over HTTP where SGLang can name the param, and every
+    name through the engine's weight fingerprint (a MoE engine's fused experts and router have no name to read)."""
+    import torch
+
+    from sglang.srt.weight_sync.delta import fingerprint
+    from sglang.srt.weight_sync.delta.transport import HttpEngine
+
+    for n, want in state.items():
+        got = server.post("/get_weights_by_name", {"name": n, "truncate_size": 1 << 30}).json()
+        if not isinstance(got, list):
+            continue
+        got = torch.tensor(got, dtype=torch.float32).to(want.dtype)[: want.shape[0]]  # the engine pads vocab rows
+        if got.shape != want.shape or not torch.equal(got.view(torch.int16), want.view(torch.int16)):
+            return False
+    ranks = [{n: fingerprint.NameSum.from_str(v) for n, v in r["checksums"].items() if n != fingerprint.VERSION_KEY}
+             for r in HttpEngine(url).fingerprint()]
+    differ, uncovered = fingerprint.compare(state, fingerprint.merge_ranks(ranks))
+    return not differ and not uncovered
+
+
 def _sharded_rank(rank, layout, port, ray_address, url, args, out):
     """One trainer rank of a sharded delta sync: real syncs into the server after real steps, the engine checked
     against slime's own conversion by the stage's source, a diff failure injected on one rank once."""
@@ -523,7 +544,6 @@ def _sharded_rank(rank, layout, port, ray_address, url, args, out):
         import torch.distributed as dist
 
         import slime_harness as H
-        from cpu_harness import engine_mismatch
         from megatron.core import mpu
         from sglang.srt.weight_sync.delta.diff import changed_positions
         from slime.backends.megatron_utils.update_weight.update_weight_from_distributed_delta import (
@@ -534,10 +554,11 @@ def _sharded_rank(rank, layout, port, ray_address, url, args, out):
         ray.init(address=ray_address, namespace="sharded-test", log_to_driver=False)
         engine, lock = ray.get_actor("sharded-engine"), ray.get_actor("sharded-lock")
         H.init_world(port, rank=rank, **layout)
-        model = H.build_model()
+        moe = "ep" in layout
+        model, model_name = (H.build_moe_model(), "qwen3moe") if moe else (H.build_model(), "llama")
         stage, tp_rank = mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank()
-        trainer = H.StageTrainer(model, seed=100 * stage + tp_rank)  # data-parallel replicas step alike
-        up = UpdateWeightFromDistributedDelta(args, [model], weights_getter=lambda: {}, model_name="llama",
+        trainer = H.StageTrainer(model, seed=100 * stage + tp_rank, shared_seed=stage)  # replicas step alike
+        up = UpdateWeightFromDistributedDelta(args, [model], weights_getter=lambda: {}, model_name=model_name,
                                               quantization_config=None)
         up.connect_rollout_engines([engine], lock)
         source = up._is_pp_src_rank
@@ -548,7 +569,7 @@ def _sharded_rank(rank, layout, port, ray_address, url, args, out):
 
         rows, held, old = [], None, None
         for k in range(5):
-            mine = H.hf_state(args, model)  # collective over the stage's TP group
+            mine = H.hf_state(args, model, model_name)  # collective over the stage's TP (and EP) groups
             if k == 3 and rank == 1:  # this rank's diff fails once: no engine may get a byte of that sync
                 real = up._sharded.differ.changes
                 up._sharded.differ.changes = lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("injected"))
@@ -560,7 +581,7 @@ def _sharded_rank(rank, layout, port, ray_address, url, args, out):
             dist.all_reduce(snap, group=up._sharded.group)
             if source:
                 ok = m["perf/update_weights_failures"] == 0
-                holds = engine_mismatch(_Server(), mine if ok else held) is None
+                holds = _engine_holds(_Server(), url, mine if ok else held)
                 changed = sum(changed_positions(old[n], t).numel() for n, t in mine.items()) if old else 0
                 held = mine if ok else held
                 old = mine if ok else old
@@ -585,8 +606,9 @@ def _sharded_rank(rank, layout, port, ray_address, url, args, out):
         out.put((rank, traceback.format_exc()))
 
 
-@pytest.mark.parametrize("layout, transport", [(dict(tp=2, dp=2), "disk"), (dict(tp=2, pp=2), "nccl")],
-                         ids=["tp2-dp2-disk-xor_zstd", "tp2-pp2-nccl-deltas"])
+@pytest.mark.parametrize("layout, transport", [(dict(tp=2, dp=2), "disk"), (dict(tp=2, pp=2), "nccl"),
+                                               (dict(tp=2, dp=2, ep=2), "nccl")],
+                         ids=["tp2-dp2-disk-xor_zstd", "tp2-pp2-nccl-deltas", "moe-tp2-ep2-nccl-deltas"])
 def test_sharded_sender(world, tmp_path, layout, transport):
     """``--update-weight-delta-sharded`` on a real Megatron model split TP=2 x DP=2 and TP=2 x PP=2 (one process per
     rank, gloo), into a real server: the first sync gathers (full), later ones send only the changes each rank found
@@ -602,17 +624,26 @@ def test_sharded_sender(world, tmp_path, layout, transport):
     from cpu_harness import free_port
     from slime.ray.utils import Lock
 
-    actors = [H.engine_actor_cls().options(name="sharded-engine", namespace="sharded-test").remote(world["server"].url),
+    server = world["server"]
+    if "ep" in layout:  # a Qwen3-MoE engine
+        from cpu_harness import Server, bf16_state, hf_config, hf_model, write_hf_checkpoint
+
+        cfg = hf_config("qwen3-moe", vocab=H.VOCAB, hidden=H.HIDDEN, layers=H.LAYERS)
+        assert (cfg.num_experts, cfg.moe_intermediate_size) == (H.EXPERTS, H.MOE_FFN)
+        server = Server(write_hf_checkpoint(str(tmp_path / "moe"), cfg, bf16_state(hf_model(cfg, seed=2))),
+                        str(tmp_path / "moe-server.log")).wait_healthy()
+    actors = [H.engine_actor_cls().options(name="sharded-engine", namespace="sharded-test").remote(server.url),
               Lock.options(num_cpus=0, name="sharded-lock", namespace="sharded-test").remote()]
     xor = transport == "disk"
     args = H.make_args(update_weight_transport=transport, update_weight_delta_encoding="xor_zstd" if xor else "deltas",
                        update_weight_disk_dir=str(tmp_path / "shared"), update_weight_delta_sharded=True,
-                       update_weight_delta_fingerprint_interval=2, pipeline_model_parallel_size=layout.get("pp", 1))
+                       update_weight_delta_fingerprint_interval=2, pipeline_model_parallel_size=layout.get("pp", 1),
+                       num_experts=H.EXPERTS if "ep" in layout else None)
     ctx = mp.get_context("spawn")
     out, port = ctx.Queue(), free_port()
     n = layout.get("tp", 1) * layout.get("dp", 1) * layout.get("pp", 1)
     procs = [ctx.Process(target=_sharded_rank, args=(r, layout, port, ray.get_runtime_context().gcs_address,
-                                                     world["server"].url, args, out)) for r in range(n)]
+                                                     server.url, args, out)) for r in range(n)]
     try:
         for p in procs:
             p.start()
@@ -622,6 +653,8 @@ def test_sharded_sender(world, tmp_path, layout, transport):
             p.join(60)
         for actor in actors:
             ray.kill(actor)
+        if server is not world["server"]:
+            server.stop()
     for r, rows in got.items():
         assert not isinstance(rows, str), f"rank {r}:\n{rows}"
     sources = {r: rows for r, rows in got.items() if rows}

@@ -94,11 +94,15 @@ class ShardedSync:
                 maps[name].pure, maps[name].why = False, "impure on another rank of the stage"
         self.impure = frozenset(n for n, m in maps.items() if not m.pure)
         self.differ = ShardDiffer(maps)
+        names = ({hf for m in maps.values() if m.pure for hf, _ in m.targets},
+                 {hf for m in maps.values() if not m.pure for hf, _ in m.targets})
+        every = [None] * dist.get_world_size(self.group)  # other EP ranks' experts too
+        dist.all_gather_object(every, names, group=self.group)
+        pure, impure = set().union(*(p for p, _ in every)), set().union(*(i for _, i in every))
+        if pure & impure:
+            raise RuntimeError(f"HF names filled by a pure and an impure param: {sorted(pure & impure)[:3]}")
         if self.source:
-            hf = [hf for m in self.differ.maps.values() for hf, _ in m.targets]
-            if any(hf_name in set(hf) for m in maps.values() if not m.pure for hf_name, _ in m.targets):
-                raise RuntimeError("an HF name is filled by a pure and an impure param: cannot split it")
-            sender.state.keep_elsewhere(hf)
+            sender.state.keep_elsewhere(pure)
         if self.impure:
             logger.warning("sharded delta sync: %d param(s) keep slime's gather path, e.g. %s", len(self.impure),
                            sorted(self.impure)[:3])

@@ -233,6 +233,8 @@ class UpdateWeightFromDistributedDelta(UpdateWeightFromDistributed):
         ep = mpu.get_expert_model_parallel_world_size()
         per_segment = max(1, math.ceil(expert_bytes * ep / self.args.update_weight_buffer_size / _EXPERT_SUBPASSES))
 
+        done = []  # the expert pass ends with one barrier on every rank, in whichever segment its chunks run out
+
         def expert_segment(last: bool):
             def run():
                 n = 0
@@ -241,7 +243,9 @@ class UpdateWeightFromDistributedDelta(UpdateWeightFromDistributed):
                     n += 1
                     if n >= per_segment and not last:
                         return
-                dist.barrier(group=get_gloo_group())
+                if not done:
+                    done.append(True)
+                    dist.barrier(group=get_gloo_group())
 
             return run
 
