@@ -204,7 +204,16 @@ def main():
     ap.add_argument("--workdir", default="build/bench-slime")
     ap.add_argument("--out", default="docs")
     ap.add_argument("--report-only", action="store_true", help="rewrite the section from the last run's result.json")
+    ap.add_argument("--tp", type=int, default=1, help="with --ep/--pp/--moe: the sharded sender against gather-then-diff "
+                    "on that trainer layout (scripts/bench_slime_sharded.py)")
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--moe", action="store_true")
     args = ap.parse_args()
+    if args.tp > 1 or args.ep > 1 or args.pp > 1 or args.moe:
+        import bench_slime_sharded
+
+        return bench_slime_sharded.main(args)
     os.makedirs(args.workdir, exist_ok=True)
     result = os.path.join(args.workdir, "result.json")
     if args.report_only:

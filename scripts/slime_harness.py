@@ -274,3 +274,25 @@ def engine_actor_cls():
             self.node_rank, self.server_host, self.server_port, self.args = 0, host, int(port), args
 
     return ray.remote(num_cpus=0)(AttachedSGLangEngine)
+
+
+def engine_holds(url: str, state) -> bool:
+    """Whether the engine at ``url`` holds ``state`` bit for bit: read back over HTTP where SGLang can name the param,
+    and every name through the engine's weight fingerprint (a MoE engine's fused experts and router have no name to
+    read)."""
+    import requests
+
+    from sglang.srt.weight_sync.delta import fingerprint
+    from sglang.srt.weight_sync.delta.transport import HttpEngine
+
+    for n, want in state.items():
+        got = requests.post(url + "/get_weights_by_name", json={"name": n, "truncate_size": 1 << 30}, timeout=60).json()
+        if not isinstance(got, list):
+            continue
+        got = torch.tensor(got, dtype=torch.float32).to(want.dtype)[: want.shape[0]]  # the engine pads vocab rows
+        if got.shape != want.shape or not torch.equal(got.view(torch.int16), want.view(torch.int16)):
+            return False
+    ranks = [{n: fingerprint.NameSum.from_str(v) for n, v in r["checksums"].items() if n != fingerprint.VERSION_KEY}
+             for r in HttpEngine(url).fingerprint()]
+    differ, uncovered = fingerprint.compare(state, fingerprint.merge_ranks(ranks))
+    return not differ and not uncovered

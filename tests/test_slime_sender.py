@@ -511,27 +511,6 @@ def test_two_pipeline_stages(world, tmp_path, transport):
     world.pop("version", None)  # the engine's chain moved on: a later sender learns it from the engine's status
 
 
-def _engine_holds(server, url, state):
-    """Whether the engine holds ``state`` bit for bit: read back over HTTP where SGLang can name the param, and every
-    name through the engine's weight fingerprint (a MoE engine's fused experts and router have no name to read)."""
-    import torch
-
-    from sglang.srt.weight_sync.delta import fingerprint
-    from sglang.srt.weight_sync.delta.transport import HttpEngine
-
-    for n, want in state.items():
-        got = server.post("/get_weights_by_name", {"name": n, "truncate_size": 1 << 30}).json()
-        if not isinstance(got, list):
-            continue
-        got = torch.tensor(got, dtype=torch.float32).to(want.dtype)[: want.shape[0]]  # the engine pads vocab rows
-        if got.shape != want.shape or not torch.equal(got.view(torch.int16), want.view(torch.int16)):
-            return False
-    ranks = [{n: fingerprint.NameSum.from_str(v) for n, v in r["checksums"].items() if n != fingerprint.VERSION_KEY}
-             for r in HttpEngine(url).fingerprint()]
-    differ, uncovered = fingerprint.compare(state, fingerprint.merge_ranks(ranks))
-    return not differ and not uncovered
-
-
 def _sharded_rank(rank, layout, port, ray_address, url, args, out):
     """One trainer rank of a sharded delta sync: real syncs into the server after real steps, the engine checked
     against slime's own conversion by the stage's source, a diff failure injected on one rank once."""
@@ -539,7 +518,6 @@ def _sharded_rank(rank, layout, port, ray_address, url, args, out):
 
     try:
         import ray
-        import requests
         import torch
         import torch.distributed as dist
 
@@ -562,11 +540,6 @@ def _sharded_rank(rank, layout, port, ray_address, url, args, out):
                                               quantization_config=None)
         up.connect_rollout_engines([engine], lock)
         source = up._is_pp_src_rank
-
-        class _Server:
-            def post(self, path, body):
-                return requests.post(url + path, json=body, timeout=60)
-
         rows, held, old = [], None, None
         for k in range(5):
             mine = H.hf_state(args, model, model_name)  # collective over the stage's TP (and EP) groups
@@ -581,7 +554,7 @@ def _sharded_rank(rank, layout, port, ray_address, url, args, out):
             dist.all_reduce(snap, group=up._sharded.group)
             if source:
                 ok = m["perf/update_weights_failures"] == 0
-                holds = _engine_holds(_Server(), url, mine if ok else held)
+                holds = H.engine_holds(url, mine if ok else held)
                 changed = sum(changed_positions(old[n], t).numel() for n, t in mine.items()) if old else 0
                 held = mine if ok else held
                 old = mine if ok else old
@@ -606,12 +579,12 @@ def _sharded_rank(rank, layout, port, ray_address, url, args, out):
         out.put((rank, traceback.format_exc()))
 
 
-@pytest.mark.parametrize("layout, transport", [(dict(tp=2, dp=2), "disk"), (dict(tp=2, pp=2), "nccl"),
-                                               (dict(tp=2, dp=2, ep=2), "nccl")],
-                         ids=["tp2-dp2-disk-xor_zstd", "tp2-pp2-nccl-deltas", "moe-tp2-ep2-nccl-deltas"])
+@pytest.mark.parametrize("layout, transport", [(dict(tp=2, dp=2, ep=2), "disk"), (dict(tp=2, pp=2), "nccl")],
+                         ids=["moe-tp2-ep2-dp2-disk-xor_zstd", "tp2-pp2-nccl-deltas"])
 def test_sharded_sender(world, tmp_path, layout, transport):
-    """``--update-weight-delta-sharded`` on a real Megatron model split TP=2 x DP=2 and TP=2 x PP=2 (one process per
-    rank, gloo), into a real server: the first sync gathers (full), later ones send only the changes each rank found
+    """``--update-weight-delta-sharded`` on real Megatron models (one process per rank, gloo) into a real server: a
+    Qwen3-MoE-shaped one at TP=2 x EP=2 (its dense params TP=2 x DP=2) over disk, a dense one at TP=2 x PP=2 over
+    NCCL. The first sync gathers (full), later ones send only the changes each rank found
     in its own slice (with ``xor_zstd`` their base values too); the engine equals slime's own full HF conversion
     after every sync; each rank's snapshot is its share of its stage; the bytes moved to the source follow the
     changed elements; a rank whose diff fails makes the sync fail with no engine touched, and the next sync recovers

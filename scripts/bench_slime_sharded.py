@@ -1,0 +1,176 @@
+"""``make bench-slime BENCH_SLIME_ARGS="--tp 2 --ep 2 --moe"``: the sharded sender and the gather-then-diff sender on
+the same Megatron steps.
+
+One process per trainer rank (gloo), a Megatron model (``--moe``: Qwen3-MoE-shaped, experts over EP), and two real
+patched SGLang servers on CPU, one per sender. Every step both updaters sync their own engine over ``disk``
+(``deltas_zstd``): ``--update-weight-delta-sharded`` (each rank diffs its own slice and sends the source only the
+changes) and the default (the source gathers and converts the whole stage and diffs it against its own snapshot).
+Per step: changed elements, bytes gathered to the source (sharded: the changes the ranks sent; gather: the stage's HF
+bytes), each sender's wall time, and bit-identity of each engine with slime's own HF conversion. Writes
+``result.json`` and ``docs/benchmarks-sharded-sender.md``.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import time
+import traceback
+
+KINDS = ("sharded", "gather")
+
+
+def _rank(rank, layout, moe, size, steps, port, ray_address, urls, dirs, out):
+    try:
+        import ray
+        import torch
+        import torch.distributed as dist
+
+        import slime_harness as H
+        from megatron.core import mpu
+        from sglang.srt.weight_sync.delta.diff import changed_positions
+        from slime.backends.megatron_utils.update_weight.update_weight_from_distributed_delta import (
+            UpdateWeightFromDistributedDelta,
+        )
+
+        torch.set_num_threads(1)
+        H.configure(**size)
+        H.MOE_FFN = size["hidden"] // 2
+        ray.init(address=ray_address, namespace="bench-sharded", log_to_driver=False)
+        H.init_world(port, rank=rank, **layout)
+        model, name = (H.build_moe_model(), "qwen3moe") if moe else (H.build_model(), "llama")
+        stage, tp_rank = mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank()
+        trainer = H.StageTrainer(model, seed=100 * stage + tp_rank, shared_seed=stage)
+        ups = {}
+        for kind in KINDS:
+            args = H.make_args(update_weight_transport="disk", update_weight_delta_encoding="deltas_zstd",
+                               update_weight_disk_dir=dirs[kind], update_weight_delta_sharded=kind == "sharded",
+                               update_weight_delta_fingerprint_interval=0, update_weight_buffer_size=64 << 20,
+                               num_experts=H.EXPERTS if moe else None)
+            ups[kind] = UpdateWeightFromDistributedDelta(args, [model], weights_getter=lambda: {}, model_name=name,
+                                                         quantization_config=None)
+            ups[kind].connect_rollout_engines([ray.get_actor(f"engine-{kind}")], ray.get_actor("lock"))
+        source = ups["sharded"]._is_pp_src_rank
+        res = {kind: {"steps": []} for kind in KINDS}
+        old = None
+        for step in range(steps + 1):
+            mine = H.hf_state(args, model, name)
+            changed = sum(changed_positions(old[n], t).numel() for n, t in mine.items()) if old else None
+            for kind, up in ups.items():
+                dist.barrier()
+                t0 = time.perf_counter()
+                up.update_weights()
+                sender_ms = 1e3 * (time.perf_counter() - t0)
+                m = up.pop_metrics()
+                snap = [None] * dist.get_world_size()
+                mine_snap = up._sharded.differ.snapshot_bytes if up._sharded else \
+                    (up._sender.state.host_bytes() if source else 0)
+                dist.all_gather_object(snap, mine_snap)
+                if not source:
+                    continue
+                model_bytes = sum(t.numel() * t.element_size() for t in mine.values())
+                res[kind].update(model_bytes=model_bytes, snapshot_bytes_per_rank=snap)
+                if step == 0:  # the first sync is a full one: not a step of the comparison
+                    continue
+                res[kind]["steps"].append(dict(
+                    step=step, changed_elements=changed, value_size=2, sender_ms=sender_ms,
+                    gathered_bytes=int(m["perf/update_weights_sharded_bytes_to_source"]) if kind == "sharded"
+                    else model_bytes, bit_identical=H.engine_holds(urls[kind], mine),
+                    failures=m["perf/update_weights_failures"], density=m["perf/update_weights_density"]))
+            old = mine
+            trainer.step()
+        for up in ups.values():
+            up.disconnect_rollout_engines()
+        out.put((rank, res if source else None))
+    except BaseException:
+        out.put((rank, traceback.format_exc()))
+
+
+def run(layout: dict, moe: bool, steps: int, root: str) -> dict:
+    import ray
+
+    import slime_harness as H
+    from cpu_harness import Server, bf16_state, free_port, hf_config, hf_model, write_hf_checkpoint
+    from slime.ray.utils import Lock
+
+    size = dict(hidden=256, layers=4, heads=4, groups=2, ffn=512, vocab=2048)
+    cfg = hf_config("qwen3-moe" if moe else "llama", vocab=size["vocab"], hidden=size["hidden"], layers=size["layers"])
+    boot = write_hf_checkpoint(os.path.join(root, "boot"), cfg, bf16_state(hf_model(cfg, seed=2)))
+    servers = {k: Server(boot, os.path.join(root, f"server-{k}.log")) for k in KINDS}
+    for s in servers.values():
+        s.wait_healthy()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="bench-sharded",
+             runtime_env={"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}})
+    actors = [H.engine_actor_cls().options(name=f"engine-{k}").remote(s.url) for k, s in servers.items()]
+    actors.append(Lock.options(num_cpus=0, name="lock").remote())
+    n = layout.get("tp", 1) * layout.get("dp", 1) * layout.get("pp", 1)
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), free_port()
+    dirs = {k: os.path.join(root, f"shared-{k}") for k in KINDS}
+    urls = {k: s.url for k, s in servers.items()}
+    procs = [ctx.Process(target=_rank, args=(r, layout, moe, size, steps, port, ray.get_runtime_context().gcs_address,
+                                             urls, dirs, out)) for r in range(n)]
+    try:
+        for p in procs:
+            p.start()
+        got = dict(out.get(timeout=1800) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(60)
+        ray.shutdown()
+        for s in servers.values():
+            s.stop()
+    errors = [v for v in got.values() if isinstance(v, str)]
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    res = next(v for v in got.values() if v)
+    res["layout"], res["moe"], res["size"] = layout, moe, size
+    return res
+
+
+def report(res: dict, env: str) -> str:
+    s, g = res["sharded"], res["gather"]
+    lay = " × ".join(f"{k.upper()}={v}" for k, v in res["layout"].items())
+    shape = "Qwen3-MoE-shaped (4 experts per layer)" if res["moe"] else "Llama-shaped"
+    L = ["# The sharded sender against gather-then-diff", "",
+         f"Written by `make bench-slime BENCH_SLIME_ARGS=\"...\"` (`scripts/bench_slime_sharded.py`); one run on {env}. "
+         f"A {shape} Megatron model (hidden {res['size']['hidden']}, {res['size']['layers']} layers; "
+         f"{s['model_bytes'] / 1e6:.2f} MB in bf16) at {lay}, one process per rank (gloo), takes real AdamW steps; "
+         "after each, both senders sync their own real SGLang server over `disk` (`deltas_zstd`).", "",
+         "| step | changed elements | bytes to the source: sharded | gather | sender ms: sharded | gather | "
+         "bit-identical |", "|---:|---:|---:|---:|---:|---:|---|"]
+    for a, b in zip(s["steps"], g["steps"]):
+        L.append(f"| {a['step']} | {a['changed_elements']:,} | {a['gathered_bytes']:,} | {b['gathered_bytes']:,} | "
+                 f"{a['sender_ms']:,.0f} | {b['sender_ms']:,.0f} | {a['bit_identical'] and b['bit_identical']} |")
+    L += ["", f"Host snapshot per rank: sharded {', '.join(f'{x:,}' for x in s['snapshot_bytes_per_rank'])} bytes "
+          f"(model {s['model_bytes']:,}); gather {', '.join(f'{x:,}' for x in g['snapshot_bytes_per_rank'])} (the "
+          "source keeps the whole stage, in 64 MiB slabs). **bytes to the source**: sharded, the positions and values "
+          "every rank sent the source; gather, the stage's HF bytes slime's all-gather and conversion put on the "
+          "source every sync. **sender ms**: the updater's `update_weights()` wall time (pause, sync, resume; the "
+          "engines' apply included). CPU with every rank, Ray and both servers on few cores: the ratios of bytes and "
+          "memory carry over, the milliseconds do not."]
+    return "\n".join(L) + "\n"
+
+
+def main(args) -> int:
+    import platform
+
+    import torch
+
+    os.makedirs(args.workdir, exist_ok=True)
+    result = os.path.join(args.workdir, "result.json")
+    layout = {k: v for k, v in (("tp", args.tp), ("ep", args.ep), ("pp", args.pp)) if v > 1}
+    layout["dp"] = args.ep  # experts split over EP x expert-TP (= TP) ranks: the stage needs TP x EP ranks
+    if args.report_only:
+        res = json.load(open(result))
+    else:
+        import tempfile
+
+        res = run(layout, args.moe, args.steps, tempfile.mkdtemp(dir=os.path.abspath(args.workdir)))
+        json.dump(res, open(result, "w"), indent=1)
+    env = f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
+    text = report(res, env)
+    with open(os.path.join(args.out, "benchmarks-sharded-sender.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return 0
