@@ -64,7 +64,7 @@ def _rank(rank, layout, moe, size, steps, port, ray_address, urls, dirs, out):
                 m = up.pop_metrics()
                 snap = [None] * dist.get_world_size()
                 mine_snap = up._sharded.differ.snapshot_bytes if up._sharded else \
-                    (up._sender.state.host_bytes() if source else 0)
+                    (sum(t.nbytes for t in up._sender.state.snapshot.values()) if source else 0)
                 dist.all_gather_object(snap, mine_snap)
                 if not source:
                     continue
@@ -144,7 +144,7 @@ def report(res: dict, env: str) -> str:
                  f"{a['sender_ms']:,.0f} | {b['sender_ms']:,.0f} | {a['bit_identical'] and b['bit_identical']} |")
     L += ["", f"Host snapshot per rank: sharded {', '.join(f'{x:,}' for x in s['snapshot_bytes_per_rank'])} bytes "
           f"(model {s['model_bytes']:,}); gather {', '.join(f'{x:,}' for x in g['snapshot_bytes_per_rank'])} (the "
-          "source keeps the whole stage, in 64 MiB slabs). **bytes to the source**: sharded, the positions and values "
+          "source keeps the whole stage; pinned in 64 MiB slabs on a GPU trainer). **bytes to the source**: sharded, the positions and values "
           "every rank sent the source; gather, the stage's HF bytes slime's all-gather and conversion put on the "
           "source every sync. **sender ms**: the updater's `update_weights()` wall time (pause, sync, resume; the "
           "engines' apply included). CPU with every rank, Ray and both servers on few cores: the ratios of bytes and "

@@ -1,10 +1,10 @@
 """The sharded sender's map from a trainer rank's Megatron shard to HF names and positions, derived from slime's own
-``all_gather_param`` + ``convert_to_hf`` on element ids (``delta_shard_map``): on a real Megatron GPTModel at TP=1 and
-TP=2 (one process per rank, gloo), every element a rank holds lands exactly where slime's real conversion of the
-gathered param puts it, bit for bit, and the ranks together cover every HF element once (replicated params: once per
-rank). A conversion that is not a permutation (FP8 quantization, an integral shift of every element) is named and
-keeps the gather path. And the
-sharded diff (``delta_shard_diff``) at TP=2 and at DP=2: each rank's snapshot is its own slice (together: the model
+``all_gather_param`` + ``convert_to_hf`` on element ids (``delta_shard_map``): on a real Megatron GPTModel at TP=2
+(one process per rank, gloo), every element a rank holds lands exactly where slime's real conversion of the gathered
+param puts it, bit for bit, and the ranks together cover every HF element once (replicated params: once per rank). A
+conversion that is not a permutation (FP8 quantization, an integral shift of every element) is named and keeps the
+gather path. And the sharded diff (``delta_shard_diff``) at TP=2 (DP=2 and EP=2: the sharded sender's tests in
+``test_slime_sender``): each rank's snapshot is its own slice (together: the model
 once), and after real AdamW steps the changes the ranks send the source equal, position for position and bit for
 bit, the diff of slime's full conversion before and after, in bytes that follow the changed elements; a diff left
 unacknowledged is carried again by the next; the ranks' fingerprint shares add up to each HF tensor's; and one
@@ -73,10 +73,10 @@ def _rank(rank, tp, port, errors):
                 sharded += not replicated
             assert m.runs.shape[0] <= max(1, param.shape[0]) * len(m.targets) * 2, (name, m.runs.shape)  # runs, not elements
         assert sharded > 0 or tp == 1
-        if tp == 1:  # slime's FP8 rollout conversion quantizes: not a permutation of elements
-            fp8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-            impure = [m for m in build_shard_maps(args, [model], "llama", fp8).values() if not m.pure]
-            assert impure and all(m.why for m in impure), [(m.name, m.why) for m in impure]
+        # slime's FP8 rollout conversion quantizes: not a permutation of elements
+        fp8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+        impure = [m for m in build_shard_maps(args, [model], "llama", fp8).values() if not m.pure]
+        assert impure and all(m.why for m in impure), [(m.name, m.why) for m in impure]
         # a converter that shifts every element by one place (integral arithmetic: still distinct integers) maps
         # nothing: checked over the whole gathered param, so no rank takes the shift for a permutation
         from slime.backends.megatron_utils.update_weight import delta_shard_map
@@ -108,9 +108,8 @@ def _spawn(target, ranks: int, *args):
     assert not failures and all(p.exitcode == 0 for p in procs), "\n".join(failures)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_every_element_of_a_shard_lands_where_slimes_conversion_puts_it(tp):
-    _spawn(_rank, tp, tp)
+def test_every_element_of_a_shard_lands_where_slimes_conversion_puts_it():
+    _spawn(_rank, 2, 2)  # TP=2: split and replicated params (TP=1 maps every param whole: the sharded sender's tests)
 
 
 def _merged(found):
@@ -231,6 +230,5 @@ def _rank_diff(rank, tp, dp, port, errors):
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
 
 
-@pytest.mark.parametrize("tp, dp", [(2, 1), (1, 2)])
-def test_each_rank_sends_what_changed_in_its_own_slice(tp, dp):
-    _spawn(_rank_diff, tp * dp, tp, dp)
+def test_each_rank_sends_what_changed_in_its_own_slice():
+    _spawn(_rank_diff, 2, 2, 1)  # TP=2; data-parallel replicas: test_slime_sender's sharded tests (DP=2)

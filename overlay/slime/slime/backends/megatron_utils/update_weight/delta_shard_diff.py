@@ -82,7 +82,16 @@ class ShardDiffer:
             self.shapes.update(m.targets)
             at, t = at + numel, t + len(m.targets)
         self.runs = torch.cat(runs) if runs else torch.zeros(0, 4, dtype=torch.int64)
+        self._on: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]] = {}  # the joined map, per device, once
         self._seeds = torch.tensor([name_seed(n) for n in self.targets], dtype=torch.int64)
+
+    def _locate(self, positions: torch.Tensor):
+        """:func:`locate` through the joined map, kept on ``positions``' device (moved there once)."""
+        if positions.device not in self._on:
+            runs = self.runs.to(positions.device)
+            self._on[positions.device] = (runs, runs[:, 0].contiguous())
+        runs, starts = self._on[positions.device]
+        return locate(runs, positions, starts)
 
     @property
     def snapshot_bytes(self) -> int:
@@ -140,7 +149,7 @@ class ShardDiffer:
             device = run.idx.device
             shift = to_device([self.base[n] + self.ranges[n][0] for n in names], device)
             flat = run.idx + repeat_counts(shift, run.counts)  # positions in the joined map's space
-            tgt, hpos, mapped = locate(self.runs.to(device), flat)  # vocab padding maps nowhere
+            tgt, hpos, mapped = self._locate(flat)  # vocab padding maps nowhere
             tgt, hpos = tgt[mapped], hpos[mapped]
             order = torch.argsort(tgt * (1 << 40) + hpos)
             counts = host_values(torch.bincount(tgt, minlength=len(self.targets)))
@@ -167,7 +176,7 @@ class ShardDiffer:
                 starts = [0, *torch.tensor(sizes).cumsum(0).tolist()[:-1]]
                 shift = [self.base[n] + self.ranges[n][0] - s for (n, _), s in zip(batch, starts)]
                 flat = torch.arange(bits.numel(), device=device) + repeat_counts(to_device(shift, device), sizes)
-                tgt, hpos, mapped = locate(self.runs.to(device), flat)
+                tgt, hpos, mapped = self._locate(flat)
                 tgt = tgt[mapped]
                 tot, cnt = totals.to(device), counts.to(device)
                 mix64.point_sums(bits[mapped], hpos[mapped], self._seeds.to(device)[tgt], tgt, tot,

@@ -45,10 +45,12 @@ class ParamMap:
         return locate(self.runs, positions)
 
 
-def locate(runs: torch.Tensor, positions: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(target, HF flat position, mapped mask) of ``positions`` through ``runs`` (sorted by local start): one
-    search over the runs, no per-element host work. Positions in no run (vocab padding) are not mapped."""
-    starts = runs[:, 0]
+def locate(runs: torch.Tensor, positions: torch.Tensor, starts: torch.Tensor = None
+           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(target, HF flat position, mapped mask) of ``positions`` through ``runs`` (sorted by local start; ``starts``:
+    their first column, contiguous, when the caller keeps it): one search over the runs, no per-element host work.
+    Positions in no run (vocab padding) are not mapped."""
+    starts = runs[:, 0].contiguous() if starts is None else starts
     k = torch.searchsorted(starts, positions, right=True) - 1
     kc = k.clamp(min=0)
     mapped = (k >= 0) & (positions < starts[kc] + runs[kc, 3])
