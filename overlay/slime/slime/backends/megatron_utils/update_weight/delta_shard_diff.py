@@ -40,14 +40,17 @@ class Changes:
 
 
 def owned_range(m: ParamMap, numel: int) -> Tuple[int, int]:
-    """The slice of the shard's flat range this rank owns among the ranks holding the same shard: data-parallel
-    replicas (expert-data-parallel ones for experts), and the TP ranks for a param TP does not split."""
+    """The slice of the shard's flat range this rank owns among the ranks holding the same shard: data- and
+    context-parallel replicas (expert-data-parallel ones for experts), and the TP ranks for a param TP does not
+    split."""
     expert = ".experts." in m.name
     if expert:
         dp, dp_rank = mpu.get_expert_data_parallel_world_size(), mpu.get_expert_data_parallel_rank()
         tp, tp_rank = mpu.get_expert_tensor_parallel_world_size(), mpu.get_expert_tensor_parallel_rank()
     else:
-        dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
+        # context-parallel ranks hold the same weights as data-parallel ones (the expert mesh folds them in already)
+        dp = mpu.get_data_parallel_world_size(with_context_parallel=True)
+        dp_rank = mpu.get_data_parallel_rank(with_context_parallel=True)
         tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
     replicas, me = (dp * tp, tp_rank * dp + dp_rank) if m.replicated else (dp, dp_rank)
     per = -(-numel // replicas)
