@@ -19,10 +19,11 @@ venvs:
 
 # One pytest run per SGLang pin: the same tests against both patched versions, except modules whose subject does
 # not change with the pin, run with the first only: the wire format, checksum and fingerprint (no SGLang code), the
-# package's layout, the bench's report, gpu-check's dry run, the delta tools and the image's tree (our scripts). The soak runs 8 syncs per pause mode
-# on each pin (`make soak PIN=...` runs 200). slime's updater runs in `make test-slime` (its own venv: Megatron, Ray).
+# package's layout, the bench's report, gpu-check's dry run, the delta tools and the image's tree (our scripts); and
+# the soak, 8 syncs per pause mode (both pins' pause modes run in test_pause_modes; `make soak PIN=...` runs 200).
+# slime's updater runs in `make test-slime` (its own venv: Megatron, Ray).
 ONE_PIN_TESTS = tests/test_wire.py tests/test_checksum.py tests/test_fingerprint.py tests/test_layout.py \
-  tests/test_bench.py tests/test_gpu_check.py tests/test_tools.py tests/test_image.py
+  tests/test_bench.py tests/test_gpu_check.py tests/test_tools.py tests/test_image.py tests/test_soak.py
 test: venvs
 	@rc=0; skip=""; for p in $(PINS); do \
 	  echo "=== tests against patched sglang $$p ==="; \

@@ -12,7 +12,6 @@ bytes), each sender's wall time, and bit-identity of each engine with slime's ow
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import time
 import traceback
@@ -104,25 +103,14 @@ def run(layout: dict, moe: bool, steps: int, root: str) -> dict:
     actors = [H.engine_actor_cls().options(name=f"engine-{k}").remote(s.url) for k, s in servers.items()]
     actors.append(Lock.options(num_cpus=0, name="lock").remote())
     n = layout.get("tp", 1) * layout.get("dp", 1) * layout.get("pp", 1)
-    ctx = mp.get_context("spawn")
-    out, port = ctx.Queue(), free_port()
     dirs = {k: os.path.join(root, f"shared-{k}") for k in KINDS}
-    urls = {k: s.url for k, s in servers.items()}
-    procs = [ctx.Process(target=_rank, args=(r, layout, moe, size, steps, port, ray.get_runtime_context().gcs_address,
-                                             urls, dirs, out)) for r in range(n)]
     try:
-        for p in procs:
-            p.start()
-        got = dict(out.get(timeout=1800) for _ in procs)
+        got = H.run_ranks(_rank, n, layout, moe, size, steps, free_port(), ray.get_runtime_context().gcs_address,
+                          {k: s.url for k, s in servers.items()}, dirs, timeout=1800)
     finally:
-        for p in procs:
-            p.join(60)
         ray.shutdown()
         for s in servers.values():
             s.stop()
-    errors = [v for v in got.values() if isinstance(v, str)]
-    if errors:
-        raise RuntimeError("\n".join(errors))
     res = next(v for v in got.values() if v)
     res["layout"], res["moe"], res["size"] = layout, moe, size
     return res

@@ -276,6 +276,27 @@ def engine_actor_cls():
     return ray.remote(num_cpus=0)(AttachedSGLangEngine)
 
 
+def run_ranks(target, n: int, *args, timeout: float = 900) -> dict:
+    """``target(rank, *args, out)`` in one spawned process per rank: {rank: what it put on ``out``}; a rank that puts
+    a string (its traceback) fails the call, every such rank named."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, *args, out)) for r in range(n)]
+    try:
+        for p in procs:
+            p.start()
+        got = dict(out.get(timeout=timeout) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(60)
+    failed = {r: v for r, v in got.items() if isinstance(v, str)}
+    if failed:
+        raise AssertionError("\n".join(f"rank {r}:\n{v}" for r, v in sorted(failed.items())))
+    return got
+
+
 def engine_holds(url: str, state) -> bool:
     """Whether the engine at ``url`` holds ``state`` bit for bit: read back over HTTP where SGLang can name the param,
     and every name through the engine's weight fingerprint (a MoE engine's fused experts and router have no name to

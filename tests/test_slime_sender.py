@@ -468,7 +468,6 @@ def test_two_pipeline_stages(world, tmp_path, transport):
     through slime's updater into one real server, bit-identical after every sync. Over disk stage 0 announces every
     stage's files in one request; a corrupt file of stage 1 is refused with nothing applied, and the next sync
     recovers as a delta."""
-    import multiprocessing as mp
 
     import ray
 
@@ -484,22 +483,12 @@ def test_two_pipeline_stages(world, tmp_path, transport):
                        update_weight_delta_fingerprint_interval=2,
                        custom_update_weight_post_write_path="slime_harness.corrupt_stage1_file",
                        corrupt_marker=str(tmp_path / "corrupt-next"))
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_pp_stage_main, args=(k, port, ray.get_runtime_context().gcs_address,
-                                                      world["server"].url, args, out)) for k in range(2)]
     try:
-        for p in procs:
-            p.start()
-        got = dict(out.get(timeout=900) for _ in procs)
+        got = H.run_ranks(_pp_stage_main, 2, free_port(), ray.get_runtime_context().gcs_address, world["server"].url,
+                          args)
     finally:
-        for p in procs:
-            p.join(60)
         for actor in actors:
             ray.kill(actor)
-    for k, rows in got.items():
-        assert not isinstance(rows, str), f"stage {k}:\n{rows}"
     failures = [0, 0, 1, 0] if transport == "disk" else [0, 0, 0, 0]
     for stage, rows in got.items():
         assert [r[0] for r in rows] == failures, (stage, rows)
@@ -589,7 +578,6 @@ def test_sharded_sender(world, tmp_path, layout, transport):
     after every sync; each rank's snapshot is its share of its stage; the bytes moved to the source follow the
     changed elements; a rank whose diff fails makes the sync fail with no engine touched, and the next sync recovers
     as a delta."""
-    import multiprocessing as mp
 
     import ray
 
@@ -612,24 +600,15 @@ def test_sharded_sender(world, tmp_path, layout, transport):
                        update_weight_disk_dir=str(tmp_path / "shared"), update_weight_delta_sharded=True,
                        update_weight_delta_fingerprint_interval=2, pipeline_model_parallel_size=layout.get("pp", 1),
                        num_experts=H.EXPERTS if "ep" in layout else None)
-    ctx = mp.get_context("spawn")
-    out, port = ctx.Queue(), free_port()
     n = layout.get("tp", 1) * layout.get("dp", 1) * layout.get("pp", 1)
-    procs = [ctx.Process(target=_sharded_rank, args=(r, layout, port, ray.get_runtime_context().gcs_address,
-                                                     server.url, args, out)) for r in range(n)]
     try:
-        for p in procs:
-            p.start()
-        got = dict(out.get(timeout=900) for _ in procs)
+        got = H.run_ranks(_sharded_rank, n, layout, free_port(), ray.get_runtime_context().gcs_address, server.url,
+                          args)
     finally:
-        for p in procs:
-            p.join(60)
         for actor in actors:
             ray.kill(actor)
         if server is not world["server"]:
             server.stop()
-    for r, rows in got.items():
-        assert not isinstance(rows, str), f"rank {r}:\n{rows}"
     sources = {r: rows for r, rows in got.items() if rows}
     assert len(sources) == layout.get("pp", 1), sorted(sources)
     for r, rows in sources.items():

@@ -1,7 +1,7 @@
 """Soak: consecutive syncs into a real server that serves generation traffic throughout, faults injected at random
 (seeded), zero drift after every sync, for each pause mode (``abort``, ``retract``, ``in_place``).
 
-CI runs ``SOAK_SYNCS`` = 8 syncs per mode and SGLang pin; ``make soak`` runs 200. Every injected fault must show up
+CI runs ``SOAK_SYNCS`` = 8 syncs per mode (first pin); ``make soak`` runs 200. Every injected fault must show up
 in the sender's failure counter; after every sync the engine's fingerprint equals the trainer's last acknowledged
 state, and at the end every param read back over HTTP does too. Three streams of requests run all along: none may
 fail, only ``abort`` may return them early, and after every committed sync a probe finds no prefix-cache hit on KV
