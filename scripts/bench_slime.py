@@ -204,8 +204,8 @@ def main():
     ap.add_argument("--workdir", default="build/bench-slime")
     ap.add_argument("--out", default="docs")
     ap.add_argument("--report-only", action="store_true", help="rewrite the section from the last run's result.json")
-    ap.add_argument("--tp", type=int, default=1, help="with --ep/--pp/--moe: the sharded sender against gather-then-diff "
-                    "on that trainer layout (scripts/bench_slime_sharded.py)")
+    ap.add_argument("--tp", type=int, default=1, help="with --ep/--pp/--moe: the sharded sender against "
+                    "gather-then-diff on that trainer layout (scripts/bench_slime_sharded.py)")
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--moe", action="store_true")

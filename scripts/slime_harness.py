@@ -146,7 +146,8 @@ class _MoE(torch.nn.Module):
         g = torch.Generator().manual_seed(1000 * layer + 10 * ps.get_expert_model_parallel_rank()
                                           + ps.get_expert_tensor_parallel_rank())
         self.router = torch.nn.Module()
-        self.router.weight = _param((EXPERTS, HIDDEN), torch.Generator().manual_seed(layer), tensor_model_parallel=False)
+        self.router.weight = _param((EXPERTS, HIDDEN), torch.Generator().manual_seed(layer),
+                                    tensor_model_parallel=False)
         self.experts = torch.nn.Module()
         self.experts.linear_fc1, self.experts.linear_fc2 = torch.nn.Module(), torch.nn.Module()
         for i in range(EXPERTS // ep):

@@ -58,7 +58,8 @@ class ShardedSync:
     """One rank's part of sharded delta syncs: its shard maps and :class:`ShardDiffer`, and the stage's decisions."""
 
     def __init__(self, args, model, model_name: str, quantization_config, source: bool):
-        self.args, self.model, self.model_name, self.qcfg, self.source = args, model, model_name, quantization_config, source
+        self.args, self.model, self.model_name = args, model, model_name
+        self.qcfg, self.source = quantization_config, source
         self.group, self.data_group, self.src = stage_groups(source)
         self.differ: Optional[ShardDiffer] = None
         self.seeded = False
