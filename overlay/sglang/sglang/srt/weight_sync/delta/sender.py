@@ -313,16 +313,21 @@ class DeltaSender:
         return {"delta": self.encoding if xor else planes, "full": planes}
 
     def _check_fingerprints(self, pending: Dict[str, "fingerprint.Pending"], results, hashing_s: float,
-                            found: Dict[str, "fingerprint.NameSum"]) -> None:
-        """Every engine's fingerprint of this version against the trainer's (``found``: the shares of names whose
-        changes were found elsewhere); a mismatch means a full sync next."""
+                            found: Optional[Dict[str, "fingerprint.NameSum"]]) -> None:
+        """Every engine's fingerprint of this version against the trainer's; a mismatch means a full sync next.
+        ``found``: the shares of names whose changes were found elsewhere (None: none were). Those must cover every
+        name kept elsewhere, each whole: a name they miss, or cover in part where the engine shows it whole, counts as a
+        mismatch, not as a name the engine cannot show."""
         t0, uncovered, mismatch = time.perf_counter(), set(), {}
         mine = fingerprint.read_shares(pending)  # the trainer's hashes, read once for all params
-        mine.update(found)
+        lost = sorted(self.state.elsewhere - found.keys()) if found is not None else []
+        mine.update(found or {})
         for i, engine in enumerate(self.engines):
             try:
                 theirs = fingerprint.merge_ranks(fingerprint.check_version(engine.fingerprint(), self.version))
                 differ, missing = fingerprint.compare_shares(mine, theirs, self.state.snapshot)
+                short = [n for n in missing if n in found and n in theirs] if found is not None else []
+                differ, missing = differ + short + lost, [n for n in missing if n not in short]
             except Exception as e:  # an engine that cannot show its weights is not trusted either
                 differ, missing = [f"(no fingerprint: {e!r})"], []
             uncovered.update(missing)

@@ -37,7 +37,7 @@ class SyncRun:
         self.xor_raw = sender.status[delta_targets[0]].xor_raw if delta_targets else frozenset()
         self.dense = frozenset().union(*(sender.status[i].dense for i in delta_targets))
         self.fingerprints: Optional[Dict[str, "fingerprint.Pending"]] = {} if fingerprint_on else None
-        self.found_shares: Dict[str, "fingerprint.NameSum"] = {}  # fingerprint shares that came with Prediffed
+        self.found_shares: Optional[Dict[str, "fingerprint.NameSum"]] = None  # shares that came with Prediffed
         self.fingerprint_s = 0.0  # trainer-side hashing, reported apart from encode
         self.targets = {"delta": delta_targets, "full": full_targets}
         bounds = [sender.status[i].max_request_bytes for i in delta_targets + full_targets]
@@ -111,7 +111,7 @@ class SyncRun:
         if self.fingerprints is not None:
             if found.shares is None:
                 raise DeltaError("this sync checks fingerprints: changes found elsewhere need their shares")
-            self.found_shares.update(found.shares)
+            self.found_shares = {**(self.found_shares or {}), **found.shares}
         for j, (name, shape) in enumerate(zip(found.names, found.shapes)):
             n = f.counts[j]
             self.elements += math.prod(shape)

@@ -137,7 +137,11 @@ class ShardDiffer:
         over all params (:func:`changes_many`), then per run of it one search over the joined map, one sort and
         one host read."""
         named = self._owned(params)
-        pairs = [(self.snapshot[n].to(live.device, non_blocking=True), live) for n, live in named]
+        on = {}  # each dtype's snapshot buffer on the params' device: one copy per buffer, not one per param
+        for n, live in named:
+            if live.dtype not in on:
+                on[live.dtype] = self.flat[live.dtype].to(live.device, non_blocking=True)
+        pairs = [(on[live.dtype][self.at[n]:self.at[n] + live.numel()], live) for n, live in named]
         extra = None
         if self.staged:  # widened for the diff in one op, not one per param
             held = [n for n, _ in named if n in self.staged]
