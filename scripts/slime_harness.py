@@ -46,8 +46,8 @@ def install_cpu_accelerator():
     torch.cuda.current_device = lambda: torch.device("cpu")  # Megatron uses it as a device
 
 
-def init_world(port: int, rank: int = 0, pp: int = 1, tp: int = 1, dp: int = 1, ep: int = 1):
-    """One process per rank of a TP x PP x DP world (experts: EP x expert-TP (= TP) x expert-DP over the same
+def init_world(port: int, rank: int = 0, pp: int = 1, tp: int = 1, dp: int = 1, ep: int = 1, cp: int = 1):
+    """One process per rank of a TP x CP x PP x DP world (experts: EP x expert-TP (= TP) x expert-DP over the same
     ranks)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
@@ -55,9 +55,9 @@ def init_world(port: int, rank: int = 0, pp: int = 1, tp: int = 1, dp: int = 1, 
     from slime.utils.distributed_utils import init_gloo_group
 
     install_cpu_accelerator()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=pp * tp * dp, rank=rank)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=pp * tp * dp * cp, rank=rank)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                             expert_model_parallel_size=ep)
+                                             context_parallel_size=cp, expert_model_parallel_size=ep)
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     init_gloo_group()
 

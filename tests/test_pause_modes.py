@@ -66,11 +66,11 @@ def scored(server, prompt, output_ids):
 
 
 @pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
-def test_requests_in_flight_through_three_syncs(world, mode):
+def test_requests_in_flight_through_two_syncs(world, mode):
     engine_srv, plain, sender = world["engine_srv"], world["plain"], world["sender"]
     world["engine"].pause_mode = mode
     synced = attempts = 0
-    while synced < 3:  # syncs with every request in flight; one that finished first (a slow machine) is a retry
+    while synced < 2:  # syncs with every request in flight; one that finished first (a slow machine) is a retry
         attempts += 1
         assert attempts <= 8, "the requests kept finishing before the sync reached the engine"
         k = synced

@@ -665,3 +665,57 @@ def test_a_fingerprint_sync_checks_the_engines_before_generation_resumes(tmp_pat
         assert sender.update([lambda state=state: [list(state.items())]])[0][0]
     sender.transport.close()
     assert calls == ["pause", "continue", "pause", "fingerprint", "continue", "pause", "continue"], calls
+
+
+def test_changes_found_elsewhere_land_and_their_shares_must_cover_each_name_whole(tmp_path, caplog):
+    """A trainer whose ranks diff their own shards hands the sender those params' changes as ``Prediffed``, with
+    fingerprint shares; the sender keeps no snapshot of them. The shares must cover each such name whole: shares that
+    leave a name out, or cover part of it (a rank's share lost), are a mismatch — never a name the engine cannot show —
+    and the engine is repaired by a full sync (params whole again) before update returns."""
+    from sglang.srt.weight_sync.delta import fingerprint, mix64
+    from sglang.srt.weight_sync.delta.diff import ChangeRun, Prediffed, changed_positions
+
+    cfg = hf_config("qwen2")
+    engine = LocalEngine(cfg)
+    sender = DeltaSender(DiskTransport(str(tmp_path), [engine]), [engine], encoding="deltas", fingerprint_every=1)
+    states = rl_states(cfg, 4, seed=0)
+    away = sorted(n for n in states[0] if ".mlp." in n)
+
+    def first_half(name, t):
+        bits = t.reshape(-1).view(torch.int16)[:t.numel() // 2]
+        pos, total = torch.arange(bits.numel()), torch.zeros(1, dtype=torch.int64)
+        mix64.point_sums(bits, pos, torch.full_like(pos, fingerprint.name_seed(name)), torch.zeros_like(pos), total,
+                         mix64.i64(0xFFFF))
+        return fingerprint.NameSum(total=int(total) & mix64.M64, count=bits.numel(), dtype="bfloat16")
+
+    def segment(old, new, lie=None):
+        def chunks():
+            if sender.run.gathers:  # some engine gets a full sync: every param whole
+                return [list(new.items())]
+            pos = [changed_positions(old[n], new[n]) for n in away]
+            run = ChangeRun(list(range(len(away))), [p.numel() for p in pos], torch.cat(pos),
+                            torch.cat([new[n].reshape(-1)[p] for n, p in zip(away, pos)]))
+            shares = fingerprint.read_shares(fingerprint.tensor_shares([(n, new[n]) for n in away]))
+            if lie == "left out":
+                del shares[away[0]]
+            elif lie == "part":
+                shares[away[1]] = first_half(away[1], new[away[1]])
+            found = Prediffed(away, [list(new[n].shape) for n in away], run, shares)
+            return [[(n, t) for n, t in new.items() if n not in away], found]
+        return chunks
+
+    assert sender.update([segment(None, states[0])])[0][0]  # the first sync gathers
+    sender.state.keep_elsewhere(away)
+    assert not set(away) & set(sender.state.snapshot)
+    for k, lie in [(1, None), (2, "left out"), (3, "part")]:
+        results = sender.update([segment(states[k - 1], states[k], lie)])
+        assert results[0][0], results
+        m = sender.pop_metrics()
+        assert m["perf/update_weights_fingerprint_uncovered"] == 0, (lie, m)
+        assert (m["perf/update_weights_fingerprint_mismatches"], m.get("perf/update_weights_repairs", 0)) == \
+            ((0, 0) if lie is None else (1, 1)), (lie, m)
+        assert_params_equal(engine.host.model, reference(cfg, states[k]))
+        assert not set(away) & set(sender.state.snapshot)  # a repair's full sync does not take them back
+    lies = [r.getMessage() for r in caplog.records if "fingerprint mismatch" in r.getMessage()]
+    assert len(lies) == 2 and repr(away[0]) in lies[0] and repr(away[1]) in lies[1], lies
+    sender.transport.close()

@@ -3,8 +3,8 @@
 (one process per rank, gloo), every element a rank holds lands exactly where slime's real conversion of the gathered
 param puts it, bit for bit, and the ranks together cover every HF element once (replicated params: once per rank). A
 conversion that is not a permutation (FP8 quantization, an integral shift of every element) is named and keeps the
-gather path. And the sharded diff (``delta_shard_diff``) at TP=2 (DP=2 and EP=2: the sharded sender's tests in
-``test_slime_sender``): each rank's snapshot is its own slice (together: the model
+gather path. And the sharded diff (``delta_shard_diff``) at TP=2 and at CP=2 (DP=2 and EP=2: the sharded sender's tests
+in ``test_slime_sender``): each rank's snapshot is its own slice (together: the model
 once), and after real AdamW steps the changes the ranks send the source equal, position for position and bit for
 bit, the diff of slime's full conversion before and after, in bytes that follow the changed elements; a diff left
 unacknowledged is carried again by the next; the ranks' fingerprint shares add up to each HF tensor's; and one
@@ -169,7 +169,7 @@ def _counts(args, layers):
     return ops.n, len(syncs.ops)
 
 
-def _rank_diff(rank, tp, dp, port, errors):
+def _rank_diff(rank, tp, dp, cp, port, errors):
     try:
         import torch
         import torch.distributed as dist
@@ -182,7 +182,7 @@ def _rank_diff(rank, tp, dp, port, errors):
         from sglang.srt.weight_sync.delta.fingerprint import tensor_fingerprint
 
         torch.set_num_threads(1)
-        H.init_world(port, rank=rank, tp=tp, dp=dp)
+        H.init_world(port, rank=rank, tp=tp, dp=dp, cp=cp)
         model = H.build_model()
         args = H.make_args()
         params = list(named_params_and_buffers(args, [model]))
@@ -193,7 +193,7 @@ def _rank_diff(rank, tp, dp, port, errors):
         mine = torch.tensor([differ.snapshot_bytes])
         dist.all_reduce(mine)
         assert int(mine) == model_bytes, (int(mine), model_bytes)  # the ranks' slices: the model, once
-        assert differ.snapshot_bytes <= model_bytes // (tp * dp) + 4096, (differ.snapshot_bytes, model_bytes)
+        assert differ.snapshot_bytes <= model_bytes // (tp * dp * cp) + 4096, (differ.snapshot_bytes, model_bytes)
         trainer = H.StageTrainer(model, seed=0)  # one seed: replicas step alike
         carried = {}  # positions a staged (unacknowledged) diff sent: the next one carries them again
         for step in range(3):
@@ -231,4 +231,8 @@ def _rank_diff(rank, tp, dp, port, errors):
 
 
 def test_each_rank_sends_what_changed_in_its_own_slice():
-    _spawn(_rank_diff, 2, 2, 1)  # TP=2; data-parallel replicas: test_slime_sender's sharded tests (DP=2)
+    _spawn(_rank_diff, 2, 2, 1, 1)  # TP=2; data-parallel replicas: test_slime_sender's sharded tests (DP=2)
+
+
+def test_context_parallel_ranks_split_what_they_hold_alike():
+    _spawn(_rank_diff, 2, 1, 1, 2)  # CP=2: both ranks hold every param whole; each diffs and keeps half
