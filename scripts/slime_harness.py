@@ -229,15 +229,19 @@ def corrupt_stage1_file(args, version_dir, rollout_engines):
 
 
 def make_args(**over):
+    from slime.utils.delta_sync_args import runs_sparse_delta
+
     a = argparse.Namespace(
         num_experts=None, vocab_size=VOCAB, q_lora_rank=None, kv_channels=None, hidden_size=HIDDEN,
         num_attention_heads=HEADS, num_query_groups=GROUPS, update_weight_buffer_size=32 << 10,
         rollout_num_gpus_per_engine=1, update_weight_mode="delta", update_weight_transport="nccl",
         update_weight_delta_encoding="indices", update_weight_disk_dir=None, update_weight_disk_keep_files=False,
         custom_update_weight_post_write_path=None, colocate=False, pipeline_model_parallel_size=1,
-        update_weight_delta_fingerprint_interval=1, update_weight_pause_mode="abort")
+        update_weight_delta_fingerprint_interval=1, update_weight_pause_mode="abort", update_weight_delta_sharded=None)
     for k, v in over.items():
         setattr(a, k, v)
+    if a.update_weight_delta_sharded is None and a.update_weight_delta_encoding is not None:
+        a.update_weight_delta_sharded = runs_sparse_delta(a)  # slime's default, as its argument check resolves it
     return a
 
 

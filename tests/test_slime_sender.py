@@ -67,6 +67,10 @@ def run_syncs(world, args, start_version, n=3, xor=False):
         assert m["perf/update_weights_failures"] == 0 and m["perf/update_weights_fingerprint_mismatches"] == 0
         assert m["perf/update_weights_fingerprint_uncovered"] == 0  # the engine's fingerprint covered every name
         assert m["perf/update_weights_xor"] == (xor and len(densities) > 1)  # after the full sync: xor_zstd
+        if args.update_weight_delta_sharded:  # the default: the rank's own slices, none kept by the sender
+            assert m["perf/update_weights_sharded_snapshot_bytes"] > 0 and not up._sender.state.snapshot, m
+        else:
+            assert "perf/update_weights_sharded_snapshot_bytes" not in m and up._sender.state.snapshot
         engine_has(world["server"], H.hf_state(args, world["model"]))
         world["trainer"].step()
     up.disconnect_rollout_engines()
@@ -152,12 +156,15 @@ def test_a_stranded_broadcast_is_recovered_by_slimes_reconnect(world):
     world["version"] = up.weight_version
 
 
-@pytest.mark.parametrize("encoding", ["deltas_zstd", "planes_zstd", "xor_zstd"])
-def test_disk_transport(world, encoding):
+@pytest.mark.parametrize("encoding, sharded", [("deltas_zstd", True), ("planes_zstd", True), ("xor_zstd", True),
+                                               ("xor_zstd", False)])
+def test_disk_transport(world, encoding, sharded):
+    """Each disk encoding, sharded (the default) and gathered (``--no-update-weight-delta-sharded``)."""
     import slime_harness as H
 
     args = H.make_args(update_weight_transport="disk", update_weight_delta_encoding=encoding,
-                       update_weight_disk_dir=str(world["root"] / "shared"), update_weight_delta_zstd_level=1)
+                       update_weight_disk_dir=str(world["root"] / "shared"), update_weight_delta_zstd_level=1,
+                       update_weight_delta_sharded=sharded)
     up, densities = run_syncs(world, args, world.get("version", 0), xor=encoding == "xor_zstd")
     assert densities[0] == 1.0 and all(0 < d < 0.2 for d in densities[1:]), densities
     world["version"] = up.weight_version
@@ -279,7 +286,7 @@ def test_slimes_glm_example_runs_our_encodings(transport):
         UpdateWeightFromDistributedDelta,
     )
     from slime.utils.arguments import get_slime_extra_args_provider
-    from slime.utils.delta_sync_args import resolve_delta_encoding, sparse_delta_updater_cls, validate_sparse_delta_args
+    from slime.utils.delta_sync_args import resolve_delta_args, sparse_delta_updater_cls, validate_sparse_delta_args
 
     upstream = open(os.path.join(SLIME, UPSTREAM)).read()
     parser = argparse.ArgumentParser()
@@ -295,15 +302,17 @@ def test_slimes_glm_example_runs_our_encodings(transport):
         argv = out.stdout.split()
         ns, _ = parser.parse_known_args(argv)
         ns.pipeline_model_parallel_size = int(argv[argv.index("--pipeline-model-parallel-size") + 1])  # a Megatron flag
-        resolve_delta_encoding(ns)
+        resolve_delta_args(ns)
         return ns
 
     ns = parsed(upstream)
-    assert (ns.update_weight_mode, ns.update_weight_delta_encoding) == ("delta", "xor")
+    assert (ns.update_weight_mode, ns.update_weight_delta_encoding, ns.update_weight_delta_sharded) == \
+        ("delta", "xor", False)
     assert sparse_delta_updater_cls(ns) is None  # slime's own UpdateWeightFromDiskDelta
     ns = parsed(rewrite(upstream, transport, "/shared/fs/glm47-delta"))
     want = {"nccl": ("nccl", "deltas", 2), "disk": ("disk", "xor_zstd", 2)}[transport]  # the script's PP=2 stays
     assert (ns.update_weight_transport, ns.update_weight_delta_encoding, ns.pipeline_model_parallel_size) == want
+    assert ns.update_weight_delta_sharded is True  # the default wherever it runs
     validate_sparse_delta_args(ns)
     assert sparse_delta_updater_cls(ns) is UpdateWeightFromDistributedDelta
 
@@ -345,23 +354,34 @@ def test_the_single_gpu_example_attaches_to_an_external_patched_server(world):
         train_args("nccl", "/shared", 4, external_engine=addr)
 
 
-def test_an_unset_encoding_says_which_delta_runs(caplog):
+def test_unset_flags_say_which_delta_runs(caplog):
+    """An unset encoding: 'deltas' over nccl, slime's own 'xor' over disk (said in a warning). An unset
+    ``--update-weight-delta-sharded``: on with the sparse encodings, off with slime's own; set where it cannot run,
+    refused with the reason."""
     import logging
 
     import slime_harness as H
-    from slime.utils.delta_sync_args import resolve_delta_encoding
+    from slime.utils.delta_sync_args import resolve_delta_args
 
-    args = H.make_args(update_weight_transport="nccl", update_weight_delta_encoding=None)
-    resolve_delta_encoding(args)
-    assert args.update_weight_delta_encoding == "deltas"  # slime's own delta cannot run over nccl
-    args = H.make_args(update_weight_transport="disk", update_weight_delta_encoding=None)
+    args = H.make_args(update_weight_transport="nccl", update_weight_delta_encoding=None,
+                       update_weight_delta_sharded=None)
+    resolve_delta_args(args)
+    assert (args.update_weight_delta_encoding, args.update_weight_delta_sharded) == ("deltas", True)
+    args = H.make_args(update_weight_transport="disk", update_weight_delta_encoding=None,
+                       update_weight_delta_sharded=None)
     with caplog.at_level(logging.WARNING):
-        resolve_delta_encoding(args)
-    assert args.update_weight_delta_encoding == "xor"
+        resolve_delta_args(args)
+    assert (args.update_weight_delta_encoding, args.update_weight_delta_sharded) == ("xor", False)
     assert "runs slime's own 'xor' delta" in caplog.text and "deltas_zstd" in caplog.text
-    args = H.make_args(update_weight_transport="disk", update_weight_delta_encoding="deltas_zstd")
-    resolve_delta_encoding(args)
-    assert args.update_weight_delta_encoding == "deltas_zstd"
+    args = H.make_args(update_weight_transport="disk", update_weight_delta_encoding="deltas_zstd",
+                       update_weight_delta_sharded=False)  # --no-update-weight-delta-sharded
+    resolve_delta_args(args)
+    assert (args.update_weight_delta_encoding, args.update_weight_delta_sharded) == ("deltas_zstd", False)
+    for over in ({"update_weight_delta_encoding": "xor"}, {"update_weight_mode": "full"}):
+        args = H.make_args(update_weight_transport="disk", update_weight_delta_sharded=True, **over)
+        with pytest.raises(ValueError, match="--update-weight-delta-sharded runs with --update-weight-mode=delta and a "
+                                             "sparse encoding"):
+            resolve_delta_args(args)
 
 
 @pytest.mark.parametrize("mode", ["retract", "in_place"])
@@ -467,7 +487,8 @@ def test_two_pipeline_stages(world, tmp_path, transport):
     """A real two-stage Megatron model (one process per stage, gloo): each stage's source rank sends its own layers
     through slime's updater into one real server, bit-identical after every sync. Over disk stage 0 announces every
     stage's files in one request; a corrupt file of stage 1 is refused with nothing applied, and the next sync
-    recovers as a delta."""
+    recovers as a delta. Over disk the ranks diff their own params (the default), over nccl the source ranks the
+    gathered ones (``--no-update-weight-delta-sharded``)."""
 
     import ray
 
@@ -480,7 +501,7 @@ def test_two_pipeline_stages(world, tmp_path, transport):
     encoding = "deltas_zstd" if transport == "disk" else "deltas"
     args = H.make_args(update_weight_transport=transport, update_weight_delta_encoding=encoding,
                        update_weight_disk_dir=str(tmp_path / "shared"), pipeline_model_parallel_size=2,
-                       update_weight_delta_fingerprint_interval=2,
+                       update_weight_delta_fingerprint_interval=2, update_weight_delta_sharded=transport == "disk",
                        custom_update_weight_post_write_path="slime_harness.corrupt_stage1_file",
                        corrupt_marker=str(tmp_path / "corrupt-next"))
     try:

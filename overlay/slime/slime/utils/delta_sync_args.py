@@ -11,21 +11,37 @@ SPARSE_DELTA_ENCODINGS = ("indices", "deltas", "deltas_zstd", "planes_zstd", "xo
 NCCL_ENCODINGS = ("indices", "deltas")
 
 
-def resolve_delta_encoding(args) -> None:
-    """An unset ``--update-weight-delta-encoding``: 'deltas' over nccl (slime's own delta cannot run there), slime's
-    own 'xor' over disk — saying so, since both implementations answer to ``--update-weight-mode delta``."""
-    if getattr(args, "update_weight_delta_encoding", None) is not None:
-        return
-    if args.update_weight_mode == "delta" and args.update_weight_transport == "nccl":
-        args.update_weight_delta_encoding = "deltas"
-        return
-    args.update_weight_delta_encoding = "xor"
-    if args.update_weight_mode == "delta":
-        logger.warning(
-            "--update-weight-mode=delta over disk without --update-weight-delta-encoding runs slime's own 'xor' "
-            "delta (per-host checkpoint patch + reload); for sparse delta files applied in place by a delta-patched "
-            "SGLang pass --update-weight-delta-encoding xor_zstd (fewest bytes) or deltas_zstd."
-        )
+def resolve_delta_args(args) -> None:
+    """Unset flags take their defaults here. ``--update-weight-delta-encoding``: 'deltas' over nccl (slime's own
+    delta cannot run there), slime's own 'xor' over disk — saying so, since both implementations answer to
+    ``--update-weight-mode delta``. ``--update-weight-delta-sharded``: on wherever it runs
+    (:func:`runs_sparse_delta`); set where it cannot, it is refused."""
+    if getattr(args, "update_weight_delta_encoding", None) is None:
+        if args.update_weight_mode == "delta" and args.update_weight_transport == "nccl":
+            args.update_weight_delta_encoding = "deltas"
+        else:
+            args.update_weight_delta_encoding = "xor"
+            if args.update_weight_mode == "delta":
+                logger.warning(
+                    "--update-weight-mode=delta over disk without --update-weight-delta-encoding runs slime's own "
+                    "'xor' delta (per-host checkpoint patch + reload); for sparse delta files applied in place by a "
+                    "delta-patched SGLang pass --update-weight-delta-encoding xor_zstd (fewest bytes) or deltas_zstd."
+                )
+    if getattr(args, "update_weight_delta_sharded", None) is None:
+        args.update_weight_delta_sharded = runs_sparse_delta(args)
+    _check_sharded(args)
+
+
+def runs_sparse_delta(args) -> bool:
+    """Whether our sparse delta updater runs (``--update-weight-mode delta``, a sparse encoding): where the pause
+    modes other than 'abort' and the sharded sender run."""
+    return args.update_weight_mode == "delta" and args.update_weight_delta_encoding in SPARSE_DELTA_ENCODINGS
+
+
+def _check_sharded(args) -> None:
+    if getattr(args, "update_weight_delta_sharded", False) and not runs_sparse_delta(args):
+        raise ValueError("--update-weight-delta-sharded runs with --update-weight-mode=delta and a sparse encoding "
+                         f"({', '.join(SPARSE_DELTA_ENCODINGS)}); slime's own updaters gather every param")
 
 
 def validate_sparse_delta_args(args) -> None:
@@ -46,8 +62,7 @@ def validate_pause_mode(args) -> None:
     """``retract``/``in_place`` need our updater (slime's own ones flush the cache, which fails under them) and a
     delta-patched engine (whose cache rule after an update is ``sglang.srt.weight_sync.delta.prefix_cache``)."""
     mode = args.update_weight_pause_mode
-    if mode != "abort" and (args.update_weight_mode != "delta"
-                            or args.update_weight_delta_encoding not in SPARSE_DELTA_ENCODINGS):
+    if mode != "abort" and not runs_sparse_delta(args):
         raise ValueError(
             f"--update-weight-pause-mode={mode} runs with --update-weight-mode=delta and a sparse encoding "
             f"({', '.join(SPARSE_DELTA_ENCODINGS)}); slime's own updaters pause with 'abort'."
@@ -56,10 +71,8 @@ def validate_pause_mode(args) -> None:
 
 def sparse_delta_updater_cls(args):
     """The updater class for the sparse encodings, or None so slime's own selection (full, xor|overwrite) stands."""
-    if args.update_weight_mode != "delta" or args.update_weight_delta_encoding not in SPARSE_DELTA_ENCODINGS:
-        if getattr(args, "update_weight_delta_sharded", False):
-            raise ValueError("--update-weight-delta-sharded runs with --update-weight-mode=delta and a sparse encoding "
-                             f"({', '.join(SPARSE_DELTA_ENCODINGS)})")
+    _check_sharded(args)
+    if not runs_sparse_delta(args):
         return None
     from slime.backends.megatron_utils.update_weight.update_weight_from_distributed_delta import (
         UpdateWeightFromDistributedDelta,
