@@ -170,6 +170,47 @@ def test_disk_transport(world, encoding, sharded):
     world["version"] = up.weight_version
 
 
+def test_a_param_that_no_longer_fits_its_shard_map_stops_the_sync_before_any_send(world):
+    """A Megatron param whose shape changed since its shard map was built (its slice would land on other HF
+    elements): the sync stops before a byte reaches the engine, which keeps the last version, and names the param;
+    the next sync gathers every param (new maps) and the engine holds the trainer's state again."""
+    import slime_harness as H
+    from slime.backends.megatron_utils.update_weight.update_weight_from_distributed_delta import (
+        UpdateWeightFromDistributedDelta,
+    )
+
+    args = H.make_args(update_weight_transport="disk", update_weight_delta_encoding="deltas_zstd",
+                       update_weight_disk_dir=str(world["root"] / "shared"), update_weight_delta_zstd_level=1)
+    assert args.update_weight_delta_sharded  # the default
+    up = UpdateWeightFromDistributedDelta(args, [world["model"]], weights_getter=lambda: {}, model_name="llama",
+                                          quantization_config=None)
+    up.weight_version = world.get("version", 0)
+    up.connect_rollout_engines(world["engines"], world["lock"])
+    up.update_weights()  # a new sender: a full sync, then the maps and slices
+    assert up.pop_metrics()["perf/update_weights_failures"] == 0
+    held = H.hf_state(args, world["model"])
+    world["trainer"].step()
+    name, param = next((n, p) for n, p in world["model"].named_parameters() if p.dim() == 2 and p.shape[0] != p.shape[1])
+    shape = param.shape
+    param.data = param.data.view(shape[1], shape[0])  # same elements, another shape
+    up.update_weights()
+    m = up.pop_metrics()
+    assert m["perf/update_weights_failures"] == 1, m
+    engine_has(world["server"], held)  # not a byte of that sync
+    param.data = param.data.view(shape)
+    up.update_weights()
+    m = up.pop_metrics()
+    assert m["perf/update_weights_failures"] == 0 and m["perf/update_weights_density"] == 1.0, m  # gathered
+    engine_has(world["server"], H.hf_state(args, world["model"]))
+    world["trainer"].step()
+    up.update_weights()  # and sharded deltas again
+    m = up.pop_metrics()
+    assert m["perf/update_weights_failures"] == 0 and 0 < m["perf/update_weights_density"] < 0.2, m
+    engine_has(world["server"], H.hf_state(args, world["model"]))
+    up.disconnect_rollout_engines()
+    world["version"] = up.weight_version
+
+
 def test_a_wrong_write_is_repaired_before_generation_resumes(world):
     """The engine's element write sets a wrong bit during a delta (a buggy kernel, injected in the server): the
     read-back refuses the apply, every rank runs slime's gathers again, and the engine gets its full sync inside the

@@ -57,6 +57,10 @@ def owned_range(m: ParamMap, numel: int) -> Tuple[int, int]:
     return min(numel, me * per), min(numel, (me + 1) * per)
 
 
+class StaleShardMap(RuntimeError):
+    """A param's shape or dtype is not the one its shard map was built from: its slices would land elsewhere."""
+
+
 class ShardDiffer:
     """The host snapshot of this rank's owned slices (pinned on CUDA), the diff of the live params against it, and
     the positions an unacknowledged sync sent (staged: local int32, carried again by the next diff).
@@ -127,6 +131,9 @@ class ShardDiffer:
         out = []
         for name, p in params:
             if name in self.snapshot:
+                if tuple(p.shape) != tuple(self.maps[name].shape) or p.dtype != self.snapshot[name].dtype:
+                    raise StaleShardMap(f"{name} is {tuple(p.shape)} {p.dtype}; its shard map and snapshot slice "
+                                        f"were built from {tuple(self.maps[name].shape)} {self.snapshot[name].dtype}")
                 lo, hi = self.ranges[name]
                 out.append((name, p.detach().reshape(-1)[lo:hi]))
         return out

@@ -3,8 +3,8 @@ and sends the stage's source rank only what changed; no rank holds or scans the 
 
 The source rank's :class:`~sglang.srt.weight_sync.delta.sender.DeltaSender` still decides every sync. Its decision
 reaches the stage's ranks at the start of the sync (:meth:`ShardedSync.plan`): a sync that gives some engine a full
-sync (or the first, or one after an unacknowledged full sync) gathers every param as slime does and rebuilds the
-shard maps; any other sync gathers only the params whose conversion is not a permutation (``delta_shard_map``) and
+sync (or the first, one after an unacknowledged full sync, one after a rank found a map that no longer fits its
+param) gathers every param as slime does and rebuilds the shard maps; any other sync gathers only the params whose conversion is not a permutation (``delta_shard_map``) and
 takes the rest as changes found on the ranks. After the sync the outcome reaches them too (:meth:`ShardedSync.settle`):
 seed the snapshots, commit the diff, or keep its positions staged; so ack before advance holds on every rank.
 """
@@ -20,7 +20,7 @@ from megatron.core import mpu
 
 from sglang.srt.weight_sync.delta.diff import Prediffed
 from sglang.srt.weight_sync.delta.wire import DeltaEncoding
-from slime.backends.megatron_utils.update_weight.delta_shard_diff import ShardDiffer, send_changes
+from slime.backends.megatron_utils.update_weight.delta_shard_diff import ShardDiffer, StaleShardMap, send_changes
 from slime.backends.megatron_utils.update_weight.delta_shard_map import build_shard_maps
 from slime.utils.distributed_utils import get_gloo_group
 
@@ -118,8 +118,10 @@ class ShardedSync:
         except Exception as e:  # every rank of every stage learns it here: no engine gets a byte of this sync
             logger.exception("sharded delta sync: this rank could not diff its shard")
             error = e
-        failed = torch.tensor([int(error is not None)], dtype=torch.int64)
+        failed = torch.tensor([0 if error is None else 2 if isinstance(error, StaleShardMap) else 1])
         dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=get_gloo_group())  # the passes' barriers span the stages
+        if int(failed) == 2:  # a map no longer fits its param on some rank: the next sync gathers and rebuilds
+            self.seeded = False
         if int(failed):
             raise ShardDiffFailed(f"a trainer rank could not diff its shard{f': {error!r}' if error else ''}")
         out, sent = send_changes(changes, self.src, self.group, self.data_group, shares)
@@ -146,7 +148,7 @@ class ShardedSync:
             self.differ.commit()
         elif outcome == "stage":
             self.differ.stage()
-        self.seeded = outcome in ("seed", "commit", "stage")
+        self.seeded = outcome == "seed" or (self.seeded and outcome in ("commit", "stage"))
         return outcome
 
     def metrics(self) -> Dict[str, float]:
