@@ -7,7 +7,9 @@ actor class pointed at an already running patched server.
 """
 import argparse
 import dataclasses
+import datetime
 import functools
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -46,16 +48,19 @@ def install_cpu_accelerator():
     torch.cuda.current_device = lambda: torch.device("cpu")  # Megatron uses it as a device
 
 
-def init_world(port: int, rank: int = 0, pp: int = 1, tp: int = 1, dp: int = 1, ep: int = 1, cp: int = 1):
+def init_world(port: int, rank: int = 0, pp: int = 1, tp: int = 1, dp: int = 1, ep: int = 1, cp: int = 1,
+               timeout_s: Optional[float] = None):
     """One process per rank of a TP x CP x PP x DP world (experts: EP x expert-TP (= TP) x expert-DP over the same
-    ranks)."""
+    ranks); ``timeout_s`` bounds every collective's wait (torch's default otherwise)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
     from slime.utils.distributed_utils import init_gloo_group
 
     install_cpu_accelerator()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=pp * tp * dp * cp, rank=rank)
+    extra = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=pp * tp * dp * cp, rank=rank,
+                            **extra)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                              context_parallel_size=cp, expert_model_parallel_size=ep)
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)

@@ -630,6 +630,100 @@ def _sharded_rank(rank, layout, port, ray_address, url, args, out):
         out.put((rank, traceback.format_exc()))
 
 
+def _dying_rank(rank, phase, port, ray_address, url, args, out):
+    """One trainer rank at TP=2. Phase 0: two syncs, then rank 1's process dies inside its diff of the third (the
+    source reports what the engine holds, then exits as a crashed job's ranks do). Phase 1: a restarted trainer
+    (fresh processes, a fresh model): two syncs."""
+    import os
+    import traceback
+
+    def leave(code, what):
+        out.put((rank, what))
+        out.close()
+        out.join_thread()
+        os._exit(code)
+
+    try:
+        import ray
+        import torch
+
+        import slime_harness as H
+        from sglang.srt.weight_sync.delta.transport import HttpEngine
+        from slime.backends.megatron_utils.update_weight.update_weight_from_distributed_delta import (
+            UpdateWeightFromDistributedDelta,
+        )
+
+        torch.set_num_threads(1)
+        ray.init(address=ray_address, namespace="dying-test", log_to_driver=False)
+        engine, lock = ray.get_actor("dying-engine"), ray.get_actor("dying-lock")
+        H.init_world(port, rank=rank, tp=2, timeout_s=120)
+        model = H.build_model()
+        trainer = H.StageTrainer(model, seed=rank, shared_seed=phase)
+        up = UpdateWeightFromDistributedDelta(args, [model], weights_getter=lambda: {}, model_name="llama",
+                                              quantization_config=None)
+        up.connect_rollout_engines([engine], lock)
+        rows, held = [], None
+        for k in range(3 if phase == 0 else 2):
+            mine = H.hf_state(args, model)
+            if phase == 0 and k == 2:
+                if rank == 1:
+                    up._sharded.differ.changes = lambda *a, **kw: leave(17, {"died": True})
+                try:  # the source: its sync stops where the dead rank's answer is missing
+                    up.update_weights()
+                    error = None
+                except Exception as e:  # the job fails there (a later collective of the stage)
+                    error = repr(e)
+                m = up.pop_metrics() if error is None else {}
+                (st,) = HttpEngine(url).status()
+                leave(0, dict(rows=rows, error=error, failures=m.get("perf/update_weights_failures"),
+                              holds_last=H.engine_holds(url, held), version=st.version, needs_full=st.needs_full,
+                              pending=st.pending))
+            up.update_weights()
+            m = up.pop_metrics()
+            if up._is_pp_src_rank:
+                rows.append(dict(failures=m["perf/update_weights_failures"], holds=H.engine_holds(url, mine),
+                                 full=m["perf/update_weights_full_sync_engines"], version=up.weight_version))
+            held = mine
+            trainer.step()
+        up.disconnect_rollout_engines()
+        out.put((rank, rows))
+    except BaseException:
+        out.put((rank, traceback.format_exc()))
+
+
+def test_a_rank_that_dies_mid_sync_leaves_the_engine_untouched_and_a_restarted_trainer_recovers(world, tmp_path):
+    """A trainer rank's process dies inside its diff (TP=2, sharded, disk): no byte of that sync reaches the engine,
+    which keeps the last acknowledged version exactly; a restarted trainer (new processes, no snapshot) gives it a
+    full sync that continues its version chain, then deltas, bit-identical to slime's conversion."""
+    import ray
+
+    import slime_harness as H
+    from cpu_harness import free_port
+    from slime.ray.utils import Lock
+
+    actors = [H.engine_actor_cls().options(name="dying-engine", namespace="dying-test").remote(world["server"].url),
+              Lock.options(num_cpus=0, name="dying-lock", namespace="dying-test").remote()]
+    args = H.make_args(update_weight_transport="disk", update_weight_delta_encoding="deltas_zstd",
+                       update_weight_disk_dir=str(tmp_path / "shared"), update_weight_delta_zstd_level=1)
+    gcs = ray.get_runtime_context().gcs_address
+    try:
+        crashed = H.run_ranks(_dying_rank, 2, 0, free_port(), gcs, world["server"].url, args)
+        restarted = H.run_ranks(_dying_rank, 2, 1, free_port(), gcs, world["server"].url, args)
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+    assert crashed[1] == {"died": True}, crashed
+    src = crashed[0]
+    assert [(r["failures"], r["holds"], r["full"]) for r in src["rows"]] == [(0, True, 1), (0, True, 0)], src
+    assert src["holds_last"] and src["version"] == src["rows"][-1]["version"], src  # not a byte of that sync
+    assert not src["needs_full"] and src["pending"] is None, src
+    assert src["error"] is not None or src["failures"] == 1, src  # the sync did not pass as done
+    rows = restarted[0]
+    assert [(r["failures"], r["holds"], r["full"]) for r in rows] == [(0, True, 1), (0, True, 0)], rows
+    assert rows[0]["version"] > src["version"], (rows, src)  # the chain continues
+    world.pop("version", None)
+
+
 @pytest.mark.parametrize("layout, transport", [(dict(tp=2, dp=2, ep=2), "disk"), (dict(tp=2, pp=2), "nccl")],
                          ids=["moe-tp2-ep2-dp2-disk-xor_zstd", "tp2-pp2-nccl-deltas"])
 def test_sharded_sender(world, tmp_path, layout, transport):
