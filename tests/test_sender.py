@@ -667,13 +667,24 @@ def test_a_fingerprint_sync_checks_the_engines_before_generation_resumes(tmp_pat
     assert calls == ["pause", "continue", "pause", "fingerprint", "continue", "pause", "continue"], calls
 
 
+def found_elsewhere(old, new, names):
+    """``names``' changes from ``old`` to ``new`` with their fingerprint shares, as a trainer's ranks find them."""
+    from sglang.srt.weight_sync.delta import fingerprint
+    from sglang.srt.weight_sync.delta.diff import ChangeRun, Prediffed, changed_positions
+
+    pos = [changed_positions(old[n], new[n]) for n in names]
+    run = ChangeRun(list(range(len(names))), [p.numel() for p in pos], torch.cat(pos),
+                    torch.cat([new[n].reshape(-1)[p] for n, p in zip(names, pos)]))
+    shares = fingerprint.read_shares(fingerprint.tensor_shares([(n, new[n]) for n in names]))
+    return Prediffed(list(names), [list(new[n].shape) for n in names], run, shares)
+
+
 def test_changes_found_elsewhere_land_and_their_shares_must_cover_each_name_whole(tmp_path, caplog):
     """A trainer whose ranks diff their own shards hands the sender those params' changes as ``Prediffed``, with
     fingerprint shares; the sender keeps no snapshot of them. The shares must cover each such name whole: shares that
     leave a name out, or cover part of it (a rank's share lost), are a mismatch — never a name the engine cannot show —
     and the engine is repaired by a full sync (params whole again) before update returns."""
     from sglang.srt.weight_sync.delta import fingerprint, mix64
-    from sglang.srt.weight_sync.delta.diff import ChangeRun, Prediffed, changed_positions
 
     cfg = hf_config("qwen2")
     engine = LocalEngine(cfg)
@@ -690,17 +701,13 @@ def test_changes_found_elsewhere_land_and_their_shares_must_cover_each_name_whol
 
     def segment(old, new, lie=None):
         def chunks():
-            if sender.run.gathers:  # some engine gets a full sync: every param whole
+            if sender.run.gathers:  # the only engine gets a full sync: every param whole
                 return [list(new.items())]
-            pos = [changed_positions(old[n], new[n]) for n in away]
-            run = ChangeRun(list(range(len(away))), [p.numel() for p in pos], torch.cat(pos),
-                            torch.cat([new[n].reshape(-1)[p] for n, p in zip(away, pos)]))
-            shares = fingerprint.read_shares(fingerprint.tensor_shares([(n, new[n]) for n in away]))
+            found = found_elsewhere(old, new, away)
             if lie == "left out":
-                del shares[away[0]]
+                del found.shares[away[0]]
             elif lie == "part":
-                shares[away[1]] = first_half(away[1], new[away[1]])
-            found = Prediffed(away, [list(new[n].shape) for n in away], run, shares)
+                found.shares[away[1]] = first_half(away[1], new[away[1]])
             return [[(n, t) for n, t in new.items() if n not in away], found]
         return chunks
 
@@ -718,4 +725,40 @@ def test_changes_found_elsewhere_land_and_their_shares_must_cover_each_name_whol
         assert not set(away) & set(sender.state.snapshot)  # a repair's full sync does not take them back
     lies = [r.getMessage() for r in caplog.records if "fingerprint mismatch" in r.getMessage()]
     assert len(lies) == 2 and repr(away[0]) in lies[0] and repr(away[1]) in lies[1], lies
+    sender.transport.close()
+
+
+def test_a_full_sync_for_one_engine_keeps_the_changes_found_elsewhere_for_the_others(tmp_path):
+    """One engine needs a full sync (it missed one) while the other is at the base: as slime's sharded sender gives
+    them, the params whole go to the first only and the changes found elsewhere to the second — the sync's wire
+    bytes are a full sync's plus a delta's, not two full syncs'; both end bit-identical."""
+    cfg = hf_config("qwen2")
+    states = rl_states(cfg, 4, seed=0)
+    away = sorted(n for n in states[0] if ".mlp." in n)
+    a, b = LocalEngine(cfg), LocalEngine(cfg)
+    sender = DeltaSender(DiskTransport(str(tmp_path), [a, b]), [a, b], encoding="deltas")
+
+    def segment(old, new):
+        def chunks():
+            run = sender.run
+            out = [found_elsewhere(old, new, away)] if run.targets["delta"] else []
+            return out + [[(n, t) for n, t in new.items() if run.gathers or n not in away]]
+        return chunks
+
+    assert all(ok for ok, _ in sender.update([segment(None, states[0])]).values())  # both: full
+    full_bytes = sender.pop_metrics()["perf/update_weights_wire_bytes"]
+    sender.state.keep_elsewhere(away)
+    b.down = True
+    assert [ok for ok, _ in sender.update([segment(states[0], states[1])]).values()] == [True, False]
+    sender.pop_metrics()
+    b.down = False
+    results = sender.update([segment(states[1], states[2])])  # a: a delta from v2; b: a full sync
+    assert all(ok for ok, _ in results.values()), results
+    m = sender.pop_metrics()
+    assert m["perf/update_weights_full_sync_engines"] == 1 and m["perf/update_weights_density"] < 0.2, m
+    assert m["perf/update_weights_wire_bytes"] < 1.3 * full_bytes, (m["perf/update_weights_wire_bytes"], full_bytes)
+    assert_both_hold(cfg, states[2], a, b)
+    assert all(ok for ok, _ in sender.update([segment(states[2], states[3])]).values())  # both: deltas
+    assert_both_hold(cfg, states[3], a, b)
+    assert not set(away) & set(sender.state.snapshot)
     sender.transport.close()

@@ -120,6 +120,47 @@ def test_a_reconnect_keeps_the_snapshot(world, tmp_path, transport):
     assert all(0 < d < 0.2 for d in densities[1:]), densities  # ... and a re-connected one goes on with deltas
 
 
+def test_a_restarted_engine_gets_its_full_sync_while_the_other_takes_a_delta(world, tmp_path):
+    """Sharded (the default), over disk: slime re-connects its engines after one restarted (a fresh server from the
+    boot checkpoint). That sync gathers every param for the restarted engine only; the running one takes the changes
+    the ranks found, as in any delta — the sync's bytes are a full sync's plus a delta's, not two full syncs' — and
+    both end bit-identical to slime's conversion."""
+    import slime_harness as H
+    from cpu_harness import Server
+    from slime.backends.megatron_utils.update_weight.update_weight_from_distributed_delta import (
+        UpdateWeightFromDistributedDelta,
+    )
+
+    args = H.make_args(update_weight_transport="disk", update_weight_delta_encoding="deltas_zstd",
+                       update_weight_disk_dir=str(tmp_path / "shared"), update_weight_delta_zstd_level=1)
+    up = UpdateWeightFromDistributedDelta(args, [world["model"]], weights_getter=lambda: {}, model_name="llama",
+                                          quantization_config=None)
+    up.weight_version = world.get("version", 0)
+    up.connect_rollout_engines(world["engines"], world["lock"])
+    fresh = None
+    try:
+        up.update_weights()  # a new sender: a full sync
+        full_bytes = up.pop_metrics()["perf/update_weights_wire_bytes"]
+        fresh = Server(world["boot"], str(tmp_path / "fresh.log")).wait_healthy()
+        up.disconnect_rollout_engines()
+        up.connect_rollout_engines(world["engines"] + [H.engine_actor_cls().remote(fresh.url)], world["lock"])
+        for full in (1, 0):
+            world["trainer"].step()
+            up.update_weights()
+            m = up.pop_metrics()
+            assert (m["perf/update_weights_failures"], m["perf/update_weights_full_sync_engines"]) == (0, full), m
+            assert m["perf/update_weights_density"] < 0.2, m  # the running engine's part: a delta
+            assert m["perf/update_weights_wire_bytes"] < (1.3 if full else 0.3) * full_bytes, (m, full_bytes)
+            state = H.hf_state(args, world["model"])
+            engine_has(world["server"], state)
+            engine_has(fresh, state)
+    finally:
+        up.disconnect_rollout_engines()
+        world["version"] = up.weight_version
+        if fresh is not None:
+            fresh.stop()
+
+
 def test_a_stranded_broadcast_is_recovered_by_slimes_reconnect(world):
     """The engine loses its weight-update group (as a restarted engine would): it refuses the next request
     unreceived, the sender aborts its pending broadcast at once, and the sync after re-creates the group

@@ -38,6 +38,7 @@ class SyncRun:
         self.dense = frozenset().union(*(sender.status[i].dense for i in delta_targets))
         self.fingerprints: Optional[Dict[str, "fingerprint.Pending"]] = {} if fingerprint_on else None
         self.found_shares: Optional[Dict[str, "fingerprint.NameSum"]] = None  # shares that came with Prediffed
+        self.found_names: set = set()  # names whose changes came as Prediffed: their whole tensors are the full's
         self.fingerprint_s = 0.0  # trainer-side hashing, reported apart from encode
         self.targets = {"delta": delta_targets, "full": full_targets}
         bounds = [sender.status[i].max_request_bytes for i in delta_targets + full_targets]
@@ -53,7 +54,8 @@ class SyncRun:
 
     @property
     def gathers(self) -> bool:
-        """Whether this sync needs params whole (some engine gets a full sync): no :class:`Prediffed` then."""
+        """Whether this sync needs params whole (some engine gets a full sync). A :class:`Prediffed` may still come
+        for the delta targets: then its names' whole tensors go to the full targets only."""
         return bool(self.targets["full"])
 
     def pipeline_pass(self, chunks: Iterable[Chunk]) -> None:
@@ -82,8 +84,10 @@ class SyncRun:
         chunk = list(chunk)
         bases = state.link.ready(handles)
         xor = self.encodings.get("delta") == DeltaEncoding.XOR_ZSTD.value
-        found = state.changes(chunk, bases, olds=xor)
         delta, full = self.buckets.get("delta"), self.buckets.get("full")
+        if full is None and self.found_names and not self.found_names.isdisjoint(n for n, _ in chunk):
+            raise DeltaError("a param came whole and as changes found elsewhere in a sync without full targets")
+        found = state.changes(chunk, bases, olds=xor)
         if full is None and delta is not None and self._whole(chunk, found, xor) and delta.add_chunk(chunk, found):
             self.elements += sum(t.numel() for _, t in chunk)  # the usual chunk of a delta sync: no call per param
             self.nnz += found[0].idx.numel()
@@ -98,8 +102,11 @@ class SyncRun:
     def found_pass(self, found: Prediffed) -> None:
         """Changes found outside the sender into the delta bucket: per param only host bookkeeping (flush boundaries,
         spans of the run), no tensor op; nothing recorded, since their snapshot is kept where they were found."""
-        if self.gathers:
-            raise DeltaError("a full sync needs every param whole, not changes found elsewhere")
+        if not self.targets["delta"]:
+            raise DeltaError("every engine of this sync gets a full sync: changes found elsewhere have no target")
+        if self.found_names & set(found.names):
+            raise DeltaError(f"changes of {sorted(self.found_names & set(found.names))[:3]} came twice in one sync")
+        self.found_names.update(found.names)
         delta, f = self.buckets.get("delta"), found.run
         xor = self.encodings.get("delta") == DeltaEncoding.XOR_ZSTD.value
         dtype = f.values.dtype
@@ -135,6 +142,11 @@ class SyncRun:
         member: Dict[int, Tuple[ChangeRun, int]] = {k: (f, j) for f in found for j, k in enumerate(f.ks)}
         sparse_dtypes: Dict[torch.dtype, Tuple[bool, bool]] = {}
         for k, (name, tensor) in enumerate(chunk):
+            if name in self.found_names:  # the delta targets had its changes already: whole, it is the full's
+                if full.should_flush(name):
+                    self._flush("full")
+                full.add(name, tensor, None)
+                continue
             f, j = member.get(k, (None, 0))
             n = tensor.numel() if f is None else f.counts[j]
             self.elements += tensor.numel()

@@ -2,11 +2,13 @@
 and sends the stage's source rank only what changed; no rank holds or scans the whole stage.
 
 The source rank's :class:`~sglang.srt.weight_sync.delta.sender.DeltaSender` still decides every sync. Its decision
-reaches the stage's ranks at the start of the sync (:meth:`ShardedSync.plan`): a sync that gives some engine a full
-sync (or the first, one after an unacknowledged full sync, one after a rank found a map that no longer fits its
-param) gathers every param as slime does and rebuilds the shard maps; any other sync gathers only the params whose conversion is not a permutation (``delta_shard_map``) and
-takes the rest as changes found on the ranks. After the sync the outcome reaches them too (:meth:`ShardedSync.settle`):
-seed the snapshots, commit the diff, or keep its positions staged; so ack before advance holds on every rank.
+reaches the stage's ranks at the start of the sync (:meth:`ShardedSync.plan`): while the slices hold the base of
+the engines that take a delta, the ranks diff them and the source yields the changes as found elsewhere; a sync that
+gives some engine a full sync (or the first, one after an unacknowledged full sync, one after a rank found a map that
+no longer fits its param) also gathers every param as slime does, for the full targets only, and rebuilds the shard
+maps; any other sync gathers only the params whose conversion is not a permutation (``delta_shard_map``). After the
+sync the outcome reaches them too (:meth:`ShardedSync.settle`): seed the snapshots, commit the diff, or keep its
+positions staged; so ack before advance holds on every rank.
 """
 
 from __future__ import annotations
@@ -73,12 +75,15 @@ class ShardedSync:
         return box[0]
 
     def plan(self, sender) -> dict:
-        """The source's decision for this sync, on every rank of the stage: whether it gathers every param, checks
-        fingerprints, sends xor bases (``sender``: the source's, inside its sync; None elsewhere)."""
+        """The source's decision for this sync, on every rank of the stage: whether the ranks diff their slices (some
+        engine takes a delta and the slices hold its base), whether it gathers every param (some engine gets a full
+        sync, or the slices hold no base), checks fingerprints, sends xor bases (``sender``: the source's, inside its
+        sync; None elsewhere)."""
         mine = None
         if self.source:
             run = sender.run
-            mine = {"gather": run.gathers or not self.seeded, "fingerprint": run.fingerprints is not None,
+            mine = {"diff": bool(run.targets["delta"]) and self.seeded, "gather": run.gathers or not self.seeded,
+                    "fingerprint": run.fingerprints is not None,
                     "xor": run.encodings.get("delta") == DeltaEncoding.XOR_ZSTD.value}
         self.last = self._share(mine)
         return self.last
