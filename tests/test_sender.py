@@ -668,11 +668,14 @@ def test_a_fingerprint_sync_checks_the_engines_before_generation_resumes(tmp_pat
 
 
 def found_elsewhere(old, new, names):
-    """``names``' changes from ``old`` to ``new`` with their fingerprint shares, as a trainer's ranks find them."""
+    """``names``' changes from ``old`` to ``new`` with their fingerprint shares, as a trainer's ranks find them (a
+    name without a change is left out)."""
     from sglang.srt.weight_sync.delta import fingerprint
     from sglang.srt.weight_sync.delta.diff import ChangeRun, Prediffed, changed_positions
 
-    pos = [changed_positions(old[n], new[n]) for n in names]
+    pos = {n: changed_positions(old[n], new[n]) for n in names}
+    names = [n for n in names if pos[n].numel()]
+    pos = [pos[n] for n in names]
     run = ChangeRun(list(range(len(names))), [p.numel() for p in pos], torch.cat(pos),
                     torch.cat([new[n].reshape(-1)[p] for n, p in zip(names, pos)]))
     shares = fingerprint.read_shares(fingerprint.tensor_shares([(n, new[n]) for n in names]))
@@ -735,6 +738,7 @@ def test_a_full_sync_for_one_engine_keeps_the_changes_found_elsewhere_for_the_ot
     cfg = hf_config("qwen2")
     states = rl_states(cfg, 4, seed=0)
     away = sorted(n for n in states[0] if ".mlp." in n)
+    states[2][away[0]] = states[1][away[0]].clone()  # unchanged in the mixed sync: no changes came for it
     a, b = LocalEngine(cfg), LocalEngine(cfg)
     sender = DeltaSender(DiskTransport(str(tmp_path), [a, b]), [a, b], encoding="deltas")
 

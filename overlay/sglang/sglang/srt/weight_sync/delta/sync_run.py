@@ -38,7 +38,7 @@ class SyncRun:
         self.dense = frozenset().union(*(sender.status[i].dense for i in delta_targets))
         self.fingerprints: Optional[Dict[str, "fingerprint.Pending"]] = {} if fingerprint_on else None
         self.found_shares: Optional[Dict[str, "fingerprint.NameSum"]] = None  # shares that came with Prediffed
-        self.found_names: set = set()  # names whose changes came as Prediffed: their whole tensors are the full's
+        self.found_names: set = set()  # names whose changes came as Prediffed (with them: every name kept elsewhere)
         self.fingerprint_s = 0.0  # trainer-side hashing, reported apart from encode
         self.targets = {"delta": delta_targets, "full": full_targets}
         bounds = [sender.status[i].max_request_bytes for i in delta_targets + full_targets]
@@ -85,8 +85,8 @@ class SyncRun:
         bases = state.link.ready(handles)
         xor = self.encodings.get("delta") == DeltaEncoding.XOR_ZSTD.value
         delta, full = self.buckets.get("delta"), self.buckets.get("full")
-        if full is None and self.found_names and not self.found_names.isdisjoint(n for n, _ in chunk):
-            raise DeltaError("a param came whole and as changes found elsewhere in a sync without full targets")
+        if full is None and self.found_names and any(n in self.found_names or n in state.elsewhere for n, _ in chunk):
+            raise DeltaError("a param kept elsewhere came whole in a sync without full targets")
         found = state.changes(chunk, bases, olds=xor)
         if full is None and delta is not None and self._whole(chunk, found, xor) and delta.add_chunk(chunk, found):
             self.elements += sum(t.numel() for _, t in chunk)  # the usual chunk of a delta sync: no call per param
@@ -141,8 +141,9 @@ class SyncRun:
         delta, full = self.buckets.get("delta"), self.buckets.get("full")
         member: Dict[int, Tuple[ChangeRun, int]] = {k: (f, j) for f in found for j, k in enumerate(f.ks)}
         sparse_dtypes: Dict[torch.dtype, Tuple[bool, bool]] = {}
+        elsewhere = self.s.state.elsewhere if self.found_names else frozenset()
         for k, (name, tensor) in enumerate(chunk):
-            if name in self.found_names:  # the delta targets had its changes already: whole, it is the full's
+            if name in self.found_names or name in elsewhere:  # the delta targets had its changes (or none changed)
                 if full.should_flush(name):
                     self._flush("full")
                 full.add(name, tensor, None)
