@@ -38,7 +38,8 @@ class SyncRun:
         self.dense = frozenset().union(*(sender.status[i].dense for i in delta_targets))
         self.fingerprints: Optional[Dict[str, "fingerprint.Pending"]] = {} if fingerprint_on else None
         self.found_shares: Optional[Dict[str, "fingerprint.NameSum"]] = None  # shares that came with Prediffed
-        self.found_names: set = set()  # names whose changes came as Prediffed (with them: every name kept elsewhere)
+        self.found_names: set = set()  # names whose changes came as Prediffed
+        self.found_elsewhere: frozenset = frozenset()  # the names kept elsewhere when they came: the ranks' diff's
         self.fingerprint_s = 0.0  # trainer-side hashing, reported apart from encode
         self.targets = {"delta": delta_targets, "full": full_targets}
         bounds = [sender.status[i].max_request_bytes for i in delta_targets + full_targets]
@@ -85,7 +86,8 @@ class SyncRun:
         bases = state.link.ready(handles)
         xor = self.encodings.get("delta") == DeltaEncoding.XOR_ZSTD.value
         delta, full = self.buckets.get("delta"), self.buckets.get("full")
-        if full is None and self.found_names and any(n in self.found_names or n in state.elsewhere for n, _ in chunk):
+        if full is None and self.found_names and any(n in self.found_names or n in self.found_elsewhere
+                                                     for n, _ in chunk):
             raise DeltaError("a param kept elsewhere came whole in a sync without full targets")
         found = state.changes(chunk, bases, olds=xor)
         if full is None and delta is not None and self._whole(chunk, found, xor) and delta.add_chunk(chunk, found):
@@ -106,6 +108,8 @@ class SyncRun:
             raise DeltaError("every engine of this sync gets a full sync: changes found elsewhere have no target")
         if self.found_names & set(found.names):
             raise DeltaError(f"changes of {sorted(self.found_names & set(found.names))[:3]} came twice in one sync")
+        if not self.found_names:  # what the ranks diffed: a gathering sync re-maps them later, for the next sync
+            self.found_elsewhere = self.s.state.elsewhere
         self.found_names.update(found.names)
         delta, f = self.buckets.get("delta"), found.run
         xor = self.encodings.get("delta") == DeltaEncoding.XOR_ZSTD.value
@@ -141,9 +145,8 @@ class SyncRun:
         delta, full = self.buckets.get("delta"), self.buckets.get("full")
         member: Dict[int, Tuple[ChangeRun, int]] = {k: (f, j) for f in found for j, k in enumerate(f.ks)}
         sparse_dtypes: Dict[torch.dtype, Tuple[bool, bool]] = {}
-        elsewhere = self.s.state.elsewhere if self.found_names else frozenset()
         for k, (name, tensor) in enumerate(chunk):
-            if name in self.found_names or name in elsewhere:  # the delta targets had its changes (or none changed)
+            if name in self.found_names or name in self.found_elsewhere:  # the delta targets had its changes (or none)
                 if full.should_flush(name):
                     self._flush("full")
                 full.add(name, tensor, None)
