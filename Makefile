@@ -81,8 +81,8 @@ GPU_REPORT ?= $(BUILD)/gpu-check/report.md
 gpu-check:
 	$(GPU_PYTHON) scripts/gpu_check.py --bundle $(BUILD)/gpu-bundle/site.zip --report $(GPU_REPORT)
 
-gpu-bundle:
-	scripts/gpu_bundle.sh $(BUILD)
+gpu-bundle: $(if $(filter $(BUILD)/slime,$(SLIME_DIR)),$(BUILD)/slime/.stamp)
+	SLIME_COMMIT=$(SLIME_COMMIT) scripts/gpu_bundle.sh $(BUILD) "$(SLIME_DIR)"
 
 # 200 syncs per pause mode into a real server serving generation traffic, with random (seeded) faults (`make test`
 # runs 8), one `soak:` line per mode; and the disk transport's fan-out to four real servers.

@@ -123,7 +123,7 @@ def run(steps: int, root: str) -> dict:
                 else:
                     m = up.pop_metrics()
                     assert m["perf/update_weights_failures"] == 0 and m["perf/update_weights_full_sync_engines"] == 0, m
-                    row = {"wire": m["perf/update_weights_wire_bytes"],
+                    row = {"wire": m["perf/update_weights_wire_bytes"], "sharded": args.update_weight_delta_sharded,
                            "sender_s": m["perf/update_weights_encode_s"], "engine_s": m["perf/update_weights_apply_s"]}
                     if enc == "xor_zstd":
                         assert m["perf/update_weights_xor"] == 1, m
@@ -176,7 +176,7 @@ def section(res: dict, env: str) -> str:
     for key, rows in res["methods"].items():
         who, enc = key.split(":")
         what = {"slime": "slime's `UpdateWeightFromDiskDelta` (zstd-1 per tensor; /pull_weights + reload)",
-                "ours": "ours over `disk` (applied in place)"}[who]
+                "ours": f"ours over `disk`{', sharded sender' if rows[0].get('sharded') else ''} (applied in place)"}[who]
         bpe = [r["wire"] / r["changed"] for r in rows]
         L.append(f"| `{enc}` | {what} | {min(bpe):.2f}–{max(bpe):.2f} | {min(r['wire'] for r in rows) / 1e6:.2f}–"
                  f"{max(r['wire'] for r in rows) / 1e6:.2f} MB | {1e3 * min(r['sender_s'] for r in rows):,.0f} | "
@@ -186,8 +186,9 @@ def section(res: dict, env: str) -> str:
         "",
         f"Density of the steps: {min(dens):.2%}–{max(dens):.2%} of bf16 elements. **bytes per changed element**: the "
         "sync's files (slime: its `model-*.safetensors`; ours: every flush file) over the bf16 elements the step "
-        "changed (range over the steps). **sender**: slime's `_publish` (gather, diff, compress, write) / our `encode_s` (gather, diff, "
-        "encode; files are written beside it); **engine**: slime's `_reload_engines` (every host's `/pull_weights` "
+        "changed (range over the steps). **sender**: slime's `_publish` (gather, diff, compress, write) / our `encode_s` "
+        "(sharded, the default: the trainer rank's diff of its own slices, the changes to the source, encode; "
+        "files are written beside it); **engine**: slime's `_reload_engines` (every host's `/pull_weights` "
         "patching its local checkpoint, then `update_weights_from_disk` of the whole model) / our slowest engine's "
         "read + apply; **total**: the updater's `update_weights()` wall time (also pausing and resuming generation). "
         "Times are the best step of the run: on this 2-core machine (trainer, Ray and the server share it) a step's "

@@ -11,6 +11,8 @@ Checks (each PASS or FAIL in the report; any FAIL exits 1):
   bit, a second SGLang model loaded in full with the trainer's weights, and the sender's
   fingerprint check agrees.
 
+* slime's sharded sender (``gpu_check_slime``): each trainer rank of a Megatron model diffs its own pinned slice on
+  its device, the changes go to the source over NCCL, into an engine over disk; a refused publish staged and carried.
 * Sharded engines (``gpu_check_sharded``): a TP=2 x EP=2 Qwen3-MoE engine on two GPUs, every rank bit-identical to
   its own plain load after each delta; and a real ``launch_server`` (``--tp 2`` on two GPUs) with CUDA graphs and the
   overlap scheduler on, through a training loop with the fingerprint checked after every sync.
@@ -500,6 +502,12 @@ def run(args, device, report, stubbed: bool) -> None:
     check_fp8(report, args, device, workdir)
     check_sharded_ranks(report, args, device, workdir, stubbed)
     check_server(report, args, device, workdir, stubbed)
+    if importlib.util.find_spec("megatron") and importlib.util.find_spec("slime"):
+        from gpu_check_slime import check_sharded_sender
+
+        check_sharded_sender(report, args, device, workdir, stubbed)
+    else:  # the bundle carries both; on the CPU, `make test-slime` runs this lane's dry run
+        report.skip("slime's sharded sender", "no Megatron-core or patched slime tree on the path")
 
 
 def main():

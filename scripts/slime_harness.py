@@ -49,17 +49,21 @@ def install_cpu_accelerator():
 
 
 def init_world(port: int, rank: int = 0, pp: int = 1, tp: int = 1, dp: int = 1, ep: int = 1, cp: int = 1,
-               timeout_s: Optional[float] = None):
+               timeout_s: Optional[float] = None, backend: str = "gloo"):
     """One process per rank of a TP x CP x PP x DP world (experts: EP x expert-TP (= TP) x expert-DP over the same
-    ranks); ``timeout_s`` bounds every collective's wait (torch's default otherwise)."""
+    ranks); ``timeout_s`` bounds every collective's wait (torch's default otherwise). ``backend`` "nccl": one GPU per
+    rank and slime's own CUDA accelerator (gpu-check); gloo: the CPU one."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
     from slime.utils.distributed_utils import init_gloo_group
 
-    install_cpu_accelerator()
+    if backend == "gloo":
+        install_cpu_accelerator()
+    else:
+        torch.cuda.set_device(rank)
     extra = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=pp * tp * dp * cp, rank=rank,
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", world_size=pp * tp * dp * cp, rank=rank,
                             **extra)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                              context_parallel_size=cp, expert_model_parallel_size=ep)
@@ -213,7 +217,7 @@ class StageTrainer(Trainer):
     def step(self):
         for p, m in zip(self.params, self.master):
             g = self.g if getattr(p, "tensor_model_parallel", False) else self.shared
-            m.grad = torch.randn(m.shape, generator=g) * 1e-2
+            m.grad = (torch.randn(m.shape, generator=g) * 1e-2).to(m.device)
         self.opt.step()
         with torch.no_grad():
             for p, m in zip(self.params, self.master):

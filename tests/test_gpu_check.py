@@ -32,6 +32,8 @@ def test_dry_run_passes_every_check(tmp_path):
         assert f"PASS: rank {rank}: no loader call in a delta" in text
     for step in range(4):  # the real server lane (SGLang's CPU flags here)
         assert f"PASS: server step {step} " in text
+    # the sharded-sender lane needs Megatron and slime: its dry run is in test_slime_shard_map (make test-slime)
+    assert "- skipped (no Megatron-core or patched slime tree on the path): slime's sharded sender" in text
 
 
 def test_without_cuda_it_fails_and_says_why(tmp_path):

@@ -8,8 +8,8 @@ in ``test_slime_sender``): each rank's snapshot is its own slice (together: the 
 once), and after real AdamW steps the changes the ranks send the source equal, position for position and bit for
 bit, the diff of slime's full conversion before and after, in bytes that follow the changed elements; a diff left
 unacknowledged is carried again by the next; the ranks' fingerprint shares add up to each HF tensor's; and one
-diff with its commit runs as many kernels and host reads at 6 layers as at 2. Runs in
-``make test-slime`` (needs Megatron and a patched slime checkout).""" 
+diff with its commit runs as many kernels and host reads at 6 layers as at 2. Also ``make gpu-check``'s
+sharded-sender lane as its CPU dry run. Runs in ``make test-slime`` (needs Megatron and a patched slime checkout).""" 
 import multiprocessing as mp
 import os
 import traceback
@@ -236,3 +236,25 @@ def test_each_rank_sends_what_changed_in_its_own_slice():
 
 def test_context_parallel_ranks_split_what_they_hold_alike():
     _spawn(_rank_diff, 2, 1, 1, 2)  # CP=2: both ranks hold every param whole; each diffs and keeps half
+
+
+def test_gpu_checks_sharded_sender_lane_rehearsed_on_the_cpu(tmp_path):
+    """`make gpu-check`'s sharded-sender lane (scripts/gpu_check_slime.py) as its dry run: two gloo ranks instead of
+    two GPUs, the same code, every check passing (the GPU bundle carries Megatron-core and this slime tree)."""
+    import argparse
+
+    import torch
+
+    from gpu_check import Report
+    from gpu_check_slime import SYNCS, check_sharded_sender
+
+    report = Report()
+    check_sharded_sender(report, argparse.Namespace(hidden=64, layers=2, vocab=512), torch.device("cpu"),
+                         str(tmp_path), stubbed=False)
+    text = "\n".join(report.lines)
+    assert not report.failed, text
+    for k in range(SYNCS):
+        assert f"- PASS: sharded sync {k} (" in text, text
+    for rank in (0, 1):
+        assert f"- PASS: rank {rank}: outcomes ['seed', 'commit', 'stage', 'commit', 'commit']" in text, text
+        assert f"- rank {rank}: its diff of " in text, text
