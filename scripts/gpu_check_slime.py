@@ -7,8 +7,8 @@ device; one GPU: one rank), stepped with seeded gradients, syncs through the sha
 updater runs them (the source's plan, each rank's diff of its pinned slice, the maps rebuilt on a gathering sync, the
 outcome settled on every rank) into SGLang's own model class in a process of its own, over disk with ``xor_zstd``.
 After every sync the engine equals slime's full HF conversion bit for bit; one publish corrupted on the way makes the
-engine refuse it, every rank keeps its positions staged, and the next delta carries them. Figures: each rank's
-diff, the bytes its changes cost, and a sharded delta against the gathering sync.
+engine refuse it, every rank keeps its positions staged, and the next delta carries them. Figures: the host
+synchronizations in each rank's diff, and a sharded delta's time against the gathering sync's.
 """
 from __future__ import annotations
 
