@@ -3,7 +3,7 @@
 # 64 MiB travels): requirements/gpu-bundle.txt installed for cp312 x86_64 into one directory, SGLang patched
 # there by our apply script, and slime's package from SLIME_DIR patched the same way (the sharded-sender lane
 # needs it and Megatron-core), zipped. Stamped: rebuilt only when its inputs change.
-#   SLIME_COMMIT=... scripts/gpu_bundle.sh [BUILD_DIR [SLIME_DIR]]
+#   SLIME_COMMIT=... scripts/gpu_bundle.sh BUILD_DIR SLIME_DIR
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${1:-$ROOT/build}/gpu-bundle
@@ -19,8 +19,8 @@ rm -rf "$OUT" && mkdir -p "$OUT/site"
 platforms=()
 for p in manylinux_2_34_x86_64 manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_26_x86_64 \
          manylinux_2_24_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64; do platforms+=(--platform "$p"); done
-PIP_DISABLE_PIP_VERSION_CHECK=1 python3 -m pip install -q --no-deps --no-compile --only-binary=:all: --ignore-requires-python \
-  --python-version 3.12 --implementation cp "${platforms[@]}" --target "$OUT/site" \
+PIP_DISABLE_PIP_VERSION_CHECK=1 python3 -m pip install -q --no-deps --no-compile --only-binary=:all: \
+  --ignore-requires-python --python-version 3.12 --implementation cp "${platforms[@]}" --target "$OUT/site" \
   -r "$ROOT/requirements/gpu-bundle.txt" 2>&1 | { grep -v "Location .* is ignored" || true; }
 "$ROOT/scripts/apply_patches.sh" "$OUT/site/sglang"
 cp -a "$SLIME" "$OUT/slime-tree" && "$ROOT/scripts/apply_patches.sh" "$OUT/slime-tree"

@@ -100,21 +100,17 @@ def _engine(device_type: str, sizes, stubbed: bool, conn) -> None:
 
 
 def _segments(sharded, sender, args, model, source: bool):
-    """The sync as slime's updater runs it (``_segments``/``_sharded_start``): the plan, this rank's changes (yielded
-    by the source as found elsewhere), new maps on a gathering sync, then slime's gather + conversion of the params
-    that take that path (every one on a gathering sync)."""
+    """The sync as slime's updater runs it: the sharded sync's start (the plan, this rank's changes yielded by the
+    source as found elsewhere, new maps on a gathering sync), then slime's gather + conversion of the params that
+    take that path (every one on a gathering sync; slime's updater module itself needs Ray, which the bundle lacks)."""
     from slime.backends.megatron_utils.megatron_to_hf import convert_to_hf
     from slime.backends.megatron_utils.update_weight.common import all_gather_param, named_params_and_buffers
 
     def first():
-        plan = sharded.plan(sender if source else None)
         params = list(named_params_and_buffers(args, [model]))
-        if plan["diff"]:
-            yield from sharded.found(params)
-        if plan["gather"]:
-            sharded.rebuild(params, sender)
+        yield from sharded.start(params, sender if source else None)
         for name, param in params:
-            if plan["gather"] or name in sharded.impure:
+            if sharded.last["gather"] or name in sharded.impure:
                 yield [(n, t.clone()) for n, t in convert_to_hf(args, "llama", name, all_gather_param(name, param),
                                                                 None)]
 

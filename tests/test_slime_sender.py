@@ -771,8 +771,8 @@ def test_a_rank_that_dies_mid_sync_leaves_the_engine_untouched_and_a_restarted_t
 def test_sharded_sender(world, tmp_path, layout, transport):
     """``--update-weight-delta-sharded`` on real Megatron models (one process per rank, gloo) into a real server: a
     Qwen3-MoE-shaped one at TP=2 x EP=2 (its dense params TP=2 x DP=2) and at PP=2 x EP=2 (each stage's experts
-    diffed by its own ranks) over disk, a dense one at TP=2 x PP=2 over NCCL. The first sync gathers (full), later ones send only the changes each rank found
-    in its own slice (with ``xor_zstd`` their base values too); the engine equals slime's own full HF conversion
+    diffed by its own ranks) over disk, a dense one at TP=2 x PP=2 over NCCL. The first sync gathers (full), later
+    ones send only the changes each rank found in its own slice (with ``xor_zstd`` their base values too); the engine equals slime's own full HF conversion
     after every sync; each rank's snapshot is its share of its stage; the bytes moved to the source follow the
     changed elements; a rank whose diff fails makes the sync fail with no engine touched, and the next sync recovers
     as a delta."""

@@ -14,7 +14,7 @@ positions staged; so ack before advance holds on every rank.
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -87,6 +87,16 @@ class ShardedSync:
                     "xor": run.encodings.get("delta") == DeltaEncoding.XOR_ZSTD.value}
         self.last = self._share(mine)
         return self.last
+
+    def start(self, params: Sequence[Tuple[str, torch.Tensor]], sender) -> Iterator[Prediffed]:
+        """A sync's first steps on every rank of the stage: the source's plan; this rank's changes, which the source
+        yields as found elsewhere (for the engines that take a delta); new maps on a gathering sync (after the diff:
+        it reads the slices of the old ones)."""
+        plan = self.plan(sender)
+        if plan["diff"]:
+            yield from self.found(params)
+        if plan["gather"]:
+            self.rebuild(params, sender)
 
     def rebuild(self, params: Sequence[Tuple[str, torch.Tensor]], sender) -> None:
         """New shard maps through slime's own conversion (a gather sync: shapes may have changed); a param is

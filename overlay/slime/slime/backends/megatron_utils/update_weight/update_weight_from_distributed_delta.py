@@ -213,7 +213,8 @@ class UpdateWeightFromDistributedDelta(UpdateWeightFromDistributed):
 
         def non_expert():
             if self._sharded is not None:
-                yield from self._sharded_start()
+                yield from self._sharded.start(list(named_params_and_buffers(self.args, self.model)),
+                                               self._sender if self._is_pp_src_rank else None)
             for chunk in self._iter_non_expert_chunks():
                 yield [(n, t.clone()) for n, t in chunk]
             dist.barrier(group=get_gloo_group())
@@ -250,18 +251,6 @@ class UpdateWeightFromDistributedDelta(UpdateWeightFromDistributed):
             return run
 
         return [non_expert] + [expert_segment(k == _EXPERT_SUBPASSES - 1) for k in range(_EXPERT_SUBPASSES)]
-
-    def _sharded_start(self):
-        """The sharded sync's first steps on every rank of the stage: the source's plan; this rank's changes, which
-        the source yields as found elsewhere (for the engines that take a delta); new maps (a gather sync, after the
-        diff: it reads the slices of the old ones)."""
-        sharded = self._sharded
-        sharded.plan(self._sender if self._is_pp_src_rank else None)
-        params = list(named_params_and_buffers(self.args, self.model))
-        if sharded.last["diff"]:
-            yield from sharded.found(params)
-        if sharded.last["gather"]:
-            sharded.rebuild(params, self._sender)
 
     def _send_weights(self, pbar) -> None:
         """One sync; an engine it left with wrong weights (dirty, or a fingerprint mismatch) gets its full sync now,
