@@ -728,6 +728,9 @@ def test_changes_found_elsewhere_land_and_their_shares_must_cover_each_name_whol
         assert not set(away) & set(sender.state.snapshot)  # a repair's full sync does not take them back
     lies = [r.getMessage() for r in caplog.records if "fingerprint mismatch" in r.getMessage()]
     assert len(lies) == 2 and repr(away[0]) in lies[0] and repr(away[1]) in lies[1], lies
+    kept = next(n for n in states[3] if n not in away)  # its base is the sender's own snapshot: not from elsewhere
+    results = sender.update([lambda: [found_elsewhere(states[2], states[3], [kept])]])
+    assert not results[0][0] and "this sender keeps their base itself" in results[0][1], results
     sender.transport.close()
 
 

@@ -86,8 +86,7 @@ class SyncRun:
         bases = state.link.ready(handles)
         xor = self.encodings.get("delta") == DeltaEncoding.XOR_ZSTD.value
         delta, full = self.buckets.get("delta"), self.buckets.get("full")
-        if full is None and self.found_names and any(n in self.found_names or n in self.found_elsewhere
-                                                     for n, _ in chunk):
+        if full is None and self.found_elsewhere and any(n in self.found_elsewhere for n, _ in chunk):
             raise DeltaError("a param kept elsewhere came whole in a sync without full targets")
         found = state.changes(chunk, bases, olds=xor)
         if full is None and delta is not None and self._whole(chunk, found, xor) and delta.add_chunk(chunk, found):
@@ -110,6 +109,9 @@ class SyncRun:
             raise DeltaError(f"changes of {sorted(self.found_names & set(found.names))[:3]} came twice in one sync")
         if not self.found_names:  # what the ranks diffed: a gathering sync re-maps them later, for the next sync
             self.found_elsewhere = self.s.state.elsewhere
+        stray = [n for n in found.names if n not in self.found_elsewhere]
+        if stray:  # its base is this sender's snapshot, which these changes would bypass
+            raise DeltaError(f"changes of {stray[:3]} came as found elsewhere, but this sender keeps their base itself")
         self.found_names.update(found.names)
         delta, f = self.buckets.get("delta"), found.run
         xor = self.encodings.get("delta") == DeltaEncoding.XOR_ZSTD.value
@@ -146,7 +148,7 @@ class SyncRun:
         member: Dict[int, Tuple[ChangeRun, int]] = {k: (f, j) for f in found for j, k in enumerate(f.ks)}
         sparse_dtypes: Dict[torch.dtype, Tuple[bool, bool]] = {}
         for k, (name, tensor) in enumerate(chunk):
-            if name in self.found_names or name in self.found_elsewhere:  # the delta targets had its changes (or none)
+            if name in self.found_elsewhere:  # the delta targets had its changes (or none) from elsewhere
                 if full.should_flush(name):
                     self._flush("full")
                 full.add(name, tensor, None)
