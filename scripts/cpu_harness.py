@@ -340,10 +340,13 @@ class InProcessEngine:
     def __init__(self, host: Host):
         self.host = host
 
-    def update_weights_from_disk(self, model_path, files, weight_version):
+    def update_weights_from_disk(self, model_path, files, weight_version, store=None):
         from sglang.srt.weight_sync.delta import receiver
 
-        return receiver._apply_delta(self.host, model_path, files, weight_version)
+        return receiver._apply_delta(self.host, model_path, files, weight_version, store)
+
+    def catch_up(self, store_url, weight_version=None):
+        return self.update_weights_from_disk(store_url, [], weight_version, store={"catch_up": True})
 
     def update_weights_from_distributed(self, names, dtypes, shapes, group_name, delta, weight_version):
         from sglang.srt.weight_sync.delta import receiver

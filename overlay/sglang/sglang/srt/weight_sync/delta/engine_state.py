@@ -41,6 +41,8 @@ class ReceiverState:
     changed: set = dataclasses.field(default_factory=set)  # names changed so far in the pending version
     post_pending: set = dataclasses.field(default_factory=set)  # written directly, not yet post-processed
     applied: Dict[str, int] = dataclasses.field(default_factory=dict)  # versions committed, by kind (full, delta)
+    store_chain: Optional[str] = None  # the version store's chain id this engine follows (once it caught up from one)
+    store_manifest: Optional[Tuple[int, str]] = None  # (version, manifest digest) it last applied from the store
 
 
 _STATES: "weakref.WeakKeyDictionary[torch.nn.Module, ReceiverState]" = weakref.WeakKeyDictionary()

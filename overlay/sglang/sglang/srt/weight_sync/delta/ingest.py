@@ -77,17 +77,19 @@ def read_files(host, model_path: str, files: List[str]) -> List[DeltaPayload]:
         return list(pool.map(lambda n: read_delta_file(model_path, n, max_bytes), files))
 
 
-def read_files_once(host, model_path: str, files: List[str]) -> List[DeltaPayload]:
-    """:func:`read_files`, once per engine: with tensor parallelism the first TP rank reads and decompresses, then
-    broadcasts each flush's spec and blobs over the TP group (on the engine's device, where they go anyway); the
-    other ranks never touch the filesystem. A failed read raises the same ``DeltaError`` on every rank."""
+def read_files_once(host, model_path: str, files: List[str], reader=None) -> List[DeltaPayload]:
+    """:func:`read_files` (or ``reader()``: files from a version store), once per engine: with tensor parallelism the
+    first TP rank reads and decompresses, then broadcasts each flush's spec and blobs over the TP group (on the
+    engine's device, where they go anyway); the other ranks never touch the filesystem. A failed read raises the
+    same ``DeltaError`` on every rank."""
+    read = reader or (lambda: read_files(host, model_path, files))
     group = tp_group()
     if group is None:
-        return read_files(host, model_path, files)
+        return read()
     first, payloads, error = group.rank_in_group == 0, [], None
     if first:
         try:
-            payloads = read_files(host, model_path, files)
+            payloads = read()
         except DeltaError as e:
             error = e
     header = broadcast_json(group, (

@@ -458,10 +458,18 @@ def _upstream_guards(host) -> None:
 # ---------------------------------------------------------------- transports
 
 
-def _apply_delta(self, model_path: str, files: Optional[List[str]], weight_version: Optional[str] = None) -> Tuple[bool, str]:
+def _apply_delta(self, model_path: str, files: Optional[List[str]], weight_version: Optional[str] = None,
+                 store: Optional[dict] = None) -> Tuple[bool, str]:
     """Disk transport: read the announced files of one publish (once per engine, in parallel), then apply them as
-    one request. No garbage collection while the files are parsed either (:func:`ops.gc_paused`)."""
+    one request. No garbage collection while the files are parsed either (:func:`ops.gc_paused`). ``store``: the
+    version store's request (``digests`` of pushed files, or ``catch_up``; see ``store.catch_up``)."""
     with gc_paused():
+        if store:
+            from sglang.srt.weight_sync.delta.store import catch_up
+
+            if store.get("catch_up"):
+                return catch_up.catch_up(self, model_path, weight_version)
+            return catch_up.apply_pushed(self, model_path, files, weight_version, store.get("digests") or {})
         try:
             payloads = read_files_once(self, model_path, files)
         except DeltaError as e:  # every rank refuses alike (the TP ranks still agree before any write)

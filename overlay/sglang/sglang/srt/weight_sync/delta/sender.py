@@ -100,7 +100,7 @@ class DeltaSender:
         self.version = 0  # last sync attempted
         self._metrics: Dict[str, float] = {}
         self._counters = dict.fromkeys(("failures", "resyncs", "repairs", "fingerprint_mismatches",
-                                        "snapshot_fold_failures"), 0)
+                                        "snapshot_fold_failures", "catch_ups"), 0)
         self.repair_dirty = repair_dirty
         self.left_dirty: List[int] = []  # engines the last sync left with wrong weights (dirty, or a fingerprint)
         self.run: Optional[SyncRun] = None  # the sync in progress (its segments may read what it sends whom)
@@ -222,14 +222,21 @@ class DeltaSender:
                 self.status[i].max_request_bytes = 0  # ask again next time: the engine may have been restarted
             raise DeltaError("; ".join(f"engine {i} cannot take delta weight updates: {why}"
                                        for i, why in refused.items()), Refusal.UNSUPPORTED)
-        v = self.version + 1
+        store = getattr(self.transport, "versioned", False)  # a version store: every sync is published there
+        v = max(self.version, self.transport.head_version if store else 0) + 1
         self.version = v
         full_targets = [i for i, s in self.status.items() if s.needs_full]
-        delta_targets = [i for i in self.status if i not in full_targets]
+        catch_up = []
+        if store and (self.state.snapshot or self.state.elsewhere) and self.state.version:
+            catch_up, full_targets = full_targets, []  # they catch up from the store: no full sync of the trainer's
+        delta_targets = [i for i in self.status if i not in full_targets and i not in catch_up]
+        if store:
+            self.transport.catch_up = catch_up
         resyncs = sum(self.status[i].version is not None for i in full_targets)  # engines synced before
         t0 = time.perf_counter()
         run = self.run = SyncRun(self, v, delta_targets, full_targets, self._encodings(delta_targets),
-                                 fingerprint_on=bool(self.fingerprint_every) and v % self.fingerprint_every == 0)
+                                 fingerprint_on=bool(self.fingerprint_every) and v % self.fingerprint_every == 0,
+                                 publish_deltas=store and not full_targets)
         try:
             self.transport.begin(v)
             for k, segment in enumerate(segments):
@@ -257,7 +264,7 @@ class DeltaSender:
         else:
             self.state.stage()
         # what a full sync let an engine write directly (xor bases, byte-sparse params) only its status says
-        relearn = [i for i in acked if i in full_targets]
+        relearn = [i for i in acked if i in full_targets or i in catch_up]
         if self.stages is None or self.stages.first:  # the other stages adopt stage 0's view at the next sync
             self._learn(failed + relearn)
         for i in failed:
@@ -270,6 +277,7 @@ class DeltaSender:
         self._count("failures", len(failed))
         self._count("snapshot_fold_failures", fold_failed)
         self._count("resyncs", resyncs)
+        self._count("catch_ups", len(catch_up))
         self._count("fingerprint_mismatches", 0)
         timings = getattr(self.transport, "timings", None)
         if timings is not None:
@@ -277,6 +285,9 @@ class DeltaSender:
         if run.fingerprints is not None and len(acked) == len(self.engines):
             self._check_fingerprints(run.fingerprints, results, run.fingerprint_s, run.found_shares)
         self.left_dirty = [i for i, (ok, _) in results.items() if not ok and self.status[i].dirty]
+        fatal = getattr(self.transport, "fatal", None)
+        if fatal is not None:  # another trainer moved the store's HEAD: this one must not publish again
+            raise fatal
         return results
 
     def _plan(self) -> dict:
@@ -309,6 +320,8 @@ class DeltaSender:
         sts = [self.status[i] for i in delta_targets]
         xor = bool(sts) and all(st.xor and st.version == self.state.version and st.xor_raw == sts[0].xor_raw
                                 for st in sts)
+        if getattr(self.transport, "versioned", False):  # in a store, each version applies from its parent
+            xor = xor and self.transport.head_version == self.state.version
         planes = DeltaEncoding.PLANES_ZSTD.value
         return {"delta": self.encoding if xor else planes, "full": planes}
 

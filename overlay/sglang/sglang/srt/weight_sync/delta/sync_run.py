@@ -32,7 +32,7 @@ class SyncRun:
     """The working set of one sync: buckets, the 1-step lookahead, flush counters, engine results."""
 
     def __init__(self, sender: "DeltaSender", version: int, delta_targets: List[int], full_targets: List[int],
-                 encodings: Dict[str, str], fingerprint_on: bool = False):
+                 encodings: Dict[str, str], fingerprint_on: bool = False, publish_deltas: bool = False):
         self.s, self.v, self.encodings = sender, version, encodings
         self.xor_raw = sender.status[delta_targets[0]].xor_raw if delta_targets else frozenset()
         self.dense = frozenset().union(*(sender.status[i].dense for i in delta_targets))
@@ -45,7 +45,9 @@ class SyncRun:
         bounds = [sender.status[i].max_request_bytes for i in delta_targets + full_targets]
         self.max_request = min([b for b in bounds if b], default=0)  # the engines' bound on one request
         cap = min(sender.buffer_bytes, self.max_request or sender.buffer_bytes)
-        self.buckets = {k: DeltaBucket(encodings[k], cap) for k, t in self.targets.items() if t}
+        # publish_deltas: a version store takes every sync's deltas, whichever engines are pushed to
+        self.buckets = {k: DeltaBucket(encodings[k], cap) for k, t in self.targets.items()
+                        if t or (k == "delta" and publish_deltas)}
         self.flush = 0  # request index within the sync (shared by all files of one disk publish)
         self.final_segment = False
         self.held: Dict[str, DeltaPayload] = {}  # NCCL: each kind's last flush waits to learn whether it is final
@@ -103,7 +105,7 @@ class SyncRun:
     def found_pass(self, found: Prediffed) -> None:
         """Changes found outside the sender into the delta bucket: per param only host bookkeeping (flush boundaries,
         spans of the run), no tensor op; nothing recorded, since their snapshot is kept where they were found."""
-        if not self.targets["delta"]:
+        if "delta" not in self.buckets:
             raise DeltaError("every engine of this sync gets a full sync: changes found elsewhere have no target")
         if self.found_names & set(found.names):
             raise DeltaError(f"changes of {sorted(self.found_names & set(found.names))[:3]} came twice in one sync")

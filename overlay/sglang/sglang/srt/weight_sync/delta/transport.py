@@ -63,24 +63,25 @@ class AsyncSafetensorsWriter:
         self.slots = threading.BoundedSemaphore(max_queued)
         self.busy_s = 0.0  # time spent serializing, compressing and writing (one thread)
 
-    def submit(self, path: str, payload: DeltaPayload) -> concurrent.futures.Future:
+    def submit(self, path: str, payload: DeltaPayload,
+               land: Optional[Callable[[str, bytes], None]] = None) -> concurrent.futures.Future:
+        """Write ``payload``'s file at ``path`` (``land(path, data)``: somewhere else, e.g. a store's object)."""
+        return self.submit_bytes(path, lambda: flush_file(payload, self.zstd_level), land)
+
+    def submit_bytes(self, path: str, make: Callable[[], bytes],
+                     land: Optional[Callable[[str, bytes], None]] = None) -> concurrent.futures.Future:
         self.slots.acquire()
         try:
-            return self.pool.submit(self._write, path, payload)
+            return self.pool.submit(self._write, path, make, land or _land_file)
         except BaseException:
             self.slots.release()
             raise
 
-    def _write(self, path: str, payload: DeltaPayload) -> int:
+    def _write(self, path: str, make: Callable[[], bytes], land: Callable[[str, bytes], None]) -> int:
         try:
             t0 = time.perf_counter()
-            data = flush_file(payload, self.zstd_level)
-            tmp = path + ".tmp"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            data = make()
+            land(path, data)
             self.busy_s += time.perf_counter() - t0
             return len(data)
         finally:
@@ -88,6 +89,15 @@ class AsyncSafetensorsWriter:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+
+
+def _land_file(path: str, data: bytes) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 class DiskTransport:
@@ -161,7 +171,7 @@ class DiskTransport:
                     self.wire_bytes += fut.result()  # a failed write raises here and fails the publish
         except Exception as e:
             error = e
-        names = {kind: [n for n, _ in files] for kind, files in batch.items()}
+        names = {kind: [self._entry(kind, n) for n, _ in files] for kind, files in batch.items()}
         if self.stages is not None:  # every stage's files of this publish, whether or not its own writes failed
             shared = self.stages.exchange({"ok": error is None, "files": names})
             if error is None and not all(s["ok"] for s in shared):
@@ -175,6 +185,7 @@ class DiskTransport:
                 return
         if error is not None:
             raise error
+        self._announced(names)
         if self.hook is not None:
             fut = self.hook(self.vdir)
             if fut is not None:
@@ -184,20 +195,30 @@ class DiskTransport:
             for i in engines:
                 if i in self._results and not self._results[i][0]:
                     continue  # this engine already failed this sync; its later flushes would be refused
-                calls[i] = self.calls.submit(self._call, i, self._dir(kind), names.get(kind, []))
+                calls[i] = self.calls.submit(self._call, i, kind, names.get(kind, []))
         for i, fut in calls.items():
             ok, msg, seconds = fut.result()
             self._apply_s[i] = self._apply_s.get(i, 0.0) + seconds
             if i not in self._results or not ok:
                 self._results[i] = (bool(ok), msg)
 
-    def _call(self, i: int, model_path: str, names: List[str]):
+    def _entry(self, kind: str, name: str):
+        """What an announcement says of one written file (here its name; a store adds its size and digest)."""
+        return name
+
+    def _call(self, i: int, kind: str, names: List[str]):
+        return self._timed(i, lambda e: e.update_weights_from_disk(self._dir(kind), names, str(self.version)))
+
+    def _timed(self, i: int, call) -> Tuple[bool, str, float]:
         t0 = time.perf_counter()
         try:
-            ok, msg = self.engines[i].update_weights_from_disk(model_path, names, str(self.version))
+            ok, msg = call(self.engines[i])
         except Exception as e:  # unreachable engine
             ok, msg = False, f"transport: {e!r}"
         return ok, msg, time.perf_counter() - t0
+
+    def _announced(self, entries: Dict[str, list]) -> None:
+        """Every stage's files of one publish, written (a store records them for its manifest)."""
 
     def collect(self) -> Results:
         failed = None
@@ -364,9 +385,14 @@ class HttpEngine:
             return False, f"HTTP {r.status_code}: {msg}"
         return bool(data.get("success", True)), msg
 
-    def update_weights_from_disk(self, model_path: str, files: List[str], weight_version: str) -> Tuple[bool, str]:
-        return self._post("/update_weights_from_disk", {"model_path": model_path, "load_format": "delta",
-                                                         "files": files, "weight_version": weight_version})
+    def update_weights_from_disk(self, model_path: str, files: List[str], weight_version: str,
+                                 store: Optional[dict] = None) -> Tuple[bool, str]:
+        body = {"model_path": model_path, "load_format": "delta", "files": files, "weight_version": weight_version}
+        return self._post("/update_weights_from_disk", dict(body, store=store) if store else body)
+
+    def catch_up(self, store_url: str, weight_version: Optional[str] = None) -> Tuple[bool, str]:
+        """Bring the engine to ``weight_version`` (None: the store's HEAD) from the version store by itself."""
+        return self.update_weights_from_disk(store_url, [], weight_version, store={"catch_up": True})
 
     def pause_generation(self) -> None:
         """Pause in ``pause_mode``; with ``abort`` (as slime does) the KV of the old weights is dropped right away,

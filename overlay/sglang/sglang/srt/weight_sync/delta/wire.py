@@ -103,6 +103,8 @@ class Refusal(str, enum.Enum):
     NO_BASE = "no_base"  # xor_zstd: this engine cannot read the base bytes of every named param (send it planes_zstd)
     NEEDS_DENSE = "needs_dense"  # a sparse param without NaN sentinel that no recorded view writes (status' dense)
     VERIFY = "verify"  # a written element read back other bits than were written: the engine is dirty
+    UNVERIFIED = "unverified"  # a store's object, manifest or HEAD fails its digest or MAC: not what the trainer wrote
+    STORE_UNAVAILABLE = "store_unavailable"  # the store cannot give what a catch-up needs (unreachable, deleted)
 
 
 class DeltaError(ValueError):

