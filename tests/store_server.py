@@ -86,7 +86,7 @@ class SeaweedS3:
     def stop(self) -> None:
         try:
             os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(20)
+            self.proc.wait(3)
         except (ProcessLookupError, subprocess.TimeoutExpired):
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)

@@ -249,3 +249,116 @@ def test_every_attack_on_the_store_is_refused_with_a_code_and_weights_untouched(
     assert_params_equal(b.host.model, reference(cfg, states[3]))
     transport.close()
     foreign.close()
+
+
+# ---------------------------------------------------------------- faults: racing, dying and slow publishers
+
+
+def nudged(state, seed, density=0.02):
+    """The next version of a state: about ``density`` of each tensor's elements one bf16 step up (cheap steps for
+    long chains; the real AdamW steps are the other tests')."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in state.items():
+        t = t.clone()
+        bits = t.view(torch.int16)
+        bits[torch.rand(t.shape, generator=g) < density] += 1
+        out[name] = t
+    return out
+
+
+def test_an_engine_fifty_versions_behind_walks_the_chain(store_url):
+    """An engine that left at version 2 and comes back 50 versions later applies the chain from where it is (no
+    anchor), bit-identical; a catch-up to the same version again is a no-op."""
+    cfg = hf_config("qwen2")
+    a = Engine(cfg)
+    transport = StoreTransport(store_url, [a], zstd=3)
+    sender = DeltaSender(transport, [a], encoding="xor_zstd", buffer_bytes=64 << 10)
+    state = bf16_state(hf_model(cfg))
+    b = Engine(cfg)
+    for v in range(1, 53):
+        if v > 1:
+            state = nudged(state, v)
+        assert sender.update(one_segment(state))[0][0]
+        if v == 2:
+            assert b.catch_up(store_url)[0]
+    ok, msg = b.catch_up(store_url)
+    assert ok and "deltas, 50 step(s)" in msg, msg
+    assert delta_status(b.host.model).version == 52 and delta_status(b.host.model).applied == {"full": 1, "delta": 51}
+    assert_params_equal(b.host.model, reference(cfg, state))
+    assert b.catch_up(store_url)[0]
+    transport.close()
+
+
+def test_two_trainers_racing_for_head_one_wins_the_other_stops(store_url):
+    """Two trainers publish to one store: both start from the same HEAD, the first to commit moves it, the other's
+    compare-and-swap fails and its sender stops with that error (code ``off_chain``); HEAD names the winner's chain,
+    which a late joiner follows."""
+    from sglang.srt.weight_sync.delta.store.objects import HeadMoved
+
+    cfg = hf_config("qwen2")
+    state = bf16_state(hf_model(cfg))
+    a, b = Engine(cfg), Engine(cfg)
+    first = DeltaSender(StoreTransport(store_url, [a], zstd=3), [a], encoding="xor_zstd")
+    assert first.update(one_segment(state))[0][0]
+    second = DeltaSender(StoreTransport(store_url, [b], zstd=3), [b], encoding="xor_zstd")  # both see HEAD 1
+    winner = nudged(state, 7)
+    assert first.update(one_segment(winner))[0][0]
+    with pytest.raises(HeadMoved) as e:
+        second.update(one_segment(nudged(state, 8)))
+    assert e.value.code.value == "off_chain" and "another trainer" in str(e.value)
+    late = Engine(cfg)
+    assert late.catch_up(store_url)[0]
+    assert_params_equal(late.host.model, reference(cfg, winner))
+
+
+TRAINER = r"""
+import os, sys, torch
+sys.path[:0] = [os.environ["HARNESS"], os.environ["TESTS"]]
+from cpu_harness import bf16_state, hf_config, hf_model
+from sglang.srt.weight_sync.delta.sender import DeltaSender
+from sglang.srt.weight_sync.delta.store.publish import StoreTransport
+from test_store import Engine, nudged, one_segment
+
+cfg = hf_config("qwen2")
+state = bf16_state(hf_model(cfg))
+transport = StoreTransport(sys.argv[1], [], zstd=3)
+sender = DeltaSender(transport, [], encoding="planes_zstd")
+for v in (1, 2):
+    state = nudged(state, v) if v > 1 else state
+    sender.update(one_segment(state))
+commit = transport._commit
+transport._commit = lambda: os._exit(137)  # killed after its files of version 3 are written, before its manifest
+sender.update(one_segment(nudged(state, 3)))
+"""
+
+
+def test_a_trainer_killed_mid_publish_leaves_head_and_a_restarted_one_goes_on(store_url, tmp_path):
+    """A trainer process dies after writing version 3's files, before its manifest: HEAD stays at 2, a late joiner
+    gets version 2; a restarted trainer (no snapshot) publishes an anchor above HEAD that engines load, then deltas."""
+    import subprocess
+    import sys
+
+    here = os.path.dirname(__file__)
+    env = dict(os.environ, HARNESS=os.path.join(here, "..", "scripts"), TESTS=here)
+    proc = subprocess.run([sys.executable, "-c", TRAINER, store_url], env=env, capture_output=True, timeout=300)
+    assert proc.returncode == 137, proc.stderr.decode()[-2000:]
+    raw = raw_store(store_url)
+    assert head_record(raw)["version"] == 2
+    assert any(k.startswith("weight_v000003") for k in raw.keys("weight_v"))  # its orphans
+    cfg = hf_config("qwen2")
+    state = nudged(bf16_state(hf_model(cfg)), 2)
+    late = Engine(cfg)
+    assert late.catch_up(store_url)[0]
+    assert delta_status(late.host.model).version == 2
+    assert_params_equal(late.host.model, reference(cfg, state))
+    restarted = DeltaSender(StoreTransport(store_url, [late], zstd=3), [late], encoding="xor_zstd")
+    state = nudged(state, 30)
+    assert restarted.update(one_segment(state))[0][0]
+    m = restarted.pop_metrics()
+    assert m["perf/update_weights_version"] == 3 and m["perf/update_weights_full_sync_engines"] == 1  # an anchor
+    assert_params_equal(late.host.model, reference(cfg, state))
+    state = nudged(state, 31)
+    assert restarted.update(one_segment(state))[0][0]
+    assert restarted.pop_metrics()["perf/update_weights_xor"] == 1
+    assert_params_equal(late.host.model, reference(cfg, state))

@@ -227,7 +227,8 @@ class DeltaSender:
         self.version = v
         full_targets = [i for i, s in self.status.items() if s.needs_full]
         catch_up = []
-        if store and (self.state.snapshot or self.state.elsewhere) and self.state.version:
+        based = bool(self.state.snapshot or self.state.elsewhere) and bool(self.state.version)
+        if store and based:
             catch_up, full_targets = full_targets, []  # they catch up from the store: no full sync of the trainer's
         delta_targets = [i for i in self.status if i not in full_targets and i not in catch_up]
         if store:
@@ -236,7 +237,7 @@ class DeltaSender:
         t0 = time.perf_counter()
         run = self.run = SyncRun(self, v, delta_targets, full_targets, self._encodings(delta_targets),
                                  fingerprint_on=bool(self.fingerprint_every) and v % self.fingerprint_every == 0,
-                                 publish_deltas=store and not full_targets)
+                                 stored=({"delta"} if based else {"full"}) if store else set())
         try:
             self.transport.begin(v)
             for k, segment in enumerate(segments):

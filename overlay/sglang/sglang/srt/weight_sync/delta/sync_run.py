@@ -32,7 +32,7 @@ class SyncRun:
     """The working set of one sync: buckets, the 1-step lookahead, flush counters, engine results."""
 
     def __init__(self, sender: "DeltaSender", version: int, delta_targets: List[int], full_targets: List[int],
-                 encodings: Dict[str, str], fingerprint_on: bool = False, publish_deltas: bool = False):
+                 encodings: Dict[str, str], fingerprint_on: bool = False, stored: frozenset = frozenset()):
         self.s, self.v, self.encodings = sender, version, encodings
         self.xor_raw = sender.status[delta_targets[0]].xor_raw if delta_targets else frozenset()
         self.dense = frozenset().union(*(sender.status[i].dense for i in delta_targets))
@@ -45,9 +45,8 @@ class SyncRun:
         bounds = [sender.status[i].max_request_bytes for i in delta_targets + full_targets]
         self.max_request = min([b for b in bounds if b], default=0)  # the engines' bound on one request
         cap = min(sender.buffer_bytes, self.max_request or sender.buffer_bytes)
-        # publish_deltas: a version store takes every sync's deltas, whichever engines are pushed to
-        self.buckets = {k: DeltaBucket(encodings[k], cap) for k, t in self.targets.items()
-                        if t or (k == "delta" and publish_deltas)}
+        # stored: the kinds a version store takes whichever engines are pushed to (deltas, or an anchor)
+        self.buckets = {k: DeltaBucket(encodings[k], cap) for k, t in self.targets.items() if t or k in stored}
         self.flush = 0  # request index within the sync (shared by all files of one disk publish)
         self.final_segment = False
         self.held: Dict[str, DeltaPayload] = {}  # NCCL: each kind's last flush waits to learn whether it is final
