@@ -121,7 +121,8 @@ def raw_store(url):
             if isinstance(store, S3Store):
                 store.client.put_object(Bucket=store.bucket, Key=store._key(key), Body=data)
             else:
-                with open(store._path(key), "wb") as f:
+                os.makedirs(os.path.dirname(store._path(key)), exist_ok=True)
+            with open(store._path(key), "wb") as f:
                     f.write(data)
 
         def keys(self, prefix=""):
@@ -362,3 +363,106 @@ def test_a_trainer_killed_mid_publish_leaves_head_and_a_restarted_one_goes_on(st
     assert restarted.update(one_segment(state))[0][0]
     assert restarted.pop_metrics()["perf/update_weights_xor"] == 1
     assert_params_equal(late.host.model, reference(cfg, state))
+
+
+# ---------------------------------------------------------------- compaction and retention
+
+
+def test_compaction_makes_an_hf_anchor_that_engines_and_transformers_load(store_url, tmp_path):
+    """``store compact`` applies the chain onto the last anchor on a CPU, checks it against the fingerprint the
+    trainer published, and writes an HF checkpoint that transformers loads as it is; a fresh engine then starts
+    from it. A published fingerprint the chain does not reach commits nothing."""
+    from cpu_harness import write_hf_checkpoint
+    from sglang.srt.weight_sync.delta.tools import main
+
+    cfg = hf_config("qwen2")
+    state = bf16_state(hf_model(cfg))
+    hf_dir = write_hf_checkpoint(str(tmp_path / "hf"), cfg, state)
+    a = Engine(cfg)
+    transport = StoreTransport(store_url, [a], zstd=3, hf_dir=hf_dir)
+    sender = DeltaSender(transport, [a], encoding="xor_zstd", fingerprint_every=3)
+    states = {}
+    for v in range(1, 8):
+        state = nudged(state, v) if v > 1 else state
+        states[v] = state
+        assert sender.update(one_segment(state))[0][0]
+    assert main(["store", "compact", store_url]) == 0  # the newest fingerprinted version: 6
+    fresh = Engine(cfg)
+    ok, msg = fresh.catch_up(store_url)
+    assert ok and "anchor 6" in msg, msg
+    assert_params_equal(fresh.host.model, reference(cfg, states[7]))
+    raw = raw_store(store_url)
+    adir = next(k.rsplit("/", 1)[0] for k in raw.keys("anchor_v000006") if k.endswith("manifest.json"))
+    local = tmp_path / "anchor6"
+    local.mkdir()
+    for k in raw.keys(adir):
+        (local / k.rsplit("/", 1)[1]).write_bytes(raw.get(k))
+    import transformers
+
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(local), dtype=torch.bfloat16)
+    got = loaded.state_dict()
+    for name, t in states[6].items():
+        assert torch.equal(got[name].view(torch.int16), t.view(torch.int16)), name
+
+    class Lying(StoreTransport):  # a trainer whose published fingerprint the chain does not reach
+        def _commit(self):
+            if self.fingerprint:
+                name = sorted(self.fingerprint)[0]
+                self.fingerprint[name] = f"{int(self.fingerprint[name], 16) ^ 1:016x}"
+            super()._commit()
+
+    transport.close()
+    sender.attach(Lying(store_url, [a], zstd=3), [a])
+    for v in (8, 9):
+        assert sender.update(one_segment(nudged(state, v)))[0][0]  # 9: fingerprinted (and a mismatch check passes)
+    before = raw.keys("anchor_v")
+    assert main(["store", "compact", store_url]) == 2
+    assert raw.keys("anchor_v") == before  # nothing committed
+
+
+def test_gc_keeps_what_head_needs_and_a_catch_up_it_races_falls_back_to_a_newer_anchor(store_url):
+    """``store gc --keep-anchors 1`` after a compaction at 6 (HEAD 7): versions below 6, the first anchor and the
+    orphans at or below HEAD go; a publish above HEAD stays. An engine whose chain gc deletes while it catches up
+    plans again from the newer anchor and lands bit-identical; engines at and below the kept range still reach
+    HEAD."""
+    from sglang.srt.weight_sync.delta.store import catch_up as cu
+    from sglang.srt.weight_sync.delta.tools import main
+
+    cfg = hf_config("qwen2")
+    state = bf16_state(hf_model(cfg))
+    a = Engine(cfg)
+    sender = DeltaSender(StoreTransport(store_url, [a], zstd=3), [a], encoding="xor_zstd", fingerprint_every=3)
+    racer = Engine(cfg)
+    for v in range(1, 8):
+        state = nudged(state, v) if v > 1 else state
+        assert sender.update(one_segment(state))[0][0]
+        if v == 2:
+            assert racer.catch_up(store_url)[0]
+    assert main(["store", "compact", store_url]) == 0
+    raw = raw_store(store_url)
+    raw.put("weight_v000004-deadbeef/rank0000_flush000000.safetensors", b"orphan")
+    raw.put("weight_v000099-cafecafe/rank0000_flush000000.safetensors", b"in progress")
+    native, calls = cu.read_object, []
+
+    def racing(store, key, sha, max_bytes):
+        calls.append(key)
+        if len(calls) == 1:  # gc runs between the catch-up's first and second object
+            assert main(["store", "gc", store_url, "--keep-anchors", "1"]) == 0
+        return native(store, key, sha, max_bytes)
+
+    cu.read_object = racing
+    try:
+        ok, msg = racer.catch_up(store_url)
+    finally:
+        cu.read_object = native
+    assert ok and "anchor 6" in msg, msg
+    assert_params_equal(racer.host.model, reference(cfg, state))
+    keys = raw.keys()
+    assert not any(k.startswith(("weight_v000001", "weight_v000005", "anchor_v000001", "weight_v000004-deadbeef"))
+                   for k in keys)
+    assert any(k.startswith("weight_v000099-cafecafe") for k in keys)
+    assert any(k.startswith("anchor_v000006") for k in keys) and any(k.startswith("weight_v000007") for k in keys)
+    assert sender.update(one_segment(nudged(state, 8)))[0][0]  # the trainer goes on; a fresh engine reaches HEAD
+    fresh = Engine(cfg)
+    assert fresh.catch_up(store_url)[0]
+    assert_params_equal(fresh.host.model, reference(cfg, nudged(state, 8)))

@@ -245,6 +245,11 @@ class DeltaSender:
                 run.pipeline_pass(segment())
                 run.flush_and_publish()
             t_encode = time.perf_counter() - t0 - run.fingerprint_s
+            if run.fingerprints is not None:  # read once: the store publishes them, the engines are checked on them
+                run.shares = fingerprint.read_shares(run.fingerprints)
+                run.shares.update(run.found_shares or {})
+                if store:
+                    self.transport.fingerprint = {n: f"{s.total:016x}" for n, s in run.shares.items()}
             results = run.finish()
         except Exception as e:  # what reached which engine is unknown: every engine gets a full sync next
             logger.exception("delta sync v%d aborted", v)
@@ -283,8 +288,8 @@ class DeltaSender:
         timings = getattr(self.transport, "timings", None)
         if timings is not None:
             self._metrics.update({f"perf/update_weights_{k}": v for k, v in timings().items()})
-        if run.fingerprints is not None and len(acked) == len(self.engines):
-            self._check_fingerprints(run.fingerprints, results, run.fingerprint_s, run.found_shares)
+        if run.shares is not None and len(acked) == len(self.engines):
+            self._check_fingerprints(run.shares, results, run.fingerprint_s, run.found_shares)
         self.left_dirty = [i for i, (ok, _) in results.items() if not ok and self.status[i].dirty]
         fatal = getattr(self.transport, "fatal", None)
         if fatal is not None:  # another trainer moved the store's HEAD: this one must not publish again
@@ -326,16 +331,15 @@ class DeltaSender:
         planes = DeltaEncoding.PLANES_ZSTD.value
         return {"delta": self.encoding if xor else planes, "full": planes}
 
-    def _check_fingerprints(self, pending: Dict[str, "fingerprint.Pending"], results, hashing_s: float,
+    def _check_fingerprints(self, mine: Dict[str, "fingerprint.NameSum"], results, hashing_s: float,
                             found: Optional[Dict[str, "fingerprint.NameSum"]]) -> None:
         """Every engine's fingerprint of this version against the trainer's; a mismatch means a full sync next.
         ``found``: the shares of names whose changes were found elsewhere (None: none were). Those must cover every
         name kept elsewhere, each whole: a name they miss, or cover in part where the engine shows it whole, counts as a
         mismatch, not as a name the engine cannot show."""
         t0, uncovered, mismatch = time.perf_counter(), set(), {}
-        mine = fingerprint.read_shares(pending)  # the trainer's hashes, read once for all params
+        mine = dict(mine)  # the trainer's hashes (with the shares of names found elsewhere)
         lost = sorted(self.state.elsewhere - found.keys()) if found is not None else []
-        mine.update(found or {})
         for i, engine in enumerate(self.engines):
             try:
                 theirs = fingerprint.merge_ranks(fingerprint.check_version(engine.fingerprint(), self.version))

@@ -41,6 +41,7 @@ class SyncRun:
         self.found_names: set = set()  # names whose changes came as Prediffed
         self.found_elsewhere: frozenset = frozenset()  # the names kept elsewhere when they came: the ranks' diff's
         self.fingerprint_s = 0.0  # trainer-side hashing, reported apart from encode
+        self.shares: Optional[Dict[str, "fingerprint.NameSum"]] = None  # the fingerprint's per-name sums, once read
         self.targets = {"delta": delta_targets, "full": full_targets}
         bounds = [sender.status[i].max_request_bytes for i in delta_targets + full_targets]
         self.max_request = min([b for b in bounds if b], default=0)  # the engines' bound on one request

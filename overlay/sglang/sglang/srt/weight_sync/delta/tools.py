@@ -1,10 +1,11 @@
-"""``python -m sglang.srt.weight_sync.delta diff|apply|inspect|density``: delta files outside a training run.
+"""``python -m sglang.srt.weight_sync.delta diff|apply|inspect|density|store``: delta files outside a training run.
 
 ``diff`` turns two HF safetensors checkpoints into delta files in exactly the wire format the
 engines take (adjacent-checkpoint deltas, as hosted fine-tuning services ship them); ``apply``
 rebuilds the new checkpoint from a base and those files with the engine's own validation, and
 refuses a base whose fingerprint differs from the one ``diff`` recorded; ``inspect`` shows what a
-delta file or directory holds; ``density`` reports how sparse the step between two checkpoints is.
+delta file or directory holds; ``density`` reports how sparse the step between two checkpoints is; ``store``
+compacts, collects and lists a version store (:mod:`store.tools`).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from sglang.srt.weight_sync.delta.bucket import DeltaBucket
 from sglang.srt.weight_sync.delta.diff import changed_positions, encode_flush
 from sglang.srt.weight_sync.delta.files import flush_file, maybe_zstd_decompress, read_safetensors
 from sglang.srt.weight_sync.delta.positions import encode_positions
+from sglang.srt.weight_sync.delta.store import tools as store_tools
 from sglang.srt.weight_sync.delta.validate import check_structure, unxor, validate_payload
 from sglang.srt.weight_sync.delta.wire import DeltaEncoding, DeltaError, dtype_to_str, sparse_allowed, zstd_level
 
@@ -324,9 +326,12 @@ def main(argv=None) -> int:
     p.add_argument("new")
     p.add_argument("--plot")
     p.add_argument("--json", action="store_true")
+    store_tools.add_parser(sub)
     args = ap.parse_args(argv)
     try:
-        if args.cmd == "diff":
+        if args.cmd == "store":
+            store_tools.run(args)
+        elif args.cmd == "diff":
             m = diff(args.old, args.new, args.out, args.encoding, args.buffer_size, level=args.zstd_level)
             size = sum(os.path.getsize(os.path.join(args.out, f)) for f in m["files"])
             print(f"{len(m['files'])} file(s), {_mb(size)}, {m['changed']}/{m['elements']} elements changed "

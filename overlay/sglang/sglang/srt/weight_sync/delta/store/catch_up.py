@@ -96,7 +96,17 @@ def apply_pushed(host, url: str, files: List[str], weight_version: Optional[str]
 
 
 def catch_up(host, url: str, weight_version: Optional[str]) -> Tuple[bool, str]:
-    """Bring this engine to ``weight_version`` (None: ``HEAD``) from the store at ``url``; see the module docstring."""
+    """Bring this engine to ``weight_version`` (None: ``HEAD``) from the store at ``url``; see the module docstring.
+    A chain collected under it (an object gone mid-way) is planned again once: from a newer anchor."""
+    ok, msg = _catch_up(host, url, weight_version)
+    state = receiver_state(host_model(host))
+    if not ok and state.last[1] == Refusal.STORE_UNAVAILABLE.value:
+        logger.warning("catch-up from %s: %s; planning again", url, msg)
+        ok, msg = _catch_up(host, url, weight_version)
+    return ok, msg
+
+
+def _catch_up(host, url: str, weight_version: Optional[str]) -> Tuple[bool, str]:
     from sglang.srt.weight_sync.delta.receiver import _apply_delta_payload, _refused
 
     state = receiver_state(host_model(host))
@@ -120,9 +130,10 @@ def catch_up(host, url: str, weight_version: Optional[str]) -> Tuple[bool, str]:
         return _refused(state, error)
     if not plan["steps"]:
         return True, f"already at version {state.version}"
-    store = open_store(url)
-    key = store_key(host)
+    store, key = open_store(url), store_key(host)
     for step in plan["steps"]:
+        if step["kind"] == "anchor":  # an anchor replaces every weight: the chain starts again from it
+            state.version = None
         for request in _requests(host, store, key, step):
             ok, msg = _apply_delta_payload(host, request["payloads"], str(step["version"]),
                                            failure=request.get("error"))
@@ -190,16 +201,16 @@ def _plan(store: ObjectStore, key: StoreKey, state, weight_version: Optional[str
     if have is not None and target == have:
         _check_held(state, _walk(store, key, head, have), have)
         return {"steps": [], "target": target, "chain": chain, "how": "nothing to do"}
-    anchors = {} if have is not None else _listed_anchors(store, key, chain, target)
-    floor = have if have is not None else max(anchors, default=0)
+    anchors = _listed_anchors(store, key, chain, target)
+    floor = max([a for a in anchors if have is None or a <= have] + [have or 0])
     records = _walk(store, key, head, floor)
     _check_held(state, records, have)
     steps = _deltas(records, have, target) if have is not None else None
     how = "deltas"
     if steps is None:
-        candidates = {}  # anchors on HEAD's chain at or below the target, above what the engine holds
+        candidates = {}  # anchors on HEAD's chain at or below the target (one request: no forward pass sees it)
         for v, (_, sha, r) in records.items():
-            if v > target or (state.version is not None and v <= state.version):
+            if v > target:
                 continue
             if r["full"]:
                 candidates[v] = _anchor_record(store, key, chain, r["anchor"], v)

@@ -111,7 +111,7 @@ class PosixStore(ObjectStore):
             if size > max_bytes:
                 raise DeltaError(f"store object {key!r}: {size} bytes exceeds the {max_bytes}-byte bound")
             with open(path, "rb") as f:
-                return f.read(max_bytes + 1)
+                return f.read(size + 1)
         except OSError as e:
             raise StoreUnavailable(f"store object {key!r}: cannot read ({e.strerror})") from None
 

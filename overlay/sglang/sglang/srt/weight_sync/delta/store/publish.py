@@ -96,6 +96,7 @@ class StoreTransport(DiskTransport):
         self._spec: Optional[Tuple[int, str]] = None  # (base_version, encoding) of this sync's deltas
         self._anchor_targets: List[int] = []  # engines of a full sync: they load its anchor once it commits
         self.upload_bytes = 0
+        self.fingerprint: Optional[Dict[str, str]] = None  # the trainer's per-name fingerprint, on fingerprint syncs
 
     def _dir(self, kind: str) -> str:
         return self.vdir if kind == "delta" else self.store.url(self.akey)
@@ -144,8 +145,11 @@ class StoreTransport(DiskTransport):
 
     def collect(self):
         results = super().collect()
-        if self.stages is not None and not self.stages.first:
-            return results
+        if self.stages is not None:  # each stage hashed its own layers: the manifest holds them all
+            shared = self.stages.exchange(self.fingerprint)
+            self.fingerprint = None if any(f is None for f in shared) else {n: h for f in shared for n, h in f.items()}
+            if not self.stages.first:
+                return results
         written = all(f.exception() is None for f in self._publishes)
         if written:
             try:
@@ -168,7 +172,7 @@ class StoreTransport(DiskTransport):
         base, encoding = self._spec if self._spec else (self.version, None)
         record = {"kind": "version", "chain": chain, "version": self.version, "base_version": base,
                   "parent": parent, "encoding": encoding, "full": anchor is not None, "anchor": anchor,
-                  "requests": self._requests, "fingerprint": None}
+                  "requests": self._requests, "fingerprint": self.fingerprint}
         data = seal(record, self.key)
         mkey = f"{self.vkey}/manifest.json"
         self.store.put(mkey, data)
@@ -190,7 +194,7 @@ class StoreTransport(DiskTransport):
             self.store.put(f"{self.akey}/{name}", data)
             objects.append([f"{self.akey}/{name}", len(data), digest(data)])
         record = {"kind": "anchor", "chain": chain, "version": self.version, "objects": objects,
-                  "version_manifest": None, "fingerprint": None}
+                  "version_manifest": None, "fingerprint": self.fingerprint}
         data = seal(record, self.key)
         key = f"{self.akey}/manifest.json"
         self.store.put(key, data)
