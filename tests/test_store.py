@@ -120,10 +120,11 @@ def raw_store(url):
         def put(self, key, data):
             if isinstance(store, S3Store):
                 store.client.put_object(Bucket=store.bucket, Key=store._key(key), Body=data)
-            else:
-                os.makedirs(os.path.dirname(store._path(key)), exist_ok=True)
-            with open(store._path(key), "wb") as f:
-                    f.write(data)
+                return
+            path = store._path(key)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(data)
 
         def keys(self, prefix=""):
             return [k for k, _ in store.list(prefix)]
