@@ -1,0 +1,118 @@
+"""An engine that follows a version store by itself (``--update-weight-store URL``), in its HTTP server's process.
+
+A task polls the store's ``HEAD`` every ``--update-weight-store-poll-s`` seconds and, whenever the engine is behind,
+asks it to catch up through the ordinary update path (``/update_weights_from_disk`` with ``store: catch_up``: the
+tokenizer manager's writer lock keeps generation off the model while the whole catch-up applies). Until its first
+catch-up succeeds, and whenever it is more than ``--update-weight-store-max-lag`` versions behind ``HEAD`` (-1: no
+bound), the engine is *stale*: ``/health`` answers 503 with the lag (a router takes it out), and new generation
+requests are refused. An RL run bounds how off-policy its rollouts get with that flag.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Optional
+
+from sglang.srt.weight_sync.delta.store.manifest import StoreKey
+from sglang.srt.weight_sync.delta.store.objects import open_store
+from sglang.srt.weight_sync.delta.store.publish import read_head
+
+logger = logging.getLogger(__name__)
+
+
+class StoreWatch:
+    """What the server process knows of its engine against the store: ``HEAD``, the engine's version, the lag."""
+
+    def __init__(self, tokenizer_manager, url: str, key_file: Optional[str], max_lag: int, poll_s: float):
+        self.tm, self.url, self.max_lag, self.poll_s = tokenizer_manager, url, max_lag, poll_s
+        self.store, self.key = open_store(url), StoreKey.from_file(key_file)
+        self.head: Optional[int] = None
+        self.caught_up = False  # the first catch-up succeeded: the engine holds a version of this store
+        self.error = ""
+
+    @property
+    def version(self) -> Optional[int]:
+        """The engine's weight version as its server reports it (v0.5.23 keeps it in its config context)."""
+        read = getattr(self.tm, "config_value", None)
+        v = read("weight_version") if read is not None else getattr(self.tm.server_args, "weight_version", None)
+        return int(v) if isinstance(v, str) and v.isdigit() else None
+
+    @property
+    def lag(self) -> Optional[int]:
+        if self.head is None or self.version is None:
+            return None
+        return self.head - self.version
+
+    def stale(self) -> bool:
+        if not self.caught_up:
+            return True
+        lag = self.lag
+        return self.max_lag >= 0 and (lag is None or lag > self.max_lag)
+
+    def report(self) -> dict:
+        return {"stale": self.stale(), "version": self.version, "head": self.head, "max_lag": self.max_lag,
+                "store": self.url, "error": self.error}
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.step()
+            except Exception as e:  # the store unreachable, a record refused: stay as we are, try again
+                self.error = f"{e}"
+                logger.error("version store watch: %s", e)
+            await asyncio.sleep(self.poll_s)
+
+    async def step(self) -> None:
+        head, _ = await asyncio.to_thread(read_head, self.store, self.key)
+        if head is None:
+            self.error = "the store holds no version yet"
+            return
+        self.head = head[0]
+        if self.caught_up and self.version is not None and self.version >= self.head:
+            return
+        from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
+
+        req = UpdateWeightFromDiskReqInput(model_path=self.url, load_format="delta", files=[],
+                                           weight_version=str(self.head), store={"catch_up": True})
+        out = await self.tm.update_weights_from_disk(req, None)
+        ok, msg = out[0], out[1]
+        if ok:
+            self.caught_up, self.error = True, ""
+            logger.info("version store watch: at version %s (%s)", self.head, msg)
+        else:
+            self.error = msg
+            logger.error("version store watch: catch-up to version %s refused: %s", self.head, msg)
+
+
+_WATCH: Optional[StoreWatch] = None
+
+
+def start(tokenizer_manager, server_args) -> None:
+    """Hooked at the HTTP server's start: follow ``--update-weight-store`` if it is set."""
+    global _WATCH
+    url = getattr(server_args, "update_weight_store", None)
+    if not url:
+        return
+    _WATCH = StoreWatch(tokenizer_manager, url, getattr(server_args, "update_weight_store_key_file", None),
+                        int(getattr(server_args, "update_weight_store_max_lag", -1)),
+                        float(getattr(server_args, "update_weight_store_poll_s", 5.0)))
+    _WATCH.task = asyncio.get_event_loop().create_task(_WATCH.run())
+
+
+def health():
+    """Hooked in ``/health``: a 503 with the lag while the engine is stale, else None (upstream decides)."""
+    if _WATCH is None or not _WATCH.stale():
+        return None
+    from fastapi import Response
+
+    return Response(content=json.dumps(_WATCH.report()), status_code=503, media_type="application/json")
+
+
+def check_serving() -> None:
+    """Hooked where generation requests enter: a stale engine takes none."""
+    if _WATCH is not None and _WATCH.stale():
+        r = _WATCH.report()
+        raise ValueError(f"this engine is stale (version {r['version']}, the store's HEAD {r['head']}, at most "
+                         f"{r['max_lag']} behind allowed): it serves again once it has caught up")

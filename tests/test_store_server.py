@@ -1,0 +1,108 @@
+"""A real patched SGLang server following a version store on a real S3 server (SeaweedFS), both pins: it reaches
+HEAD before it serves, catches up whenever HEAD moves, answers 503 on /health and refuses generation while it is
+more versions behind than allowed, and takes pushed deltas whose files it checks against the announced digests."""
+import os
+import time
+
+import pytest
+import requests
+
+from cpu_harness import Server, bf16_state, engine_mismatch, hf_config, hf_model, write_hf_checkpoint
+from sglang.srt.weight_sync.delta.sender import DeltaSender
+from sglang.srt.weight_sync.delta.store.manifest import StoreKey
+from sglang.srt.weight_sync.delta.store.publish import StoreTransport
+from sglang.srt.weight_sync.delta.transport import HttpEngine
+from test_store import nudged, one_segment, raw_store
+
+
+def weight_version(server):
+    for path in ("/model_info", "/get_model_info"):
+        r = requests.get(server.url + path, timeout=10)
+        if r.status_code == 200 and "weight_version" in r.json():
+            return r.json()["weight_version"]
+    return requests.get(server.url + "/get_weight_version", timeout=10).json()
+
+
+def wait_for(predicate, timeout=120, what=""):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if predicate():
+            return
+        time.sleep(0.5)
+    raise TimeoutError(what)
+
+
+def test_a_server_follows_the_store_and_is_unhealthy_while_stale(tmp_path):
+    from store_server import SeaweedS3
+
+    s3 = SeaweedS3(str(tmp_path / "seaweed"))
+    server = None
+    try:
+        url = f"s3://{s3.bucket()}/fleet"
+        key_file = tmp_path / "store.key"
+        key_file.write_bytes(os.urandom(32).hex().encode())
+        key = StoreKey.from_file(str(key_file))
+        cfg = hf_config("llama", vocab=300)
+        state = bf16_state(hf_model(cfg))
+        boot = write_hf_checkpoint(str(tmp_path / "boot"), cfg, bf16_state(hf_model(cfg, seed=2)))
+        sender = DeltaSender(StoreTransport(url, [], zstd=3, key=key), [], encoding="xor_zstd")
+        for v in (1, 2):
+            state = nudged(state, v) if v > 1 else state
+            sender.update(one_segment(state))
+        server = Server(boot, str(tmp_path / "server.log"), extra=[
+            "--update-weight-store", url, "--update-weight-store-key-file", str(key_file),
+            "--update-weight-store-max-lag", "1", "--update-weight-store-poll-s", "0.5"]).wait_healthy()
+        assert weight_version(server) == "2"  # healthy only once it holds HEAD
+        assert engine_mismatch(server, state) is None
+        for v in (3, 4):
+            state = nudged(state, v)
+            sender.update(one_segment(state))
+        wait_for(lambda: weight_version(server) == "4", what="the server did not follow HEAD to 4")
+        assert engine_mismatch(server, state) is None
+        at4 = state
+
+        raw, kept = raw_store(url), {}
+
+        def corrupt(vdir):  # version 5's files flipped after they are written, before HEAD names them
+            prefix = vdir.split("/")[-1]
+            for k in raw.keys(prefix):
+                if k.endswith(".safetensors"):
+                    kept[k] = data = raw.get(k)
+                    raw.put(k, data[:-1] + bytes([data[-1] ^ 1]))
+
+        sender.transport.hook = corrupt
+        state = nudged(state, 5)
+        sender.update(one_segment(state))
+        sender.transport.hook = None
+        for v in (6, 7):
+            state = nudged(state, v)
+            sender.update(one_segment(state))
+
+        def stale():
+            r = requests.get(server.url + "/health", timeout=10)
+            return r.status_code == 503 and r.json()["head"] == 7
+
+        wait_for(stale, what="the server did not report itself stale")
+        report = requests.get(server.url + "/health", timeout=10).json()
+        assert report["stale"] and report["version"] == 4 and report["max_lag"] == 1
+        r = server.post("/generate", {"text": "the quick", "sampling_params": {"max_new_tokens": 2}})
+        assert r.status_code != 200 and "stale" in r.text
+        assert engine_mismatch(server, at4) is None  # the refused version touched nothing
+        for k, data in kept.items():
+            raw.put(k, data)
+        wait_for(lambda: requests.get(server.url + "/health", timeout=10).status_code == 200,
+                 what="the server did not come back once the store was repaired")
+        assert weight_version(server) == "7" and engine_mismatch(server, state) is None
+
+        engine = HttpEngine(server.url)  # the trainer pushes to it as well: files checked against their digests
+        sender.attach(StoreTransport(url, [engine], zstd=3, key=key), [engine])
+        state = nudged(state, 8)
+        results = sender.update(one_segment(state))
+        assert results[0][0], results
+        m = sender.pop_metrics()
+        assert m["perf/update_weights_full_sync_engines"] == 0 and m["perf/update_weights_catch_ups"] == 0
+        assert engine_mismatch(server, state) is None
+    finally:
+        if server is not None:
+            server.stop()
+        s3.stop()
