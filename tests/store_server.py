@@ -46,7 +46,7 @@ class SeaweedS3:
         self.proc = subprocess.Popen(
             [weed_binary(), "server", f"-dir={workdir}/data", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
              f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}", "-s3",
-             f"-s3.port={self.port}", f"-s3.config={config}", "-master.volumeSizeLimitMB=64", "-volume.max=50",
+             f"-s3.port={self.port}", f"-s3.config={config}", "-master.volumeSizeLimitMB=16", "-volume.max=400",
              "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false",
              f"-master.port.grpc={master + 10000}", f"-volume.port.grpc={volume + 10000}",
              f"-filer.port.grpc={filer + 10000}", f"-s3.port.grpc={self.port + 10000}"],
@@ -79,9 +79,15 @@ class SeaweedS3:
                 time.sleep(0.5)
 
     def bucket(self) -> str:
-        name = f"weights-{uuid.uuid4().hex[:10]}"
-        self.client().create_bucket(Bucket=name)
-        return name
+        """The server's one bucket (SeaweedFS gives every bucket volumes of its own: tests take prefixes in it)."""
+        if not hasattr(self, "_bucket"):
+            self._bucket = f"weights-{uuid.uuid4().hex[:10]}"
+            self.client().create_bucket(Bucket=self._bucket)
+        return self._bucket
+
+    def url(self) -> str:
+        """A fresh prefix of the bucket: one test's store."""
+        return f"s3://{self.bucket()}/{uuid.uuid4().hex[:10]}"
 
     def stop(self) -> None:
         try:

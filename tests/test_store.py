@@ -27,8 +27,7 @@ def store_url(request, tmp_path):
     if request.param == "posix":
         os.makedirs(tmp_path / "store")
         return str(tmp_path / "store")
-    server = request.getfixturevalue("s3")
-    return f"s3://{server.bucket()}/run1"
+    return request.getfixturevalue("s3").url()
 
 
 class Engine(InProcessEngine):
@@ -467,3 +466,106 @@ def test_gc_keeps_what_head_needs_and_a_catch_up_it_races_falls_back_to_a_newer_
     fresh = Engine(cfg)
     assert fresh.catch_up(store_url)[0]
     assert_params_equal(fresh.host.model, reference(cfg, nudged(state, 8)))
+
+
+def test_a_trainer_anchor_every_k_versions_beside_the_deltas(store_url):
+    """``anchor_every=3``: versions 3 and 6 carry a trainer-written anchor beside their deltas (the pushed engine
+    still takes deltas); a fresh engine at HEAD 7 starts from anchor 6."""
+    cfg = hf_config("qwen2")
+    a = Engine(cfg)
+    sender = DeltaSender(StoreTransport(store_url, [a], zstd=3), [a], encoding="xor_zstd", anchor_every=3)
+    state = bf16_state(hf_model(cfg))
+    for v in range(1, 8):
+        state = nudged(state, v) if v > 1 else state
+        results = sender.update(one_segment(state))
+        assert results[0][0], results
+        m = sender.pop_metrics()
+        assert m["perf/update_weights_full_sync_engines"] == (v == 1) and (v == 1 or m["perf/update_weights_xor"])
+    raw = raw_store(store_url)
+    assert sorted({k.split("-")[0] for k in raw.keys("anchor_v")}) == ["anchor_v000001", "anchor_v000003",
+                                                                        "anchor_v000006"]
+    fresh = Engine(cfg)
+    ok, msg = fresh.catch_up(store_url)
+    assert ok and "anchor 6" in msg, msg
+    assert_params_equal(fresh.host.model, reference(cfg, state))
+
+
+# ---------------------------------------------------------------- bad input: clear errors, nothing applied
+
+
+def test_bad_store_settings_are_clear_errors_at_start(s3, tmp_path, monkeypatch):
+    """A store that cannot be reached, a bucket that does not exist, wrong credentials, a key file that is missing or
+    differs from the one the store was written with: each fails the trainer's transport at start, naming what is
+    wrong; an engine asked to catch up from such a store refuses with a code, weights untouched."""
+    from sglang.srt.weight_sync.delta.store.objects import StoreUnavailable
+    from sglang.srt.weight_sync.delta.wire import DeltaError
+
+    url = s3.url()
+    with pytest.raises(StoreUnavailable, match="no-such-bucket-x.*no such bucket"):
+        StoreTransport("s3://no-such-bucket-x/run", [])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    with pytest.raises(StoreUnavailable, match="access denied"):
+        StoreTransport(url, [])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3.env["AWS_SECRET_ACCESS_KEY"])
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
+    with pytest.raises(StoreUnavailable, match="Could not connect"):
+        StoreTransport(url, [])
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)
+    with pytest.raises(DeltaError, match="cannot read"):
+        StoreKey.from_file(str(tmp_path / "missing.key"))
+    key_a, key_b = tmp_path / "a.key", tmp_path / "b.key"
+    key_a.write_bytes(os.urandom(32).hex().encode())
+    key_b.write_bytes(os.urandom(32).hex().encode())
+    cfg = hf_config("qwen2")
+    DeltaSender(StoreTransport(url, [], key=StoreKey.from_file(str(key_a))), [],
+                encoding="xor_zstd").update(one_segment(bf16_state(hf_model(cfg))))
+    with pytest.raises(DeltaError, match="signed with another key"):
+        StoreTransport(url, [], key=StoreKey.from_file(str(key_b)))
+    with pytest.raises(DeltaError, match="no store key"):
+        StoreTransport(url, [])
+    for key_file, code in ((None, "unverified"), (str(key_b), "unverified")):
+        e = Engine(cfg, key_file=key_file)
+        ok, msg = e.catch_up(url)
+        assert not ok and delta_status(e.host.model).code == code and delta_status(e.host.model).version is None, msg
+    e = Engine(cfg)
+    ok, msg = e.catch_up(s3.url())
+    assert not ok and delta_status(e.host.model).code == "store_unavailable" and "no version" in msg, msg
+
+
+def test_a_manifest_of_another_format_is_refused_as_unsupported(store_url):
+    """A store written by another patch set (its records' format differs): refused with code ``unsupported``."""
+    import json
+
+    cfg = hf_config("qwen2")
+    DeltaSender(StoreTransport(store_url, []), [], encoding="xor_zstd").update(one_segment(bf16_state(hf_model(cfg))))
+    raw = raw_store(store_url)
+    head = head_record(raw)
+    head["format"] = 99
+    raw.put("HEAD", json.dumps(head).encode())
+    e = Engine(cfg)
+    ok, msg = e.catch_up(store_url)
+    assert not ok and delta_status(e.host.model).code == "unsupported" and "format 99" in msg, msg
+
+
+def test_a_slow_store_is_a_deadline_then_retries_then_a_refusal(tmp_path, monkeypatch):
+    """An endpoint that accepts connections and never answers: every read gives up at the deadline, is retried a
+    bounded number of times, and the catch-up is refused (``store_unavailable``) with the weights untouched."""
+    import socket
+    import time
+
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(16)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{hole.getsockname()[1]}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    monkeypatch.setenv("DELTA_STORE_TIMEOUT_S", "1")
+    monkeypatch.setenv("DELTA_STORE_RETRIES", "2")
+    e = Engine(hf_config("qwen2"))
+    t0 = time.time()
+    ok, msg = e.catch_up("s3://slow/run")
+    took = time.time() - t0
+    hole.close()
+    assert not ok and delta_status(e.host.model).code == "store_unavailable", msg
+    assert 1.5 < took < 20, took  # the deadline, its retries, and one more plan: bounded

@@ -38,7 +38,7 @@ def test_a_server_follows_the_store_and_is_unhealthy_while_stale(tmp_path):
     s3 = SeaweedS3(str(tmp_path / "seaweed"))
     server = None
     try:
-        url = f"s3://{s3.bucket()}/fleet"
+        url = s3.url()
         key_file = tmp_path / "store.key"
         key_file.write_bytes(os.urandom(32).hex().encode())
         key = StoreKey.from_file(str(key_file))
@@ -51,7 +51,8 @@ def test_a_server_follows_the_store_and_is_unhealthy_while_stale(tmp_path):
             sender.update(one_segment(state))
         server = Server(boot, str(tmp_path / "server.log"), extra=[
             "--update-weight-store", url, "--update-weight-store-key-file", str(key_file),
-            "--update-weight-store-max-lag", "1", "--update-weight-store-poll-s", "0.5"]).wait_healthy()
+            "--update-weight-store-max-lag", "1", "--update-weight-store-poll-s", "0.5"])
+        server.wait_healthy()
         assert weight_version(server) == "2"  # healthy only once it holds HEAD
         assert engine_mismatch(server, state) is None
         for v in (3, 4):

@@ -44,8 +44,40 @@ def _check_sharded(args) -> None:
                          f"({', '.join(SPARSE_DELTA_ENCODINGS)}); slime's own updaters gather every param")
 
 
+def add_store_arguments(parser) -> None:
+    """The version store's flags (``sglang.srt.weight_sync.delta.store``)."""
+    parser.add_argument(
+        "--update-weight-store",
+        default=None,
+        help=(
+            "the sparse encodings over disk: publish every sync as a version of this store (s3://bucket/prefix, "
+            "credentials and endpoint from the environment as boto3 reads them, or a directory), instead of "
+            "--update-weight-disk-dir. Engines that start late, restart or fall behind catch up from it by "
+            "themselves; the trainer writes the whole model once (the first anchor)."
+        ),
+    )
+    parser.add_argument(
+        "--update-weight-store-key-file",
+        default=None,
+        help="a shared secret (>= 16 bytes) both sides read: every manifest and HEAD carries its HMAC-SHA256.",
+    )
+    parser.add_argument(
+        "--update-weight-store-anchor-every",
+        type=int,
+        default=0,
+        help=(
+            "also write a full anchor (an HF checkpoint) every K versions from the trainer (0, the default: only "
+            "the first; later anchors come from `python -m sglang.srt.weight_sync.delta store compact` off the "
+            "trainer, which keeps the trainer's upload O(changed))."
+        ),
+    )
+
+
 def validate_sparse_delta_args(args) -> None:
     """Refuse combinations that cannot work, with the fix in the message."""
+    if getattr(args, "update_weight_store", None) and args.update_weight_transport != "disk":
+        raise ValueError("--update-weight-store publishes the sparse delta files: it runs with "
+                         "--update-weight-transport=disk (beside nccl it is not supported yet)")
     if args.colocate:
         raise ValueError(
             "--update-weight-mode=delta is not supported with --colocate: colocated engines receive CUDA IPC "

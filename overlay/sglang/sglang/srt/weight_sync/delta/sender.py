@@ -93,7 +93,7 @@ class DeltaSender:
 
     def __init__(self, transport, engines: Sequence, encoding: str = "deltas", buffer_bytes: int = 512 << 20,
                  device: Optional[torch.device] = None, fingerprint_every: int = 0,
-                 stages: Optional[StageGroup] = None, repair_dirty: bool = True):
+                 stages: Optional[StageGroup] = None, repair_dirty: bool = True, anchor_every: int = 0):
         self.encoding = DeltaEncoding(encoding).value
         self.buffer_bytes = buffer_bytes
         self.state = DeltaState(device)
@@ -105,6 +105,7 @@ class DeltaSender:
         self.left_dirty: List[int] = []  # engines the last sync left with wrong weights (dirty, or a fingerprint)
         self.run: Optional[SyncRun] = None  # the sync in progress (its segments may read what it sends whom)
         self.fingerprint_every = fingerprint_every  # check engines' weight fingerprints every K syncs (0: never)
+        self.anchor_every = anchor_every  # a version store: the trainer also writes an anchor every K versions
         self.attach(transport, engines, stages)
 
     def attach(self, transport, engines: Sequence, stages: Optional[StageGroup] = None) -> None:
@@ -208,6 +209,9 @@ class DeltaSender:
             unknown = [i for i, s in self.status.items() if not s.max_request_bytes]
             if unknown:
                 self._learn(unknown)
+        store = getattr(self.transport, "versioned", False)  # a version store: every sync is published there
+        if store and (self.stages is None or self.stages.first):
+            self.version = max(self.version, self.transport.head_version)  # versions continue above its HEAD
         if self.stages is not None:
             self._adopt(self.stages.share(self._plan() if self.stages.first else None))
         odd = {i: sorted(s.wire_formats) for i, s in self.status.items() if s.wire_formats - {WIRE_FORMAT}}
@@ -222,8 +226,7 @@ class DeltaSender:
                 self.status[i].max_request_bytes = 0  # ask again next time: the engine may have been restarted
             raise DeltaError("; ".join(f"engine {i} cannot take delta weight updates: {why}"
                                        for i, why in refused.items()), Refusal.UNSUPPORTED)
-        store = getattr(self.transport, "versioned", False)  # a version store: every sync is published there
-        v = max(self.version, self.transport.head_version if store else 0) + 1
+        v = self.version + 1
         self.version = v
         full_targets = [i for i, s in self.status.items() if s.needs_full]
         catch_up = []
@@ -237,7 +240,7 @@ class DeltaSender:
         t0 = time.perf_counter()
         run = self.run = SyncRun(self, v, delta_targets, full_targets, self._encodings(delta_targets),
                                  fingerprint_on=bool(self.fingerprint_every) and v % self.fingerprint_every == 0,
-                                 stored=({"delta"} if based else {"full"}) if store else set())
+                                 stored=self._stored(store, based, v))
         try:
             self.transport.begin(v)
             for k, segment in enumerate(segments):
@@ -296,14 +299,25 @@ class DeltaSender:
             raise fatal
         return results
 
+    def _stored(self, store: bool, based: bool, v: int) -> set:
+        """What a version store takes of sync ``v`` whichever engines are pushed to: its deltas, an anchor when
+        there is no base to diff against, and both every ``anchor_every`` versions."""
+        if not store:
+            return set()
+        if not based:
+            return {"full"}
+        return {"delta", "full"} if self.anchor_every and v % self.anchor_every == 0 else {"delta"}
+
     def _plan(self) -> dict:
-        """What every stage must agree on before a sync: the version chain and each engine's status."""
-        return {"version": self.version, "status": {str(i): {k: sorted(v) if isinstance(v, frozenset) else v
-                                                             for k, v in dataclasses.asdict(st).items()}
-                                                    for i, st in self.status.items()}}
+        """What every stage must agree on before a sync: the version chain, each engine's status, a store's HEAD."""
+        return {"version": self.version, "head": getattr(self.transport, "head_version", None),
+                "status": {str(i): {k: sorted(v) if isinstance(v, frozenset) else v
+                                    for k, v in dataclasses.asdict(st).items()} for i, st in self.status.items()}}
 
     def _adopt(self, plan: dict) -> None:
         self.version = plan["version"]
+        if plan["head"] is not None:
+            self.transport.head_version = plan["head"]
         for i, fields in plan["status"].items():
             self.status[int(i)] = EngineStatus(**{k: frozenset(v) if isinstance(v, list) else v
                                                   for k, v in fields.items()})

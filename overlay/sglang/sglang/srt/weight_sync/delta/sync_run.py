@@ -59,7 +59,7 @@ class SyncRun:
     def gathers(self) -> bool:
         """Whether this sync needs params whole (some engine gets a full sync). A :class:`Prediffed` may still come
         for the delta targets: then its names' whole tensors go to the full targets only."""
-        return bool(self.targets["full"])
+        return "full" in self.buckets
 
     def pipeline_pass(self, chunks: Iterable[Chunk]) -> None:
         """Process chunk k while chunk k+1's snapshot is already on its way (CUDA); plain loop on CPU. An item that is

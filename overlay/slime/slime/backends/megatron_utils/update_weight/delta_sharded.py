@@ -76,13 +76,13 @@ class ShardedSync:
 
     def plan(self, sender) -> dict:
         """The source's decision for this sync, on every rank of the stage: whether the ranks diff their slices (some
-        engine takes a delta and the slices hold its base), whether it gathers every param (some engine gets a full
+        engine or a version store takes a delta and the slices hold its base), whether it gathers every param (some engine gets a full
         sync, or the slices hold no base), checks fingerprints, sends xor bases (``sender``: the source's, inside its
         sync; None elsewhere)."""
         mine = None
         if self.source:
             run = sender.run
-            mine = {"diff": bool(run.targets["delta"]) and self.seeded, "gather": run.gathers or not self.seeded,
+            mine = {"diff": "delta" in run.buckets and self.seeded, "gather": run.gathers or not self.seeded,
                     "fingerprint": run.fingerprints is not None,
                     "xor": run.encodings.get("delta") == DeltaEncoding.XOR_ZSTD.value}
         self.last = self._share(mine)

@@ -28,6 +28,8 @@ from slime.backends.megatron_utils.update_weight.common import named_params_and_
 from slime.utils.distributed_utils import get_gloo_group
 from sglang.srt.weight_sync.delta.collectives import StageGroup
 from sglang.srt.weight_sync.delta.sender import _EXPERT_SUBPASSES, DeltaSender
+from sglang.srt.weight_sync.delta.store.manifest import StoreKey
+from sglang.srt.weight_sync.delta.store.publish import StoreTransport
 from sglang.srt.weight_sync.delta.transport import DiskTransport, NcclTransport
 from sglang.srt.weight_sync.delta.wire import DeltaStatus, zstd_level
 
@@ -63,9 +65,12 @@ class _RayEngine:
             names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, weight_version=weight_version,
             load_format="delta", delta=delta))
 
-    def update_weights_from_disk(self, model_path, files, weight_version):
+    def update_weights_from_disk(self, model_path, files, weight_version, store=None):
         return self._ack(self.actor.update_weights_from_disk.remote(
-            model_path, load_format="delta", weight_version=weight_version, files=files))
+            model_path, load_format="delta", weight_version=weight_version, files=files, store=store))
+
+    def catch_up(self, store_url, weight_version=None):
+        return self.update_weights_from_disk(store_url, [], weight_version, store={"catch_up": True})
 
     def fingerprint(self):
         return ray.get(self.actor.check_weights.remote("delta_fingerprint"))["ranks"]
@@ -106,7 +111,14 @@ class UpdateWeightFromDistributedDelta(UpdateWeightFromDistributed):
         if not self._is_pp_src_rank:
             return
         engines = [_RayEngine(e) for e in rollout_engines]
-        if self._disk:
+        store = getattr(self.args, "update_weight_store", None)
+        if store:  # every sync a version of the store: late and restarted engines catch up from it
+            transport = StoreTransport(store, engines, stages=stages, key=StoreKey.from_file(
+                                           getattr(self.args, "update_weight_store_key_file", None)),
+                                       zstd=zstd_level(self.args.update_weight_delta_encoding,
+                                                       getattr(self.args, "update_weight_delta_zstd_level", None)),
+                                       post_write_hook=self._post_write_hook(), hf_dir=self.args.hf_checkpoint)
+        elif self._disk:
             transport = DiskTransport(self.args.update_weight_disk_dir, engines, stages=stages,
                                       zstd=zstd_level(self.args.update_weight_delta_encoding,
                                                       getattr(self.args, "update_weight_delta_zstd_level", None)),
@@ -123,7 +135,8 @@ class UpdateWeightFromDistributedDelta(UpdateWeightFromDistributed):
         self._sender = DeltaSender(transport, engines, encoding=self.args.update_weight_delta_encoding,
                                    buffer_bytes=self.args.update_weight_buffer_size,
                                    fingerprint_every=getattr(self.args, "update_weight_delta_fingerprint_interval", 0),
-                                   stages=stages, repair_dirty=False)  # every rank repairs in step: _send_weights
+                                   stages=stages, repair_dirty=False,  # every rank repairs in step: _send_weights
+                                   anchor_every=getattr(self.args, "update_weight_store_anchor_every", 0))
         self._sender.version = self.weight_version  # continue the engines' version chain
 
     def _stage_group(self) -> StageGroup | None:

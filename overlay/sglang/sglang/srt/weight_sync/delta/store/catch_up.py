@@ -212,7 +212,7 @@ def _plan(store: ObjectStore, key: StoreKey, state, weight_version: Optional[str
         for v, (_, sha, r) in records.items():
             if v > target:
                 continue
-            if r["full"]:
+            if r.get("anchor"):  # written by the trainer (a full version, or one every K)
                 candidates[v] = _anchor_record(store, key, chain, r["anchor"], v)
             elif v in anchors and anchors[v][2]["version_manifest"] == sha:
                 candidates[v] = anchors[v]

@@ -192,7 +192,9 @@ class S3Store(ObjectStore):
                 return None
             if code in ("PreconditionFailed", "412"):
                 raise HeadMoved(f"store {what}: a conditional write failed (another writer got there first)") from None
-            raise StoreUnavailable(f"store {what} on {self.url_root}: {code or e}") from None
+            why = {"403": "access denied (wrong credentials?)", "404": "no such bucket or key"}.get(code, code)
+            raise StoreUnavailable(f"store {what} on {self.url_root}: {why} "
+                                   f"({e.response.get('Error', {}).get('Message', e)})") from None
         except BotoCoreError as e:
             raise StoreUnavailable(f"store {what} on {self.url_root}: {e}") from None
 
@@ -248,8 +250,9 @@ def s3_client():
 
     timeout = float(os.environ.get("DELTA_STORE_TIMEOUT_S", "30"))
     retries = int(os.environ.get("DELTA_STORE_RETRIES", "3"))
-    return boto3.client("s3", config=Config(connect_timeout=timeout, read_timeout=timeout,
-                                            retries={"max_attempts": retries, "mode": "standard"}))
+    # a session of its own: credentials are read from the environment now, not cached from an earlier client
+    return boto3.session.Session().client("s3", config=Config(connect_timeout=timeout, read_timeout=timeout,
+                                                              retries={"max_attempts": retries, "mode": "standard"}))
 
 
 def is_store_url(url: str) -> bool:

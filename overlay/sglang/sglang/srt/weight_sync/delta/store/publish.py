@@ -67,25 +67,28 @@ class StoreTransport(DiskTransport):
                          stages=stages)
         self.hf_dir = hf_dir
         self.head, self._tag = read_head(self.store, self.key)  # a key that differs from the store's: error at start
+        self.head_version = self.head[0] if self.head else 0  # pipeline stages: stage 0's, from the sync's plan
         self.catch_up: List[int] = []
         self.catch_ups = self.catch_ups_from_anchor = 0
         self.fatal: Optional[DeltaError] = None
         self.upload_bytes = 0  # bytes this trainer wrote to the store in the last sync
 
-    @property
-    def head_version(self) -> int:
-        return self.head[0] if self.head else 0
-
     def begin(self, version: int) -> None:
         super().begin(version)
-        head, tag = read_head(self.store, self.key)
-        if tag != self._tag:
-            self.fatal = HeadMoved(f"store HEAD moved to version {head and head[0]} under this trainer (it last saw "
-                                   f"{self.head_version}): another trainer publishes to {self.store.url_root}")
+        first = self.stages is None or self.stages.first
+        if first:  # stage 0 commits: it alone checks that HEAD is still where this trainer left it
+            head, tag = read_head(self.store, self.key)
+            if tag != self._tag:
+                self.fatal = HeadMoved(f"store HEAD moved to version {head and head[0]} under this trainer (it last "
+                                       f"saw {self.head_version}): another trainer publishes to {self.store.url_root}")
+        pid = os.urandom(4).hex()
+        if self.stages is not None:  # one version directory for every stage's files
+            pid = self.stages.share(pid if self.fatal is None else None)
+        if pid is None or self.fatal is not None:
+            self.fatal = self.fatal or HeadMoved("stage 0 found the store's HEAD moved under this trainer")
             raise self.fatal
         if version <= self.head_version:
             raise DeltaError(f"sync version {version} is not above the store's HEAD version {self.head_version}")
-        pid = os.urandom(4).hex()
         self.vkey, self.akey = f"{version_dir(version)}-{pid}", f"{anchor_dir(version)}-{pid}"
         self.vdir = self.store.url(self.vkey)
         self._objects: Dict[str, Tuple[int, str]] = {}
@@ -122,7 +125,7 @@ class StoreTransport(DiskTransport):
                 self._weight_map.update((n, key.rsplit("/", 1)[1]) for n in anchors.shard_names(data))
 
     def _entry(self, kind: str, name: str):
-        size, sha = self._objects[f"{self.vkey if kind == 'delta' else self.akey}/{name}"]
+        size, sha = self._objects.get(f"{self.vkey if kind == 'delta' else self.akey}/{name}", (0, ""))  # "": failed
         return [name, size, sha]
 
     def _announced(self, entries: Dict[str, list]) -> None:
@@ -145,9 +148,12 @@ class StoreTransport(DiskTransport):
 
     def collect(self):
         results = super().collect()
-        if self.stages is not None:  # each stage hashed its own layers: the manifest holds them all
-            shared = self.stages.exchange(self.fingerprint)
-            self.fingerprint = None if any(f is None for f in shared) else {n: h for f in shared for n, h in f.items()}
+        if self.stages is not None:  # each stage hashed and wrote its own layers: the manifest holds them all
+            shared = self.stages.exchange({"fingerprint": self.fingerprint, "weight_map": self._weight_map})
+            prints = [s["fingerprint"] for s in shared]
+            self.fingerprint = None if None in prints else {n: h for f in prints for n, h in f.items()}
+            for s in shared:
+                self._weight_map.update(s["weight_map"])
             if not self.stages.first:
                 return results
         written = all(f.exception() is None for f in self._publishes)
@@ -171,7 +177,7 @@ class StoreTransport(DiskTransport):
             anchor = self._write_anchor(chain)
         base, encoding = self._spec if self._spec else (self.version, None)
         record = {"kind": "version", "chain": chain, "version": self.version, "base_version": base,
-                  "parent": parent, "encoding": encoding, "full": anchor is not None, "anchor": anchor,
+                  "parent": parent, "encoding": encoding, "full": not self._requests, "anchor": anchor,
                   "requests": self._requests, "fingerprint": self.fingerprint}
         data = seal(record, self.key)
         mkey = f"{self.vkey}/manifest.json"
@@ -180,7 +186,7 @@ class StoreTransport(DiskTransport):
         hdata = seal(dict(head_record(chain, self.version, head[2]), manifest_key=mkey), self.key)
         self._tag = self.store.swap_head(hdata, self._tag)
         self.upload_bytes += len(data) + len(hdata)
-        self.head = head
+        self.head, self.head_version = head, head[0]
 
     def _write_anchor(self, chain: str) -> list:
         """The anchor's index, its config files, then its manifest; returns ``[manifest key, digest]``."""

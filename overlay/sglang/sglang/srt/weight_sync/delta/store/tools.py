@@ -56,7 +56,7 @@ def chain(store: ObjectStore, key: StoreKey):
         top = (parent[0], parent[1], parent[2], head[3])
     found = {}
     for v, (_, sha, r) in records.items():
-        if r["full"]:
+        if r.get("anchor"):
             found[v] = _anchor_record(store, key, head[3], r["anchor"], v)
     for v, entry in _listed_anchors(store, key, head[3], head[0]).items():
         if v in records and entry[2]["version_manifest"] == records[v][1] and v not in found:
