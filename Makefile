@@ -12,7 +12,7 @@ TRANSPORT ?= disk
 ENCODING  ?=
 IMAGE     ?= delta-weight-sync:latest
 
-.PHONY: venvs test test-slime bench-slime soak demo bench gpu-check gpu-bundle image image-lint check-image-tree clean
+.PHONY: venvs test test-slime bench-slime soak soak-fleet demo bench gpu-check gpu-bundle image image-lint check-image-tree clean
 
 venvs:
 	@for p in $(PINS); do scripts/build_venv.sh $$p $(BUILD) || exit 1; done
@@ -22,17 +22,18 @@ venvs:
 # package's layout, the bench's report, gpu-check's dry run, the delta tools and the image's tree (our scripts); and
 # the soak, 8 syncs per pause mode (both pins' pause modes run in test_pause_modes; `make soak PIN=...` runs 200);
 # the sender's pipeline stages and shared-group re-sync (overlay logic; both pins' receivers take disk and NCCL
-# deltas in test_server and test_sender). Later pins leave the sharded engines' bf16 cases to the first: their FP8
+# deltas in test_server and test_sender); the version store's cases (its server test runs on both pins). Later pins leave the sharded engines' bf16 cases to the first: their FP8
 # twins run the same ranks' paths there. slime's updater runs in `make test-slime` (its own venv: Megatron, Ray).
 ONE_PIN_TESTS = tests/test_wire.py tests/test_checksum.py tests/test_fingerprint.py tests/test_layout.py \
   tests/test_bench.py tests/test_gpu_check.py tests/test_tools.py tests/test_image.py tests/test_soak.py \
-  tests/test_pipeline_stages.py tests/test_shared_group_resync.py
+  tests/test_pipeline_stages.py tests/test_shared_group_resync.py tests/test_store.py
 FIRST_PIN_CASES = $(foreach c,qwen3-moe-None-2-1 qwen3-moe-None-2-2 deepseek-v3-None-2-2,\
   tests/test_sharded_engines.py::test_every_rank_of_a_sharded_engine_takes_each_delta_bit_identically[$(c)])
 test: venvs
 	@rc=0; skip=""; for p in $(PINS); do \
 	  echo "=== tests against patched sglang $$p ==="; \
-	  $(BUILD)/venv-$$p/bin/python -m pytest tests --ignore=tests/test_slime_sender.py --ignore=tests/test_slime_shard_map.py $$skip \
+	  $(BUILD)/venv-$$p/bin/python -m pytest tests --ignore=tests/test_slime_sender.py --ignore=tests/test_slime_shard_map.py \
+	    --ignore=tests/test_slime_store.py $$skip \
 	    $(PYTEST_ARGS) || rc=1; \
 	  skip="$(addprefix --ignore=,$(ONE_PIN_TESTS)) $(addprefix --deselect=,$(FIRST_PIN_CASES))"; \
 	done; exit $$rc
@@ -49,7 +50,7 @@ test-slime: $(if $(filter $(BUILD)/slime,$(SLIME_DIR)),$(BUILD)/slime/.stamp)
 	SLIME_COMMIT=$(SLIME_COMMIT) scripts/apply_patches.sh $(BUILD)/slime-tree
 	SLIME_PATCHED_DIR=$(abspath $(BUILD)/slime-tree) PYTHONPATH=$(abspath $(BUILD)/slime-tree) \
 	  $(BUILD)/venv-0.5.15.post1-slime/bin/python -m pytest tests/test_slime_sender.py tests/test_slime_shard_map.py \
-	  $(PYTEST_ARGS)
+	  tests/test_slime_store.py $(PYTEST_ARGS)
 
 # slime's own disk delta (xor, overwrite) and ours (deltas_zstd, planes_zstd, xor_zstd) on the same Megatron steps
 # into a real server, side by side -> a section of docs/benchmarks.md (same slime checkout as test-slime).
@@ -67,11 +68,13 @@ demo:
 	$(BUILD)/venv-$(PIN)/bin/python scripts/demo.py --workdir $(BUILD)/demo --steps $(STEPS) --transport $(TRANSPORT) $(if $(ENCODING),--encoding $(ENCODING))
 
 # Full sync vs delta on a Qwen2.5-0.5B-shaped model: wire bytes, sender vs memcpy, apply vs load_weights,
-# modeled sync time, peak memory -> docs/benchmarks.md + docs/benchmarks.png (BENCH_ARGS="--steps 5" etc.).
+# modeled sync time, peak memory -> docs/benchmarks.md + docs/benchmarks.png (BENCH_ARGS="--steps 5" etc.); then the
+# version store on the same states (a late joiner's catch-up vs a full sync, upload vs engines, compaction).
 BENCH_ARGS ?=
 bench:
 	@scripts/build_venv.sh $(PIN) $(BUILD)
 	$(BUILD)/venv-$(PIN)/bin/python scripts/bench.py --workdir $(BUILD)/bench $(BENCH_ARGS)
+	$(BUILD)/venv-$(PIN)/bin/python scripts/bench_store.py --workdir $(BUILD)/bench $(BENCH_ARGS)
 
 # On a GPU host: the CUDA sender and receiver paths checked and measured (scripts/gpu_check.py; exits 2 without
 # CUDA). Where SGLang is not installed it runs from build/gpu-bundle/site.zip (`make gpu-bundle` on a machine
@@ -89,6 +92,13 @@ gpu-bundle: $(if $(filter $(BUILD)/slime,$(SLIME_DIR)),$(BUILD)/slime/.stamp)
 soak:
 	@scripts/build_venv.sh $(PIN) $(BUILD)
 	SOAK_SYNCS=200 $(BUILD)/venv-$(PIN)/bin/python -m pytest tests/test_soak.py tests/test_disk_fanout.py -s $(PYTEST_ARGS)
+
+# A fleet on a version store (SeaweedFS, then a directory): real servers join, leave and restart at random, store
+# faults and attacks mixed in, generation traffic throughout; one `fleet:` line per store kind.
+FLEET_SYNCS ?= 60
+soak-fleet:
+	@scripts/build_venv.sh $(PIN) $(BUILD)
+	FLEET_SYNCS=$(FLEET_SYNCS) $(BUILD)/venv-$(PIN)/bin/python -m pytest tests/test_soak_fleet.py -s $(PYTEST_ARGS)
 
 # The container image: slime's published image with our patches applied (needs a Docker engine; see README).
 image:

@@ -8,3 +8,5 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 # Four real servers at once: run with `make soak` (SOAK_SYNCS set), not in `make test`.
 collect_ignore = [] if os.environ.get("SOAK_SYNCS") else ["test_disk_fanout.py"]
+# A fleet of real servers following a version store: `make soak-fleet` (FLEET_SYNCS set), not `make test`.
+collect_ignore += [] if os.environ.get("FLEET_SYNCS") else ["test_soak_fleet.py"]

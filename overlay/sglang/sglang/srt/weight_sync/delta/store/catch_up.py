@@ -97,10 +97,11 @@ def apply_pushed(host, url: str, files: List[str], weight_version: Optional[str]
 
 def catch_up(host, url: str, weight_version: Optional[str]) -> Tuple[bool, str]:
     """Bring this engine to ``weight_version`` (None: ``HEAD``) from the store at ``url``; see the module docstring.
-    A chain collected under it (an object gone mid-way) is planned again once: from a newer anchor."""
+    A chain collected under it (an object gone mid-way), or a version that failed part-way, is planned again once:
+    from a newer anchor, which replaces every weight."""
     ok, msg = _catch_up(host, url, weight_version)
     state = receiver_state(host_model(host))
-    if not ok and state.last[1] == Refusal.STORE_UNAVAILABLE.value:
+    if not ok and (state.last[1] == Refusal.STORE_UNAVAILABLE.value or state.dirty):  # dirty: it stopped part-way
         logger.warning("catch-up from %s: %s; planning again", url, msg)
         ok, msg = _catch_up(host, url, weight_version)
     return ok, msg

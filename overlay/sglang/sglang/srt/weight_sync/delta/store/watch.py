@@ -5,7 +5,8 @@ asks it to catch up through the ordinary update path (``/update_weights_from_dis
 tokenizer manager's writer lock keeps generation off the model while the whole catch-up applies). Until its first
 catch-up succeeds, and whenever it is more than ``--update-weight-store-max-lag`` versions behind ``HEAD`` (-1: no
 bound), the engine is *stale*: ``/health`` answers 503 with the lag (a router takes it out), and new generation
-requests are refused. An RL run bounds how off-policy its rollouts get with that flag.
+requests are refused; so is an engine a failed catch-up left holding a mix of versions (its status: dirty). An RL
+run bounds how off-policy its rollouts get with that flag.
 """
 
 from __future__ import annotations
@@ -84,6 +85,16 @@ class StoreWatch:
         else:
             self.error = msg
             logger.error("version store watch: catch-up to version %s refused: %s", self.head, msg)
+            if await self._needs_full():  # it stopped part-way: a mix of versions is nothing to serve
+                self.caught_up = False
+
+    async def _needs_full(self) -> bool:
+        """Whether any rank of the engine holds weights no version explains (dirty, or never synced)."""
+        from sglang.srt.managers.io_struct import CheckWeightsReqInput
+        from sglang.srt.weight_sync.delta.wire import DeltaStatus
+
+        out = await self.tm.check_weights(CheckWeightsReqInput(action="delta_status"), None)
+        return any(r.needs_full for r in DeltaStatus.from_checker(out[2] or []))
 
 
 _WATCH: Optional[StoreWatch] = None
