@@ -5,14 +5,15 @@ import sys
 
 import sglang.srt.weight_sync.delta as pkg
 
-ENGINE = ("receiver", "validate", "ingest", "versions", "views", "engine_state", "write_guard", "quant", "prefix_cache")
+ENGINE = ("receiver", "validate", "ingest", "versions", "views", "engine_state", "write_guard", "quant", "prefix_cache",
+          "store.catch_up", "store.watch")
 
 
 def test_engine_modules_import_nothing_of_the_sender():
     code = ("import sys\n" + "".join(f"import sglang.srt.weight_sync.delta.{m}\n" for m in ENGINE)
             + "print(sorted(m for m in sys.modules if m.startswith('sglang.srt.weight_sync.delta.')))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    for sender_side in ("diff", "sender", "sync_run", "transport"):
+    for sender_side in ("diff", "sender", "sync_run", "transport", "store.publish"):
         assert f"'sglang.srt.weight_sync.delta.{sender_side}'" not in loaded, loaded
 
 

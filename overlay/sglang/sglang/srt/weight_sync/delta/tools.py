@@ -25,7 +25,6 @@ from sglang.srt.weight_sync.delta.bucket import DeltaBucket
 from sglang.srt.weight_sync.delta.diff import changed_positions, encode_flush
 from sglang.srt.weight_sync.delta.files import flush_file, maybe_zstd_decompress, read_safetensors
 from sglang.srt.weight_sync.delta.positions import encode_positions
-from sglang.srt.weight_sync.delta.store import tools as store_tools
 from sglang.srt.weight_sync.delta.validate import check_structure, unxor, validate_payload
 from sglang.srt.weight_sync.delta.wire import DeltaEncoding, DeltaError, dtype_to_str, sparse_allowed, zstd_level
 
@@ -178,21 +177,33 @@ def apply(base_dir: str, delta_dir: str, out: str) -> None:
     if not payloads or not payloads[-1].spec.final or [p.spec.flush for p in payloads] != list(range(len(payloads))):
         raise DeltaError(f"{delta_dir}: flushes are incomplete or out of order")
     # xor_zstd values are rebuilt against the base (each param appears once per version), then checked like any
-    payloads = [unxor(pl, shapes, lambda ps, ix: torch.cat(
-        [state[p.name].reshape(-1) if i is None else state[p.name].reshape(-1)[i] for p, i in zip(ps, ix)]
-        or [pl.values[:0]])) if pl.xored else pl for pl in payloads]
+    payloads = [rebuilt(pl, state, shapes) for pl in payloads]
     decoded = [validate_payload(pl, shapes) for pl in payloads]  # everything checked before any write
     for pl, positions in zip(payloads, decoded):
-        for p in pl.spec.params:
-            idx, vals = positions.of(p), pl.values[p.val_start:p.val_end]
-            flat = state[p.name].view(-1)
-            if idx is None:
-                flat.copy_(vals)
-            else:
-                flat[idx] = vals
+        write_flush(state, pl, positions)
     if _fingerprints(state.items()) != manifest["new_fingerprint"]:
         raise DeltaError("the rebuilt checkpoint's fingerprint differs from the one recorded by diff")
     _save_like(base_dir, state, out)
+
+
+def rebuilt(pl, state: Dict[str, torch.Tensor], shapes: dict):
+    """A flush with its ``xor_zstd`` values rebuilt against ``state`` (its base); any other flush as it is."""
+    if not pl.xored:
+        return pl
+    return unxor(pl, shapes, lambda ps, ix: torch.cat(
+        [state[p.name].reshape(-1) if i is None else state[p.name].reshape(-1)[i] for p, i in zip(ps, ix)]
+        or [pl.values[:0]]))
+
+
+def write_flush(state: Dict[str, torch.Tensor], pl, positions) -> None:
+    """A validated flush's values into ``state`` (HF tensors), at its decoded positions."""
+    for p in pl.spec.params:
+        idx, vals = positions.of(p), pl.values[p.val_start:p.val_end]
+        flat = state[p.name].view(-1)
+        if idx is None:
+            flat.copy_(vals)
+        else:
+            flat[idx] = vals
 
 
 def _save_like(base_dir: str, state: Dict[str, torch.Tensor], out: str) -> None:
@@ -326,6 +337,8 @@ def main(argv=None) -> int:
     p.add_argument("new")
     p.add_argument("--plot")
     p.add_argument("--json", action="store_true")
+    from sglang.srt.weight_sync.delta.store import tools as store_tools  # it builds on this module's apply
+
     store_tools.add_parser(sub)
     args = ap.parse_args(argv)
     try:

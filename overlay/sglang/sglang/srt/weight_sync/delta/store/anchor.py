@@ -14,9 +14,17 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from sglang.srt.weight_sync.delta.diff import encode_flush
 from sglang.srt.weight_sync.delta.files import _ST_DTYPES, _ST_NAMES, _raw_bytes
-from sglang.srt.weight_sync.delta.wire import HEADER_CAP, DeltaError, DeltaPayload, Refusal, dtype_from_str
+from sglang.srt.weight_sync.delta.wire import (
+    HEADER_CAP,
+    DeltaError,
+    DeltaParam,
+    DeltaPayload,
+    DeltaSpec,
+    Refusal,
+    dtype_from_str,
+    dtype_to_str,
+)
 
 INDEX = "model.safetensors.index.json"
 # what an HF model directory holds beside its weights (copied into an anchor from the trainer's checkpoint)
@@ -81,9 +89,20 @@ def read_hf_shard(data: bytes, name: str, *, version: int, first_flush: int) -> 
         by_dtype.setdefault(dtype, []).append((key, t, None))
     if at != body.numel():
         raise DeltaError(f"{tag}: {body.numel() - at} bytes after its last tensor", Refusal.UNVERIFIED)
-    return [encode_flush(items, "indices", full=True, version=version, base_version=version,
-                         flush=first_flush + k, final=False)
+    return [_dense_flush(items, version, first_flush + k)
             for k, (_, items) in enumerate(sorted(by_dtype.items(), key=lambda kv: str(kv[0])))]
+
+
+def _dense_flush(items, version: int, flush: int) -> DeltaPayload:
+    """Tensors of one dtype as one flush of a full sync: every param dense, their values back to back, sealed."""
+    params, at = [], 0
+    for name, t, _ in items:
+        params.append(DeltaParam(name, dtype_to_str(t.dtype), list(t.shape), 0, 0, 0, at, at + t.numel()))
+        at += t.numel()
+    spec = DeltaSpec(encoding="indices", params=params, full=True, base_version=version, version=version,
+                     flush=flush, final=False)
+    values = torch.cat([t.reshape(-1) for _, t, _ in items])
+    return DeltaPayload(spec, torch.empty(0, dtype=torch.uint8), values).seal()
 
 
 def config_files(hf_dir: str) -> Sequence[str]:

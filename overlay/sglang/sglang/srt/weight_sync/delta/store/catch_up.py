@@ -30,9 +30,8 @@ from sglang.srt.weight_sync.delta.engine_state import host_model, receiver_state
 from sglang.srt.weight_sync.delta.files import maybe_zstd_decompress, read_safetensors
 from sglang.srt.weight_sync.delta.ingest import DEFAULT_READ_WORKERS, max_request_bytes, read_files_once
 from sglang.srt.weight_sync.delta.store.anchor import read_hf_shard
-from sglang.srt.weight_sync.delta.store.manifest import RECORD_CAP, StoreKey, digest, open_record
+from sglang.srt.weight_sync.delta.store.manifest import RECORD_CAP, StoreKey, digest, open_record, read_head
 from sglang.srt.weight_sync.delta.store.objects import ObjectStore, StoreUnavailable, open_store
-from sglang.srt.weight_sync.delta.store.publish import read_head
 from sglang.srt.weight_sync.delta.wire import DeltaError, DeltaPayload, Refusal
 
 logger = logging.getLogger(__name__)

@@ -137,6 +137,19 @@ def open_record(data: bytes, key: StoreKey, what: str, kind: str) -> dict:
     return record
 
 
+def read_head(store, key: StoreKey):
+    """``HEAD`` verified (MAC, format, kind) as ``(version, manifest key, manifest digest, chain id)``, and the tag
+    a compare-and-swap names; ``(None, None)`` before the first version."""
+    data, tag = store.read_head()
+    if data is None:
+        return None, None
+    r = open_record(data, key, "store HEAD", "head")
+    try:
+        return (int(r["version"]), str(r["manifest_key"]), str(r["manifest"]), str(r["chain"])), tag
+    except (KeyError, TypeError, ValueError):
+        raise DeltaError("store HEAD: malformed record", Refusal.UNVERIFIED) from None
+
+
 def head_record(chain: str, version: int, manifest_digest: str) -> dict:
     return {"kind": "head", "chain": chain, "version": version, "manifest": manifest_digest}
 

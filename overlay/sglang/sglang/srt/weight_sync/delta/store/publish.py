@@ -27,7 +27,7 @@ from sglang.srt.weight_sync.delta.store.manifest import (
     digest,
     head_record,
     new_chain_id,
-    open_record,
+    read_head,
     seal,
     version_dir,
 )
@@ -36,21 +36,6 @@ from sglang.srt.weight_sync.delta.transport import DiskTransport
 from sglang.srt.weight_sync.delta.wire import DeltaError, DeltaPayload
 
 logger = logging.getLogger(__name__)
-
-Head = Tuple[int, str, str, str]  # (version, manifest key, manifest digest, chain id)
-
-
-def read_head(store: ObjectStore, key: StoreKey) -> Tuple[Optional[Head], Optional[str]]:
-    """``HEAD`` verified (its MAC, format and kind), and the tag a compare-and-swap names."""
-    data, tag = store.read_head()
-    if data is None:
-        return None, None
-    r = open_record(data, key, "store HEAD", "head")
-    try:
-        return (int(r["version"]), str(r["manifest_key"]), str(r["manifest"]), str(r["chain"])), tag
-    except (KeyError, TypeError, ValueError):
-        raise DeltaError("store HEAD: malformed record") from None
-
 
 class StoreTransport(DiskTransport):
     """Flush files as a store's versions (see the module docstring); ``catch_up``: the engines the sender tells to

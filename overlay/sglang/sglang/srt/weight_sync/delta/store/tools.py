@@ -22,10 +22,10 @@ from sglang.srt.weight_sync.delta import fingerprint
 from sglang.srt.weight_sync.delta.files import maybe_zstd_decompress, read_safetensors
 from sglang.srt.weight_sync.delta.store import anchor as anchors
 from sglang.srt.weight_sync.delta.store.catch_up import _anchor_record, _listed_anchors, _walk, read_object
-from sglang.srt.weight_sync.delta.store.manifest import StoreKey, anchor_dir, digest, seal
+from sglang.srt.weight_sync.delta.store.manifest import StoreKey, anchor_dir, digest, read_head, seal
 from sglang.srt.weight_sync.delta.store.objects import ObjectStore, StoreUnavailable, open_store
-from sglang.srt.weight_sync.delta.store.publish import read_head
-from sglang.srt.weight_sync.delta.validate import unxor, validate_payload
+from sglang.srt.weight_sync.delta.tools import rebuilt, write_flush
+from sglang.srt.weight_sync.delta.validate import validate_payload
 from sglang.srt.weight_sync.delta.wire import DeltaError, Refusal, dtype_to_str
 
 logger = logging.getLogger(__name__)
@@ -121,19 +121,8 @@ def _apply_version(store: ObjectStore, state: Dict[str, torch.Tensor], record: d
     for request in record["requests"]:
         for name, _, sha in request:
             data = read_object(store, f"{prefix}/{name}", sha, _MAX_OBJECT)
-            pl = read_safetensors(maybe_zstd_decompress(data, _MAX_OBJECT, name), name)
-            if pl.xored:
-                pl = unxor(pl, shapes, lambda ps, ix: torch.cat(
-                    [state[p.name].reshape(-1) if i is None else state[p.name].reshape(-1)[i]
-                     for p, i in zip(ps, ix)] or [pl.values[:0]]))
-            positions = validate_payload(pl, shapes)
-            for p in pl.spec.params:
-                idx, vals = positions.of(p), pl.values[p.val_start:p.val_end]
-                flat = state[p.name].view(-1)
-                if idx is None:
-                    flat.copy_(vals)
-                else:
-                    flat[idx] = vals
+            pl = rebuilt(read_safetensors(maybe_zstd_decompress(data, _MAX_OBJECT, name), name), state, shapes)
+            write_flush(state, pl, validate_payload(pl, shapes))
 
 
 def _write_anchor(store: ObjectStore, key: StoreKey, chain_id: str, version: int, manifest_digest: str,

@@ -16,9 +16,8 @@ import json
 import logging
 from typing import Optional
 
-from sglang.srt.weight_sync.delta.store.manifest import StoreKey
+from sglang.srt.weight_sync.delta.store.manifest import StoreKey, read_head
 from sglang.srt.weight_sync.delta.store.objects import open_store
-from sglang.srt.weight_sync.delta.store.publish import read_head
 
 logger = logging.getLogger(__name__)
 
