@@ -569,3 +569,62 @@ def test_a_slow_store_is_a_deadline_then_retries_then_a_refusal(tmp_path, monkey
     hole.close()
     assert not ok and delta_status(e.host.model).code == "store_unavailable", msg
     assert 1.5 < took < 20, took  # the deadline, its retries, and one more plan: bounded
+
+
+def _stage(stage, init_method, url, states, out):
+    import traceback
+
+    try:
+        from sglang.srt.weight_sync.delta.collectives import StageGroup
+        from test_pipeline_stages import STAGES, stage_names
+
+        torch.distributed.init_process_group("gloo", init_method=init_method, world_size=STAGES, rank=stage)
+        stages = StageGroup(torch.distributed.group.WORLD, stage, STAGES)
+        sender = DeltaSender(StoreTransport(url, [], zstd=3, stages=stages), [], encoding="xor_zstd",
+                             fingerprint_every=2, stages=stages)
+        for state in states:
+            sender.update(one_segment({n: state[n] for n in stage_names(state, stage)}))
+            torch.distributed.barrier()
+        out.put((stage, sender.version))
+    except BaseException:
+        out.put((stage, traceback.format_exc()))
+
+
+def test_two_pipeline_stages_publish_one_version_each_sync(store_url):
+    """Two trainer processes (pipeline stages, gloo) publish into one store with no engine pushed to: one version
+    directory per sync holding both stages' files, an anchor of both stages' shards with one index, and the
+    fingerprint of both stages' layers (compaction checks it). A late engine catches up bit-identically."""
+    import multiprocessing as mp
+
+    from cpu_harness import free_port
+    from sglang.srt.weight_sync.delta.tools import main
+
+    cfg = hf_config("qwen2")
+    state = bf16_state(hf_model(cfg))
+    states = [state] + [state := nudged(state, v) for v in (2, 3)]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    init = f"tcp://127.0.0.1:{free_port()}"
+    procs = [ctx.Process(target=_stage, args=(k, init, store_url, states, out)) for k in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(60)
+    assert got == {0: 3, 1: 3}, got
+    raw = raw_store(store_url)
+    for v in (1, 2, 3):
+        dirs = {k.split("/")[0] for k in raw.keys(f"weight_v{v:06d}")}
+        assert len(dirs) == 1, dirs
+    shards = [k for k in raw.keys("anchor_v000001") if k.endswith(".safetensors")]
+    assert {s.rsplit("/", 1)[1][:10] for s in shards} == {"model-0000", "model-0001"}, shards
+    import json
+
+    index = json.loads(raw.get(next(k for k in raw.keys("anchor_v000001") if k.endswith("index.json"))))
+    assert set(index["weight_map"]) == set(state), sorted(set(state) - set(index["weight_map"]))
+    late = Engine(cfg)
+    ok, msg = late.catch_up(store_url)
+    assert ok, msg
+    assert_params_equal(late.host.model, reference(cfg, states[-1]))
+    assert main(["store", "compact", store_url]) == 0  # version 2: both stages' fingerprints, merged
+    assert any(k.startswith("anchor_v000002") for k in raw.keys("anchor_v"))

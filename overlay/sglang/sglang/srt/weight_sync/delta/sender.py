@@ -39,6 +39,7 @@ from sglang.srt.weight_sync.delta import fingerprint
 from sglang.srt.weight_sync.delta.collectives import StageGroup
 from sglang.srt.weight_sync.delta.ops import gc_paused
 from sglang.srt.weight_sync.delta.snapshot import Chunk, DeltaState
+from sglang.srt.weight_sync.delta.store.objects import HeadMoved
 from sglang.srt.weight_sync.delta.sync_run import SyncRun
 from sglang.srt.weight_sync.delta.wire import (
     WIRE_FORMAT,
@@ -262,6 +263,8 @@ class DeltaSender:
             self.run = None
             if self.stages is not None:  # every stage's part is done before any engine serves again
                 results = self._combine(results)
+            if store:
+                results = self._commit_store(results)
         t_finalize = time.perf_counter() - t0 - t_encode - run.fingerprint_s
         acked = [i for i, (ok, _) in results.items() if ok]
         failed = [i for i in results if i not in acked]
@@ -322,12 +325,30 @@ class DeltaSender:
             self.status[int(i)] = EngineStatus(**{k: frozenset(v) if isinstance(v, list) else v
                                                   for k, v in fields.items()})
 
+    def _commit_store(self, results: Dict[int, Tuple[bool, str]]) -> Dict[int, Tuple[bool, str]]:
+        """A version store's commit once every stage's part is in: stage 0 writes the manifest and ``HEAD`` and has
+        the engines that need it catch up; every stage then goes on with the same results (and stops alike if
+        another trainer moved ``HEAD``)."""
+        record = self.transport.stage_record()
+        records = self.stages.exchange(record) if self.stages is not None else [record]
+        if self.stages is None or self.stages.first:
+            results = self.transport.commit(results, records)
+        if self.stages is not None:
+            fatal = self.transport.fatal
+            shared = self.stages.share({"results": {str(i): list(r) for i, r in results.items()},
+                                        "fatal": str(fatal) if fatal else None} if self.stages.first else None)
+            results = {int(i): (bool(r[0]), r[1]) for i, r in shared["results"].items()}
+            if shared["fatal"] and self.transport.fatal is None:
+                self.transport.fatal = HeadMoved(shared["fatal"])
+        return results
+
     def _combine(self, results: Dict[int, Tuple[bool, str]]) -> Dict[int, Tuple[bool, str]]:
         """An engine took a sync only if every stage's part of it was taken."""
         shared = self.stages.exchange({str(i): list(r) for i, r in results.items()})
         out = {}
         for i in results:
-            failed = [(k, r[str(i)][1]) for k, r in enumerate(shared) if not r.get(str(i), [False])[0]]
+            failed = [(k, r.get(str(i), [False, "no result"])[1]) for k, r in enumerate(shared)
+                      if not r.get(str(i), [False])[0]]
             out[i] = (True, results[i][1]) if not failed else (False, f"pipeline stage {failed[0][0]}: {failed[0][1]}")
         return out
 

@@ -54,12 +54,21 @@ class StoreTransport(DiskTransport):
         self.head, self._tag = read_head(self.store, self.key)  # a key that differs from the store's: error at start
         self.head_version = self.head[0] if self.head else 0  # pipeline stages: stage 0's, from the sync's plan
         self.catch_up: List[int] = []
-        self.catch_ups = self.catch_ups_from_anchor = 0
         self.fatal: Optional[DeltaError] = None
         self.upload_bytes = 0  # bytes this trainer wrote to the store in the last sync
 
     def begin(self, version: int) -> None:
         super().begin(version)
+        self._objects: Dict[str, Tuple[int, str]] = {}
+        self._lock = threading.Lock()
+        self._requests: List[list] = []
+        self._anchor: List[list] = []  # [name, size, sha256] of this sync's anchor shards (a full version)
+        self._weight_map: Dict[str, str] = {}
+        self._spec: Optional[Tuple[int, str]] = None  # (base_version, encoding) of this sync's deltas
+        self._anchor_targets: List[int] = []  # engines of a full sync: they load its anchor once it commits
+        self._written = False  # every publish of this sync written (set when they are collected)
+        self.upload_bytes = 0
+        self.fingerprint: Optional[Dict[str, str]] = None  # the trainer's per-name fingerprint, on fingerprint syncs
         first = self.stages is None or self.stages.first
         if first:  # stage 0 commits: it alone checks that HEAD is still where this trainer left it
             head, tag = read_head(self.store, self.key)
@@ -76,15 +85,6 @@ class StoreTransport(DiskTransport):
             raise DeltaError(f"sync version {version} is not above the store's HEAD version {self.head_version}")
         self.vkey, self.akey = f"{version_dir(version)}-{pid}", f"{anchor_dir(version)}-{pid}"
         self.vdir = self.store.url(self.vkey)
-        self._objects: Dict[str, Tuple[int, str]] = {}
-        self._lock = threading.Lock()
-        self._requests: List[list] = []
-        self._anchor: List[list] = []  # [name, size, sha256] of this sync's anchor shards (a full version)
-        self._weight_map: Dict[str, str] = {}
-        self._spec: Optional[Tuple[int, str]] = None  # (base_version, encoding) of this sync's deltas
-        self._anchor_targets: List[int] = []  # engines of a full sync: they load its anchor once it commits
-        self.upload_bytes = 0
-        self.fingerprint: Optional[Dict[str, str]] = None  # the trainer's per-name fingerprint, on fingerprint syncs
 
     def _dir(self, kind: str) -> str:
         return self.vdir if kind == "delta" else self.store.url(self.akey)
@@ -133,25 +133,36 @@ class StoreTransport(DiskTransport):
 
     def collect(self):
         results = super().collect()
-        if self.stages is not None:  # each stage hashed and wrote its own layers: the manifest holds them all
-            shared = self.stages.exchange({"fingerprint": self.fingerprint, "weight_map": self._weight_map})
-            prints = [s["fingerprint"] for s in shared]
-            self.fingerprint = None if None in prints else {n: h for f in prints for n, h in f.items()}
-            for s in shared:
-                self._weight_map.update(s["weight_map"])
-            if not self.stages.first:
-                return results
-        written = all(f.exception() is None for f in self._publishes)
-        if written:
-            try:
-                self._commit()
-            except DeltaError as e:
-                if isinstance(e, HeadMoved):
-                    self.fatal = e
-                logger.error("store commit of version %d failed: %s", self.version, e)
-                return {i: (False, f"transport: store commit failed: {e}") for i in range(len(self.engines))}
-        for i in sorted(set(self.catch_up) | set(self._anchor_targets)):
-            results[i] = self._catch_up(i) if written else (False, "transport: the version was not written")
+        self._written = all(f.exception() is None for f in self._publishes)
+        return results
+
+    def stage_record(self) -> dict:
+        """What the version's commit needs of this pipeline stage's part (stage 0 commits for all)."""
+        return {"written": self._written, "fingerprint": self.fingerprint, "weight_map": self._weight_map}
+
+    def commit(self, results, records: List[dict]):
+        """Once every stage's part is written (``records``: each stage's :meth:`stage_record`): the manifest, then
+        ``HEAD``; then the engines that need more than a delta catch up, all at once. Returns the sync's results."""
+        prints = [r["fingerprint"] for r in records]
+        self.fingerprint = None if None in prints else {n: h for f in prints for n, h in f.items()}
+        for r in records:
+            self._weight_map.update(r["weight_map"])
+        targets = sorted(set(self.catch_up) | set(self._anchor_targets))
+        if not all(r["written"] for r in records):
+            results.update({i: (False, "transport: the version was not written") for i in targets})
+            return results
+        try:
+            self._commit()
+        except DeltaError as e:
+            if isinstance(e, HeadMoved):
+                self.fatal = e
+            logger.error("store commit of version %d failed: %s", self.version, e)
+            return {i: (False, f"transport: store commit failed: {e}") for i in range(len(self.engines))}
+        calls = {i: self.calls.submit(self._timed, i, lambda e: e.catch_up(self.store.url_root, str(self.version)))
+                 for i in targets}  # every engine at once: the wait does not grow with their number
+        for i, fut in calls.items():
+            ok, msg, _ = fut.result()
+            results[i] = (ok, msg)
         return results
 
     def _commit(self) -> None:
@@ -191,8 +202,3 @@ class StoreTransport(DiskTransport):
         self.store.put(key, data)
         self.upload_bytes += sum(len(d) for d in extra.values()) + len(data)
         return [key, digest(data)]
-
-    def _catch_up(self, i: int) -> Tuple[bool, str]:
-        ok, msg, _ = self._timed(i, lambda e: e.catch_up(self.store.url_root, str(self.version)))
-        self.catch_ups += 1
-        return ok, msg
