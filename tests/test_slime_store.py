@@ -11,7 +11,7 @@ pytestmark = pytest.mark.skipif(
     not SLIME, reason="slime tests need a patched slime checkout: run `make test-slime SLIME_DIR=/path/to/slime`")
 
 
-def _store_stage(stage, port, ray_address, args, out):
+def _store_stage(stage, port, ray_address, args, where, out):
     """One pipeline stage's source rank: four syncs after real steps; before the third, slime re-connects its engines
     with one more (a fresh server)."""
     import traceback
@@ -46,7 +46,10 @@ def _store_stage(stage, port, ray_address, args, out):
                              sharded=m.get("perf/update_weights_sharded_snapshot_bytes", 0)))
             trainer.step()
         up.disconnect_rollout_engines()
-        out.put((stage, dict(rows=rows, state={n: t.clone() for n, t in state.items()})))
+        from safetensors.torch import save_file
+
+        save_file({n: t.contiguous() for n, t in state.items()}, f"{where}/stage{stage}.safetensors")
+        out.put((stage, dict(rows=rows)))
     except BaseException:
         out.put((stage, traceback.format_exc()))
 
@@ -88,7 +91,8 @@ def test_the_sharded_sender_at_two_stages_publishes_into_the_store_and_slimes_ad
                            update_weight_store_anchor_every=0, hf_checkpoint=boot, pipeline_model_parallel_size=2,
                            update_weight_delta_fingerprint_interval=2)
         try:
-            got = H.run_ranks(_store_stage, 2, free_port(), ray.get_runtime_context().gcs_address, args)
+            got = H.run_ranks(_store_stage, 2, free_port(), ray.get_runtime_context().gcs_address, args,
+                              str(tmp_path))
         finally:
             for actor in actors:
                 ray.kill(actor)
@@ -99,8 +103,11 @@ def test_the_sharded_sender_at_two_stages_publishes_into_the_store_and_slimes_ad
         assert [r["catch_ups"] for r in rows] == [0, 0, 1, 0], rows  # the added engine: from the store, no full sync
         assert [r["xor"] for r in rows] == [0, 1, 1, 1] and all(0 < r["density"] < 0.2 for r in rows[1:]), rows
         assert all(r["sharded"] > 0 for r in rows), rows  # the ranks diffed their own slices
-        state = {**got[0]["state"], **got[1]["state"]}
-        assert len(state) == len(got[0]["state"]) + len(got[1]["state"])
+        from safetensors.torch import load_file
+
+        stage0, stage1 = (load_file(str(tmp_path / f"stage{k}.safetensors")) for k in (0, 1))
+        state = {**stage0, **stage1}
+        assert len(state) == len(stage0) + len(stage1)
         for s in servers:
             assert engine_mismatch(s, state) is None
         assert main(["store", "compact", url, "--key-file", str(key_file)]) == 0  # version 4: both stages' prints

@@ -139,6 +139,9 @@ def _catch_up(host, url: str, weight_version: Optional[str]) -> Tuple[bool, str]
                                            failure=request.get("error"))
             if not ok:
                 return False, f"catch-up to version {plan['target']} stopped at version {step['version']}: {msg}"
+        if state.version != step["version"]:  # its requests never committed it (a final request missing)
+            return _refused(state, DeltaError(f"version {step['version']} in the store did not complete (no final "
+                                              "request): the engine holds no version of it", Refusal.UNVERIFIED))
         state.store_chain, state.store_manifest = plan["chain"], (step["version"], step["digest"])
     return True, (f"caught up to version {plan['target']} from the store ({plan['how']}, "
                   f"{len(plan['steps'])} step(s))")
@@ -146,19 +149,12 @@ def _catch_up(host, url: str, weight_version: Optional[str]) -> Tuple[bool, str]
 
 def _requests(host, store: ObjectStore, key: StoreKey, step: dict):
     """Each request of one step as the receiver takes it: its payloads, or the error that refuses it."""
-    if step["kind"] == "anchor":
-        shards = [o for o in step["objects"] if o[0].endswith(".safetensors")]
-        flush = 0
-        for k, (okey, _, sha) in enumerate(shards):
-            last = k == len(shards) - 1
-
-            def reader(okey=okey, sha=sha, first=flush, last=last):
+    if step["kind"] == "anchor":  # each shard's dense flushes, the last of all marked final (held back one)
+        held, flush = None, 0
+        for okey, _, sha in (o for o in step["objects"] if o[0].endswith(".safetensors")):
+            def reader(okey=okey, sha=sha, first=flush):
                 data = read_object(store, okey, sha, max_request_bytes(host_model(host)))
-                payloads = read_hf_shard(data, okey, version=step["version"], first_flush=first)
-                if last and payloads:
-                    payloads[-1].spec.final = True
-                    payloads[-1].seal(spec_only=True)
-                return payloads
+                return read_hf_shard(data, okey, version=step["version"], first_flush=first)
 
             try:
                 payloads = read_files_once(host, okey, [okey], reader=reader)
@@ -167,7 +163,16 @@ def _requests(host, store: ObjectStore, key: StoreKey, step: dict):
                 return
             flush += len(payloads)
             for p in payloads:
-                yield {"payloads": [p]}
+                if held is not None:
+                    yield {"payloads": [held]}
+                held = p
+        if held is None:
+            yield {"payloads": [], "error": DeltaError(f"the anchor of version {step['version']} holds no weights",
+                                                       Refusal.UNVERIFIED)}
+            return
+        held.spec.final = True
+        held.seal(spec_only=True)
+        yield {"payloads": [held]}
         return
     for entries in step["requests"]:
         try:
@@ -221,8 +226,10 @@ def _plan(store: ObjectStore, key: StoreKey, state, weight_version: Optional[str
         if rest is None:
             raise StoreUnavailable(f"the store holds no anchor at or below version {target} with a chain to it "
                                    f"(engine at {state.version})")
-        steps = [{"kind": "anchor", "version": start, "objects": candidates[start][2]["objects"],
-                  "digest": records[start][1]}]
+        objects = candidates[start][2]["objects"]
+        if not any(o[0].endswith(".safetensors") for o in objects):
+            raise DeltaError(f"the anchor of version {start} lists no weights", Refusal.UNVERIFIED)
+        steps = [{"kind": "anchor", "version": start, "objects": objects, "digest": records[start][1]}]
         steps += rest
         how = f"anchor {start}"
     return {"steps": steps, "target": target, "chain": chain, "how": how}

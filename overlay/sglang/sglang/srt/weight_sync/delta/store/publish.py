@@ -91,6 +91,8 @@ class StoreTransport(DiskTransport):
 
     def _submit(self, payload: DeltaPayload, kind: str) -> None:
         payload.seal(spec_only=True)
+        if kind == "full" and not payload.spec.params:
+            return  # a segment without params adds no shard to an anchor
         if kind == "full":  # no snapshot to diff against: the sync's params become an anchor's shards
             name = f"model-{self.rank:04d}-{self._file_no:06d}.safetensors"
             key, make = f"{self.akey}/{name}", lambda: anchors.hf_shard(payload)
