@@ -52,6 +52,7 @@ class Fleet:
         self.states = {}
         self.n = dict(joined=0, left=0, restarted=0, catch_ups=0, anchors=0, attacks=0, refused=0, drift=0)
         self.full_after_first = 0
+        self.starts = 0
         self.pushed = self._server("pushed", follow=False)
         self.transport = StoreTransport(url, [HttpEngine(self.pushed.url)], zstd=3, key=self.key)
         self.sender = DeltaSender(self.transport, [HttpEngine(self.pushed.url)], encoding="xor_zstd",
@@ -59,7 +60,6 @@ class Fleet:
         self.followers = {}  # server -> last version seen (None: not yet healthy)
         self.probe = Engine(self.cfg, key_file=key_file)  # the attacks' target: an engine kept one version behind
         self.uploads = {}
-        self.starts = 0
 
     def _server(self, name, follow=True):
         self.starts += 1
@@ -206,8 +206,8 @@ class Fleet:
         if v > 1:
             self.full_after_first += m["perf/update_weights_full_sync_engines"]
             self.uploads[v] = self.transport.upload_bytes
-        self.n["catch_ups"] += m["perf/update_weights_catch_ups"]
-        self.n["anchors"] += m["perf/update_weights_catch_ups"]  # a restarted pushed engine starts fresh
+        self.n["catch_ups"] += int(m["perf/update_weights_catch_ups"])
+        self.n["anchors"] += int(m["perf/update_weights_catch_ups"])  # a restarted pushed engine starts fresh
         if v == 2:
             self._old_head = raw_store(self.url).get("HEAD")
 
