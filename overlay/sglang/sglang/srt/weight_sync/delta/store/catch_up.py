@@ -204,12 +204,12 @@ def _plan(store: ObjectStore, key: StoreKey, state, weight_version: Optional[str
         raise DeltaError(f"version {target} is below this engine's version {state.version}: an engine never moves "
                          "backwards", Refusal.OFF_CHAIN)
     if have is not None and target == have:
-        _check_held(state, _walk(store, key, head, have), have)
+        _check_held(state, _walk(store, key, head, have))
         return {"steps": [], "target": target, "chain": chain, "how": "nothing to do"}
     anchors = _listed_anchors(store, key, chain, target)
     floor = max([a for a in anchors if have is None or a <= have] + [have or 0])
     records = _walk(store, key, head, floor)
-    _check_held(state, records, have)
+    _check_held(state, records)
     steps = _deltas(records, have, target) if have is not None else None
     how = "deltas"
     if steps is None:
@@ -265,7 +265,7 @@ def _walk(store: ObjectStore, key: StoreKey, head, floor: int) -> Dict[int, tupl
     return out
 
 
-def _check_held(state, records: Dict[int, tuple], have: Optional[int]) -> None:
+def _check_held(state, records: Dict[int, tuple]) -> None:
     """The engine's own record of the version it holds, where it came from this store, must be the chain's."""
     held = state.store_manifest
     if held is not None and held[0] in records and records[held[0]][1] != held[1]:
