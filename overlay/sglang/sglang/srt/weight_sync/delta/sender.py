@@ -250,8 +250,10 @@ class DeltaSender:
                 run.flush_and_publish()
             t_encode = time.perf_counter() - t0 - run.fingerprint_s
             if run.fingerprints is not None:  # read once: the store publishes them, the engines are checked on them
+                t1 = time.perf_counter()
                 run.shares = fingerprint.read_shares(run.fingerprints)
                 run.shares.update(run.found_shares or {})
+                run.fingerprint_s += time.perf_counter() - t1
                 if store:
                     self.transport.fingerprint = {n: f"{s.total:016x}" for n, s in run.shares.items()}
             results = run.finish()
