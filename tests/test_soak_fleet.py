@@ -31,6 +31,8 @@ from traffic import Traffic
 
 SYNCS = int(os.environ.get("FLEET_SYNCS", "40"))
 MAX_FOLLOWERS = 2
+ATTACKS = ("bit flip", "truncated", "forged manifest", "forged HEAD", "unsigned HEAD", "another key",
+           "rolled-back HEAD")
 
 
 def _version(server):
@@ -103,8 +105,7 @@ class Fleet:
         assert ok, msg
         newest = next(k.rsplit("/", 1)[0] for k in raw.keys(f"weight_v{head:06d}") if k.endswith("manifest.json"))
         files = [k for k in raw.keys(newest) if k.endswith(".safetensors")]
-        kind = self.rng.choice(["bit flip", "truncated", "forged manifest", "forged HEAD", "unsigned HEAD",
-                                "another key", "rolled-back HEAD"])
+        kind = ATTACKS[self.n["attacks"] % len(ATTACKS)]  # every kind in turn
         undo = []
 
         def rewrite(key, data):
