@@ -63,13 +63,12 @@ class AsyncSafetensorsWriter:
         self.slots = threading.BoundedSemaphore(max_queued)
         self.busy_s = 0.0  # time spent serializing, compressing and writing (one thread)
 
-    def submit(self, path: str, payload: DeltaPayload,
-               land: Optional[Callable[[str, bytes], None]] = None) -> concurrent.futures.Future:
-        """Write ``payload``'s file at ``path`` (``land(path, data)``: somewhere else, e.g. a store's object)."""
-        return self.submit_bytes(path, lambda: flush_file(payload, self.zstd_level), land)
+    def submit(self, path: str, payload: DeltaPayload) -> concurrent.futures.Future:
+        return self.submit_bytes(path, lambda: flush_file(payload, self.zstd_level))
 
     def submit_bytes(self, path: str, make: Callable[[], bytes],
                      land: Optional[Callable[[str, bytes], None]] = None) -> concurrent.futures.Future:
+        """``make()``'s bytes to ``path``: a file, or wherever ``land(path, data)`` puts them (a store's object)."""
         self.slots.acquire()
         try:
             return self.pool.submit(self._write, path, make, land or _land_file)

@@ -111,10 +111,11 @@ def _catch_up(host, url: str, weight_version: Optional[str]) -> Tuple[bool, str]
 
     state = receiver_state(host_model(host))
     group = tp_group()
-    plan, error = None, None
+    plan, error, store = None, None, None  # the first TP rank plans and reads; the others take what it sends
     if group is None or group.rank_in_group == 0:
         try:
-            plan = _plan(open_store(url), store_key(host), state, weight_version)
+            store = open_store(url)
+            plan = _plan(store, store_key(host), state, weight_version)
         except DeltaError as e:
             error = e
         except Exception as e:  # a store that cannot answer is an availability fault, never a weight change
@@ -130,11 +131,10 @@ def _catch_up(host, url: str, weight_version: Optional[str]) -> Tuple[bool, str]
         return _refused(state, error)
     if not plan["steps"]:
         return True, f"already at version {state.version}"
-    store, key = open_store(url), store_key(host)
     for step in plan["steps"]:
         if step["kind"] == "anchor":  # an anchor replaces every weight: the chain starts again from it
             state.version = None
-        for request in _requests(host, store, key, step):
+        for request in _requests(host, store, step):
             ok, msg = _apply_delta_payload(host, request["payloads"], str(step["version"]),
                                            failure=request.get("error"))
             if not ok:
@@ -147,7 +147,7 @@ def _catch_up(host, url: str, weight_version: Optional[str]) -> Tuple[bool, str]
                   f"{len(plan['steps'])} step(s))")
 
 
-def _requests(host, store: ObjectStore, key: StoreKey, step: dict):
+def _requests(host, store: Optional[ObjectStore], step: dict):
     """Each request of one step as the receiver takes it: its payloads, or the error that refuses it."""
     if step["kind"] == "anchor":  # each shard's dense flushes, the last of all marked final (held back one)
         held, flush = None, 0
@@ -203,36 +203,33 @@ def _plan(store: ObjectStore, key: StoreKey, state, weight_version: Optional[str
     if state.version is not None and target < state.version:
         raise DeltaError(f"version {target} is below this engine's version {state.version}: an engine never moves "
                          "backwards", Refusal.OFF_CHAIN)
-    if have is not None and target == have:
-        _check_held(state, _walk(store, key, head, have))
-        return {"steps": [], "target": target, "chain": chain, "how": "nothing to do"}
+    if have is not None:  # the chain from what the engine holds, where the store still has it: nothing listed
+        records = _walk(store, key, head, have)
+        _check_held(state, records)
+        steps = [] if target == have else _deltas(records, have, target)
+        if steps is not None:
+            return {"steps": steps, "target": target, "chain": chain, "how": "deltas" if steps else "nothing to do"}
     anchors = _listed_anchors(store, key, chain, target)
-    floor = max([a for a in anchors if have is None or a <= have] + [have or 0])
-    records = _walk(store, key, head, floor)
+    records = _walk(store, key, head, max(anchors, default=0))
     _check_held(state, records)
-    steps = _deltas(records, have, target) if have is not None else None
-    how = "deltas"
-    if steps is None:
-        candidates = {}  # anchors on HEAD's chain at or below the target (one request: no forward pass sees it)
-        for v, (_, sha, r) in records.items():
-            if v > target:
-                continue
-            if r.get("anchor"):  # written by the trainer (a full version, or one every K)
-                candidates[v] = _anchor_record(store, key, chain, r["anchor"], v)
-            elif v in anchors and anchors[v][2]["version_manifest"] == sha:
-                candidates[v] = anchors[v]
-        start = max(candidates, default=None)
-        rest = _deltas(records, start, target) if start is not None else None
-        if rest is None:
-            raise StoreUnavailable(f"the store holds no anchor at or below version {target} with a chain to it "
-                                   f"(engine at {state.version})")
-        objects = candidates[start][2]["objects"]
-        if not any(o[0].endswith(".safetensors") for o in objects):
-            raise DeltaError(f"the anchor of version {start} lists no weights", Refusal.UNVERIFIED)
-        steps = [{"kind": "anchor", "version": start, "objects": objects, "digest": records[start][1]}]
-        steps += rest
-        how = f"anchor {start}"
-    return {"steps": steps, "target": target, "chain": chain, "how": how}
+    candidates = {}  # anchors on HEAD's chain at or below the target (one request: no forward pass sees it)
+    for v, (_, sha, r) in records.items():
+        if v > target:
+            continue
+        if r.get("anchor"):  # written by the trainer (a full version, or one every K)
+            candidates[v] = _anchor_record(store, key, chain, r["anchor"], v)
+        elif v in anchors and anchors[v][2]["version_manifest"] == sha:
+            candidates[v] = anchors[v]
+    start = max(candidates, default=None)
+    rest = _deltas(records, start, target) if start is not None else None
+    if rest is None:
+        raise StoreUnavailable(f"the store holds no anchor at or below version {target} with a chain to it "
+                               f"(engine at {state.version})")
+    objects = candidates[start][2]["objects"]
+    if not any(o[0].endswith(".safetensors") for o in objects):
+        raise DeltaError(f"the anchor of version {start} lists no weights", Refusal.UNVERIFIED)
+    steps = [{"kind": "anchor", "version": start, "objects": objects, "digest": records[start][1]}] + rest
+    return {"steps": steps, "target": target, "chain": chain, "how": f"anchor {start}"}
 
 
 def _walk(store: ObjectStore, key: StoreKey, head, floor: int) -> Dict[int, tuple]:

@@ -25,7 +25,7 @@ import hmac
 import json
 import logging
 import os
-from typing import List, Optional, Tuple
+from typing import Optional
 
 from sglang.srt.weight_sync.delta.wire import DeltaError, Refusal
 
@@ -39,16 +39,8 @@ def version_dir(v: int) -> str:
     return f"weight_v{v:06d}"
 
 
-def manifest_key(v: int) -> str:
-    return f"{version_dir(v)}/manifest.json"
-
-
 def anchor_dir(v: int) -> str:
     return f"anchor_v{v:06d}"
-
-
-def anchor_manifest_key(v: int) -> str:
-    return f"{anchor_dir(v)}/manifest.json"
 
 
 def digest(data: bytes) -> str:
@@ -81,6 +73,14 @@ class StoreKey:
 
 
 _warned_unkeyed = []
+
+
+def warn_unkeyed() -> None:
+    """Once per process: a store without a key trusts whoever can write it."""
+    if not _warned_unkeyed:
+        _warned_unkeyed.append(True)
+        logger.warning("version store without a key: digests catch corruption, but whoever can write the store can "
+                       "write the weights (set --update-weight-store-key-file on both sides)")
 
 
 def canonical(record: dict) -> bytes:
@@ -117,10 +117,7 @@ def open_record(data: bytes, key: StoreKey, what: str, kind: str) -> dict:
         if mac is not None:
             raise DeltaError(f"{what} is signed (key id {record.get('key_id')}) and this side has no store key "
                              "(--update-weight-store-key-file)", Refusal.UNVERIFIED)
-        if not _warned_unkeyed:
-            _warned_unkeyed.append(what)
-            logger.warning("version store without a key: digests catch corruption, but whoever can write the "
-                           "store can write the weights (set --update-weight-store-key-file on both sides)")
+        warn_unkeyed()
     else:
         if mac is None:
             raise DeltaError(f"{what} is not signed and this side holds a store key: refused", Refusal.UNVERIFIED)
@@ -152,10 +149,6 @@ def read_head(store, key: StoreKey):
 
 def head_record(chain: str, version: int, manifest_digest: str) -> dict:
     return {"kind": "head", "chain": chain, "version": version, "manifest": manifest_digest}
-
-
-def objects_field(entries: List[Tuple[str, int, str]]) -> List[list]:
-    return [[name, int(size), sha] for name, size, sha in entries]
 
 
 def new_chain_id() -> str:

@@ -255,10 +255,6 @@ def s3_client():
                                                               retries={"max_attempts": retries, "mode": "standard"}))
 
 
-def is_store_url(url: str) -> bool:
-    return isinstance(url, str) and url.startswith("s3://")
-
-
 def open_store(url: str) -> ObjectStore:
     """``s3://bucket/prefix`` or a directory."""
     if not isinstance(url, str) or not url:

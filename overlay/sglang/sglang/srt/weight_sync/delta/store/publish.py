@@ -30,8 +30,9 @@ from sglang.srt.weight_sync.delta.store.manifest import (
     read_head,
     seal,
     version_dir,
+    warn_unkeyed,
 )
-from sglang.srt.weight_sync.delta.store.objects import HeadMoved, ObjectStore, open_store
+from sglang.srt.weight_sync.delta.store.objects import HeadMoved, open_store
 from sglang.srt.weight_sync.delta.transport import DiskTransport
 from sglang.srt.weight_sync.delta.wire import DeltaError, DeltaPayload
 
@@ -48,6 +49,8 @@ class StoreTransport(DiskTransport):
         self.store = open_store(url) if isinstance(url, str) else url
         self.store.check()  # a missing bucket or directory, wrong credentials: an error at start
         self.key = key or StoreKey(None)
+        if self.key.secret is None:
+            warn_unkeyed()
         super().__init__(self.store.url_root, engines, zstd=zstd, keep_files=True, post_write_hook=post_write_hook,
                          stages=stages)
         self.hf_dir = hf_dir
