@@ -170,9 +170,9 @@ CHUNK_PARAMS = 128
 
 def snapshot_of(state: dict) -> dict:
     """A copy of ``state`` laid out as the sender keeps its snapshot (tensors cut from shared slabs)."""
-    from sglang.srt.weight_sync.delta.snapshot import _HostLink
+    from sglang.srt.weight_sync.delta.snapshot import HostLink
 
-    link = _HostLink(torch.device("cpu"))
+    link = HostLink(torch.device("cpu"))
     return {k: link.host_copy(v) for k, v in state.items()}
 
 

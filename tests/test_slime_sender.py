@@ -570,7 +570,8 @@ def test_two_pipeline_stages(world, tmp_path, transport):
     through slime's updater into one real server, bit-identical after every sync. Over disk stage 0 announces every
     stage's files in one request; a corrupt file of stage 1 is refused with nothing applied, and the next sync
     recovers as a delta. Over disk the ranks diff their own params (the default), over nccl the source ranks the
-    gathered ones (``--no-update-weight-delta-sharded``)."""
+    gathered ones (``--no-update-weight-delta-sharded``) with a version store beside the group: each stage files its
+    own requests, and a compaction off the trainer replays them in stage order to the trainer's fingerprint."""
 
     import ray
 
@@ -585,7 +586,10 @@ def test_two_pipeline_stages(world, tmp_path, transport):
                        update_weight_disk_dir=str(tmp_path / "shared"), pipeline_model_parallel_size=2,
                        update_weight_delta_fingerprint_interval=2, update_weight_delta_sharded=transport == "disk",
                        custom_update_weight_post_write_path="slime_harness.corrupt_stage1_file",
-                       corrupt_marker=str(tmp_path / "corrupt-next"))
+                       corrupt_marker=str(tmp_path / "corrupt-next"), hf_checkpoint=None,
+                       update_weight_store=str(tmp_path / "store") if transport == "nccl" else None)
+    if transport == "nccl":
+        os.makedirs(args.update_weight_store)
     try:
         got = H.run_ranks(_pp_stage_main, 2, free_port(), ray.get_runtime_context().gcs_address, world["server"].url,
                           args)
@@ -598,6 +602,15 @@ def test_two_pipeline_stages(world, tmp_path, transport):
         assert [r[4] for r in rows] == [True] * 4, (stage, rows)  # the engine holds the last acknowledged version
         assert [r[1] for r in rows[1:]] == [0, 0, 0], (stage, rows)  # deltas after the first (dense) sync
         assert rows[0][2] == 1.0 and all(0 < r[2] < 0.2 for r in rows[1:]) and rows[3][3] == 0, (stage, rows)
+    if transport == "nccl":
+        from sglang.srt.weight_sync.delta.store.manifest import StoreKey
+        from sglang.srt.weight_sync.delta.store.tools import log as store_log
+        from sglang.srt.weight_sync.delta.tools import main
+
+        assert main(["store", "compact", args.update_weight_store]) == 0
+        lines = store_log(args.update_weight_store, StoreKey(None))
+        # HEAD, then the 4 versions newest first; the newest fingerprinted one (of the top two) is now an anchor
+        assert len(lines) == 5 and any(line.endswith("fingerprint anchor") for line in lines[1:3]), lines
         assert rows[0][6] > 0
     assert got[0][0][6] + got[1][0][6] == len(H.hf_state(H.make_args(), world["model"]))  # the stages split the model
     world.pop("version", None)  # the engine's chain moved on: a later sender learns it from the engine's status

@@ -3,10 +3,12 @@
 (one process per rank, gloo), every element a rank holds lands exactly where slime's real conversion of the gathered
 param puts it, bit for bit, and the ranks together cover every HF element once (replicated params: once per rank). A
 conversion that is not a permutation (FP8 quantization, an integral shift of every element) is named and keeps the
-gather path. And the sharded diff (``delta_shard_diff``) at TP=2 and at CP=2 (DP=2 and EP=2: the sharded sender's tests
-in ``test_slime_sender``): each rank's snapshot is its own slice (together: the model
-once), and after real AdamW steps the changes the ranks send the source equal, position for position and bit for
-bit, the diff of slime's full conversion before and after, in bytes that follow the changed elements; a diff left
+gather path; so do arithmetic on the ids (a bit flipped, a scale), a cast and an element placed twice, while rows
+reversed map every element where they land (reversed vectors: runs of one element, the gather path). And the sharded
+diff (``delta_shard_diff``) at TP=2 and at CP=2 (DP=2 and EP=2: the sharded sender's tests in ``test_slime_sender``):
+each rank's snapshot is its own slice (together: the model once), and after real AdamW steps the changes the ranks send the source equal, position for position and bit for
+bit, the diff of slime's full conversion before and after (the same in chunks of 4 KiB on the device, params cut
+across them), in bytes that follow the changed elements; a diff left
 unacknowledged is carried again by the next; the ranks' fingerprint shares add up to each HF tensor's; and one
 diff with its commit runs as many kernels and host reads at 6 layers as at 2. Also ``make gpu-check``'s
 sharded-sender lane as its CPU dry run. Runs in ``make test-slime`` (needs Megatron and a patched slime checkout).""" 
@@ -89,6 +91,36 @@ def _rank(rank, tp, port, errors):
             delta_shard_map.convert_to_hf = real
         assert all(not m.pure and "out of range" in m.why for m in shifted.values()), \
             [(m.name, m.why) for m in shifted.values() if m.pure]
+        # the ids travel as bytes: what an adversarial converter does to them is named, and a real permutation
+        # (rows reversed) still maps every element where it lands
+        import itertools
+
+        def each(f):
+            return lambda hf: [(n, f(t)) for n, t in hf]
+
+        calls = itertools.count()  # a converter that is not the same from one call to the next: every other flips
+        for convert, why in ((each(lambda t: t ^ 1), ""), (each(lambda t: t * 3), ""),
+                             (each(lambda t: t.to(torch.int16)), "converted to torch.int16"),
+                             (each(lambda t: torch.cat([t.reshape(-1), t.reshape(-1)[:1]])), "two places"),
+                             (lambda hf: hf if next(calls) % 2 else [(n, t.flip(0)) for n, t in hf], ""),
+                             (each(lambda t: t.flip(0)), None)):
+            delta_shard_map.convert_to_hf = lambda *a, convert=convert, **k: convert(real(*a, **k))
+            try:
+                got = build_shard_maps(args, [model], "llama")
+            finally:
+                delta_shard_map.convert_to_hf = real
+            if why is not None:
+                assert all(not m.pure and why in m.why for m in got.values()), [(m.name, m.why) for m in got.values()]
+                continue
+            for name, param in params:  # flipped: every element where the flipped conversion puts it
+                want = {n: t.flip(0) for n, t in convert_to_hf(args, "llama", name, all_gather_param(name, param), None)}
+                if any(len(t.shape) < 2 for t in want.values()):
+                    assert "fragmented" in got[name].why, (name, got[name].why)
+                    continue
+                assert got[name].pure, (name, got[name].why)
+                for hf_name, value, hit in _scatter(got[name], param.detach()):
+                    sel = hit.bool()
+                    assert torch.equal(value[sel].view(torch.int16), want[hf_name][sel].view(torch.int16)), hf_name
     except BaseException:
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
 
@@ -169,6 +201,22 @@ def _counts(args, layers):
     return ops.n, len(syncs.ops)
 
 
+def _by_name(changes):
+    """One rank's changes per HF name: (sorted positions, values), whichever blocks and chunks they came in."""
+    import torch
+
+    parts = {}
+    for names, counts, pos, val, _ in changes.blocks:
+        for name, p, v in zip(names, pos.split(counts), val.split(counts)):
+            parts.setdefault(name, []).append((p, v))
+    out = {}
+    for name, ps in parts.items():
+        p, v = torch.cat([a for a, _ in ps]), torch.cat([b for _, b in ps])
+        order = torch.argsort(p)
+        out[name] = (p[order], v[order])
+    return out
+
+
 def _rank_diff(rank, tp, dp, cp, port, errors):
     try:
         import torch
@@ -188,6 +236,8 @@ def _rank_diff(rank, tp, dp, cp, port, errors):
         params = list(named_params_and_buffers(args, [model]))
         differ = ShardDiffer(build_shard_maps(args, [model], "llama"))
         differ.seed(params)
+        small = ShardDiffer(build_shard_maps(args, [model], "llama"), chunk_bytes=4096)  # chunks; large params cut
+        small.seed(params)
         old = H.hf_state(args, model)  # collective: every rank
         model_bytes = sum(t.numel() * t.element_size() for t in old.values())
         mine = torch.tensor([differ.snapshot_bytes])
@@ -199,7 +249,11 @@ def _rank_diff(rank, tp, dp, cp, port, errors):
         for step in range(3):
             trainer.step()
             new = H.hf_state(args, model)
-            found, sent = send_changes(differ.changes(params), dst=0, shares=differ.shares(params))
+            changes = differ.changes(params)
+            got, want_local = _by_name(small.changes(params)), _by_name(changes)
+            assert got.keys() == want_local.keys() and all(torch.equal(got[n][0], want_local[n][0]) and torch.equal(
+                got[n][1].view(torch.int16), want_local[n][1].view(torch.int16)) for n in got), step
+            found, sent = send_changes(changes, dst=0, shares=differ.shares(params))
             total = torch.tensor([sent])
             dist.all_reduce(total)
             if rank == 0:
@@ -221,8 +275,10 @@ def _rank_diff(rank, tp, dp, cp, port, errors):
                     (int(total), changed)
             if step == 1:  # not acknowledged: its positions stay staged and the next diff sends them again
                 differ.stage()
+                small.stage()
                 continue
             differ.commit()
+            small.commit()
             old, carried = new, {}
         if tp == 2:  # per sync a constant number of kernels and host reads, whatever the layer count
             assert _counts(args, 2) == _counts(args, 6), (_counts(args, 2), _counts(args, 6))

@@ -50,10 +50,11 @@ def add_store_arguments(parser) -> None:
         "--update-weight-store",
         default=None,
         help=(
-            "the sparse encodings over disk: publish every sync as a version of this store (s3://bucket/prefix, "
-            "credentials and endpoint from the environment as boto3 reads them, or a directory), instead of "
-            "--update-weight-disk-dir. Engines that start late, restart or fall behind catch up from it by "
-            "themselves; the trainer writes the whole model once (the first anchor)."
+            "the sparse encodings: publish every sync as a version of this store (s3://bucket/prefix, credentials "
+            "and endpoint from the environment as boto3 reads them, or a directory); over disk instead of "
+            "--update-weight-disk-dir, over nccl beside the broadcast. Engines that start late, restart or fall "
+            "behind catch up from it by themselves (over nccl nothing crosses the group for them); the trainer "
+            "writes the whole model once (the first anchor)."
         ),
     )
     parser.add_argument(
@@ -75,9 +76,6 @@ def add_store_arguments(parser) -> None:
 
 def validate_sparse_delta_args(args) -> None:
     """Refuse combinations that cannot work, with the fix in the message."""
-    if getattr(args, "update_weight_store", None) and args.update_weight_transport != "disk":
-        raise ValueError("--update-weight-store publishes the sparse delta files: it runs with "
-                         "--update-weight-transport=disk (beside nccl it is not supported yet)")
     if args.colocate:
         raise ValueError(
             "--update-weight-mode=delta is not supported with --colocate: colocated engines receive CUDA IPC "

@@ -3,7 +3,7 @@ to and from the device, and this sync's staging until the engines acknowledge it
 
 CUDA: snapshot chunks are prefetched host->device on ``h2d_stream`` one chunk ahead (one copy per slab range),
 changed positions and values go device->host on ``d2h_stream`` (one copy per chunk and dtype); events order them
-(:class:`_HostLink`). On CPU the same code runs synchronously.
+(:class:`HostLink`). On CPU the same code runs synchronously.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ _SLAB, _ALIGN = 64 << 20, 64  # snapshot slabs (bytes; a power of two) and the a
 Chunk = Sequence[Tuple[str, torch.Tensor]]
 
 
-class _HostLink:
+class HostLink:
     """Snapshot traffic between pinned host memory and the device; a pass-through on CPU (off the device path)."""
 
     def __init__(self, device: torch.device):
@@ -127,7 +127,7 @@ def _fetch(hosts: Sequence[Optional[torch.Tensor]], devices: Sequence[torch.devi
     """(``hosts`` as views of copies, the copies) with one ``copy`` to a device per range of a storage: a chunk's
     snapshot tensors lie side by side in a slab when the chunk was first synced in the same order, so a range that
     spans them costs one transfer. Where a span would move more than twice their bytes, each tensor goes alone.
-    ``hosts`` are contiguous (:meth:`_HostLink.host_copy` makes every snapshot tensor)."""
+    ``hosts`` are contiguous (:meth:`HostLink.host_copy` makes every snapshot tensor)."""
     views: List[Optional[torch.Tensor]] = [None] * len(hosts)
     by_storage: Dict[Tuple[int, torch.device], List[int]] = {}
     for k, (t, device) in enumerate(zip(hosts, devices)):
@@ -160,7 +160,7 @@ class DeltaState:
 
     def __init__(self, device: Optional[torch.device] = None, fold_behind: bool = True):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.link = _HostLink(self.device)
+        self.link = HostLink(self.device)
         self.fold_behind = fold_behind
         self._snapshot: Dict[str, torch.Tensor] = {}
         self._folding: Optional[threading.Thread] = None

@@ -230,7 +230,7 @@ class SyncRun:
             raise DeltaError(f"a flush of {nbytes} bytes exceeds the engines' max_request_bytes "
                              f"{self.max_request} (one param larger than an engine rank's bound)")
         self.wire_bytes += nbytes
-        self._collect(self.s.transport.send(payload, self.targets[kind]))
+        self._collect(self.s.transport.send(payload, self.targets[kind], kind))
         self.requests[kind] += 1
 
     def flush_and_publish(self) -> None:

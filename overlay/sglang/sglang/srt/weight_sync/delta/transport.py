@@ -105,10 +105,12 @@ class DiskTransport:
     With pipeline stages (``stages``) every stage writes its own files (``rank{stage}_…``) and stage 0 announces
     each publish once, listing every stage's files: an engine applies a segment of all stages as one request, or
     none of it. Each publish numbers a stage's files (``part``, ``last_part`` on the last), so a file that is not
-    announced is a refusal, not a param that "did not change". All stages publish the same number of times.
+    announced is a refusal, not a param that "did not change". All stages publish the same number of times
+    (``lockstep``; a store beside a shared group records each stage's requests on its own instead).
     """
 
     shared_group = False
+    lockstep = True
 
     def __init__(self, root: str, engines: Sequence, *, zstd: Optional[int] = None, keep_files: bool = False,
                  post_write_hook: Optional[Callable[[str], Optional[concurrent.futures.Future]]] = None,
@@ -171,7 +173,7 @@ class DiskTransport:
         except Exception as e:
             error = e
         names = {kind: [self._entry(kind, n) for n, _ in files] for kind, files in batch.items()}
-        if self.stages is not None:  # every stage's files of this publish, whether or not its own writes failed
+        if self.stages is not None and self.lockstep:  # every stage's files of this publish, failed writes or not
             shared = self.stages.exchange({"ok": error is None, "files": names})
             if error is None and not all(s["ok"] for s in shared):
                 error = DeltaError(f"pipeline stage(s) {[k for k, s in enumerate(shared) if not s['ok']]} failed "
@@ -267,10 +269,10 @@ class NcclTransport:
             self.group, self.broken = self.reconnect(), False
             self.reconnects += 1
 
-    def send(self, payload: DeltaPayload, targets: List[int]) -> Results:
-        """One request: engines are called first (they block in their receive), then both blobs are broadcast.
-        Every engine of the group joins the broadcast; those not in ``targets`` are asked to receive only
-        (``wire.RECEIVE_ONLY``): one engine's full sync is applied by that engine alone."""
+    def send(self, payload: DeltaPayload, targets: List[int], kind: str = "delta") -> Results:
+        """One request of ``kind`` (delta, full): engines are called first (they block in their receive), then both
+        blobs are broadcast. Every engine of the group joins the broadcast; those not in ``targets`` are asked to
+        receive only (``wire.RECEIVE_ONLY``): one engine's full sync is applied by that engine alone."""
         with self.guard():
             return self._send(payload, targets)
 

@@ -23,6 +23,7 @@ from sglang.srt.weight_sync.delta import mix64
 from sglang.srt.weight_sync.delta.diff import ChangeRun, Prediffed, changes_many
 from sglang.srt.weight_sync.delta.fingerprint import NameSum, name_seed
 from sglang.srt.weight_sync.delta.ops import INT_VIEW, host_values, repeat_counts, to_device
+from sglang.srt.weight_sync.delta.snapshot import HostLink
 from sglang.srt.weight_sync.delta.wire import dtype_to_str
 from slime.backends.megatron_utils.update_weight.delta_shard_map import ParamMap, locate
 
@@ -62,15 +63,18 @@ class StaleShardMap(RuntimeError):
 
 
 class ShardDiffer:
-    """The host snapshot of this rank's owned slices (pinned on CUDA), the diff of the live params against it, and
-    the positions an unacknowledged sync sent (staged: local int32, carried again by the next diff).
+    """The host snapshot of this rank's owned slices (pinned on CUDA), the diff of the live params against it in
+    chunks of at most ``chunk_bytes`` on the device (the flush buffer), and the positions an unacknowledged sync
+    sent (staged: local int32, carried again by the next diff).
 
     Every param's map joins one table (its runs shifted into one position space, its targets into one list), so a
     diff run of many params is mapped with one search, grouped by target with one sort and counted with one host
     read, whatever the params' count."""
 
-    def __init__(self, maps: Dict[str, ParamMap]):
+    def __init__(self, maps: Dict[str, ParamMap], chunk_bytes: int = 512 << 20):
         self.maps = {n: m for n, m in maps.items() if m.pure}
+        self.chunk_bytes = chunk_bytes  # the snapshot on the device at once, at most (twice: one chunk ahead)
+        self.link: Optional[HostLink] = None
         self.ranges: Dict[str, Tuple[int, int]] = {}
         self.snapshot: Dict[str, torch.Tensor] = {}  # views of ``flat``
         self.flat: Dict[torch.dtype, torch.Tensor] = {}
@@ -138,41 +142,82 @@ class ShardDiffer:
                 out.append((name, p.detach().reshape(-1)[lo:hi]))
         return out
 
+    def _chunks(self, named: List[Tuple[str, torch.Tensor]]):
+        """The owned slices as chunks of at most ``chunk_bytes``: lists of ``(name, offset in its slice, piece)``;
+        a slice larger than a chunk is cut into pieces. Consecutive pieces of one dtype lie side by side in its
+        snapshot buffer, so a chunk's snapshot moves to the device as one copy."""
+        chunk, size, dtype = [], 0, None
+        for name, live in named:
+            per = max(1, self.chunk_bytes // live.element_size())
+            for off in range(0, max(1, live.numel()), per):
+                piece = live[off:off + per]
+                if chunk and (size + piece.nbytes > self.chunk_bytes or piece.dtype != dtype):
+                    yield chunk
+                    chunk, size = [], 0
+                chunk.append((name, off, piece))
+                size, dtype = size + piece.nbytes, piece.dtype
+        if chunk:
+            yield chunk
+
+    def _prefetch(self, chunk):
+        hosts = [self.flat[p.dtype][self.at[n] + off:self.at[n] + off + p.numel()] for n, off, p in chunk]
+        return self.link.prefetch(hosts, [p.device for _, _, p in chunk])
+
     def changes(self, params: Sequence[Tuple[str, torch.Tensor]], olds: bool = False) -> Changes:
         """The owned elements whose bytes differ from the snapshot, or that an unacknowledged sync sent, as HF
-        targets' positions and values (with ``olds`` the snapshot's there: ``xor_zstd``'s base): one joined diff
-        over all params (:func:`changes_many`), then per run of it one search over the joined map, one sort and
-        one host read."""
+        targets' positions and values (with ``olds`` the snapshot's there: ``xor_zstd``'s base). Per chunk of at
+        most ``chunk_bytes`` (its snapshot on the device while the next one's is on its way): one joined diff
+        (:func:`changes_many`), then per run of it one search over the joined map, one sort and one host read."""
         named = self._owned(params)
-        on = {}  # each dtype's snapshot buffer on the params' device: one copy per buffer, not one per param
-        for n, live in named:
-            if live.dtype not in on:
-                on[live.dtype] = self.flat[live.dtype].to(live.device, non_blocking=True)
-        pairs = [(on[live.dtype][self.at[n]:self.at[n] + live.numel()], live) for n, live in named]
-        extra = None
-        if self.staged:  # widened for the diff in one op, not one per param
-            held = [n for n, _ in named if n in self.staged]
-            parts = torch.cat([self.staged[n] for n in held]).to(torch.int64).split([self.staged[n].numel()
-                                                                                   for n in held])
-            extra = [dict(zip(held, parts)).get(n) for n, _ in named]
+        if named and (self.link is None or self.link.device != named[0][1].device):
+            self.link = HostLink(named[0][1].device)
+        staged = self._staged_pieces(named) if self.staged else None
         blocks, self._found = [], []
-        for run in changes_many(pairs, extra, olds):
-            if not run.idx.numel():
-                continue
-            names = [named[k][0] for k in run.ks]
-            device = run.idx.device
-            shift = to_device([self.base[n] + self.ranges[n][0] for n in names], device)
-            flat = run.idx + repeat_counts(shift, run.counts)  # positions in the joined map's space
-            tgt, hpos, mapped = self._locate(flat)  # vocab padding maps nowhere
-            tgt, hpos = tgt[mapped], hpos[mapped]
-            order = torch.argsort(tgt * (1 << 40) + hpos)
-            counts = host_values(torch.bincount(tgt, minlength=len(self.targets)))
-            live = [j for j, c in enumerate(counts) if c]
-            blocks.append(([self.targets[j] for j in live], [counts[j] for j in live], hpos[order],
-                           run.values[mapped][order], run.olds[mapped][order] if olds else None))
-            self._found.append((names, run.idx, run.values, run.counts))
+        chunks = list(self._chunks(named))
+        handle = self._prefetch(chunks[0]) if chunks else None
+        for k, chunk in enumerate(chunks):
+            bases = self.link.ready(handle)
+            if k + 1 < len(chunks):  # the next chunk's snapshot moves while this one is diffed
+                handle = self._prefetch(chunks[k + 1])
+            extra = [staged.get((n, off)) for n, off, _ in chunk] if staged else None
+            for run in changes_many([(b, p) for b, (_, _, p) in zip(bases, chunk)], extra, olds):
+                if not run.idx.numel():
+                    continue
+                names = [chunk[i][0] for i in run.ks]
+                offs = [chunk[i][1] for i in run.ks]
+                device = run.idx.device
+                shift = to_device([self.base[n] + self.ranges[n][0] + o for n, o in zip(names, offs)], device)
+                flat = run.idx + repeat_counts(shift, run.counts)  # positions in the joined map's space
+                tgt, hpos, mapped = self._locate(flat)  # vocab padding maps nowhere
+                tgt, hpos = tgt[mapped], hpos[mapped]
+                order = torch.argsort(tgt * (1 << 40) + hpos)
+                counts = host_values(torch.bincount(tgt, minlength=len(self.targets)))
+                live = [j for j, c in enumerate(counts) if c]
+                blocks.append(([self.targets[j] for j in live], [counts[j] for j in live], hpos[order],
+                               run.values[mapped][order], run.olds[mapped][order] if olds else None))
+                self._found.append((names, offs, run.idx, run.values, run.counts))
         return Changes(blocks, self.shapes)
 
+    def _staged_pieces(self, named) -> Dict[Tuple[str, int], torch.Tensor]:
+        """The staged positions per piece, relative to it: widened in one op, and cut with one search per param
+        that a chunk splits (one whole chunk's params take theirs as they are)."""
+        held = [n for n, _ in named if n in self.staged]
+        parts = dict(zip(held, torch.cat([self.staged[n] for n in held]).to(torch.int64).split(
+            [self.staged[n].numel() for n in held])))
+        out = {}
+        per_dtype = {}
+        for name, live in named:
+            if name not in parts:
+                continue
+            per = per_dtype.setdefault(live.dtype, max(1, self.chunk_bytes // live.element_size()))
+            if live.numel() <= per:
+                out[(name, 0)] = parts[name]
+                continue
+            offs = list(range(0, live.numel(), per))
+            cuts = torch.searchsorted(parts[name], torch.tensor(offs[1:], dtype=torch.int64)).tolist()
+            for off, part in zip(offs, parts[name].tensor_split(cuts)):
+                out[(name, off)] = part - off
+        return out
     def shares(self, params: Sequence[Tuple[str, torch.Tensor]]) -> Dict[str, NameSum]:
         """This rank's weight-fingerprint shares of every HF name its owned slices reach (the source adds the
         ranks' shares up: the fingerprint is a sum over elements). Per dtype, in joined blocks: one search over the
@@ -209,9 +254,9 @@ class ShardDiffer:
     def commit(self) -> None:
         """Every engine took the sync: the last diff's elements take their new values in the snapshot, one
         ``index_copy_`` per run of the diff; nothing stays staged."""
-        for names, idx, values, counts in self._found:
+        for names, offs, idx, values, counts in self._found:
             buf = self.flat[values.dtype]
-            at = repeat_counts(to_device([self.at[n] for n in names], idx.device), counts)
+            at = repeat_counts(to_device([self.at[n] + o for n, o in zip(names, offs)], idx.device), counts)
             buf.index_copy_(0, (idx + at).to(buf.device), values.to(buf.device))
         self._found = []
         self.staged.clear()
@@ -219,9 +264,11 @@ class ShardDiffer:
     def stage(self) -> None:
         """Some engine did not take the sync: the positions it carried (the staged ones among them) are carried
         again by the next diff, with the values of then."""
-        for names, idx, _, counts in self._found:
-            for name, part in zip(names, idx.to(torch.int32).cpu().split(counts)):
-                self.staged[name] = part
+        parts: Dict[str, List[torch.Tensor]] = {}
+        for names, offs, idx, _, counts in self._found:
+            for name, off, part in zip(names, offs, idx.to(torch.int32).cpu().split(counts)):
+                parts.setdefault(name, []).append(part + off)
+        self.staged.update((n, torch.cat(ps) if len(ps) > 1 else ps[0]) for n, ps in parts.items())
         self._found = []
 
 

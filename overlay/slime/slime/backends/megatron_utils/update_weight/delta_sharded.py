@@ -109,7 +109,7 @@ class ShardedSync:
             if not ok and maps[name].pure:
                 maps[name].pure, maps[name].why = False, "impure on another rank of the stage"
         self.impure = frozenset(n for n, m in maps.items() if not m.pure)
-        self.differ = ShardDiffer(maps)
+        self.differ = ShardDiffer(maps, self.args.update_weight_buffer_size)
         names = ({hf for m in maps.values() if m.pure for hf, _ in m.targets},
                  {hf for m in maps.values() if not m.pure for hf, _ in m.targets})
         every = [None] * dist.get_world_size(self.group)  # other EP ranks' experts too

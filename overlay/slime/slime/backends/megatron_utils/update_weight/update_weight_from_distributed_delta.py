@@ -29,9 +29,9 @@ from slime.utils.distributed_utils import get_gloo_group
 from sglang.srt.weight_sync.delta.collectives import StageGroup
 from sglang.srt.weight_sync.delta.sender import _EXPERT_SUBPASSES, DeltaSender
 from sglang.srt.weight_sync.delta.store.manifest import StoreKey
-from sglang.srt.weight_sync.delta.store.publish import StoreTransport
+from sglang.srt.weight_sync.delta.store.publish import NcclStoreTransport, StoreTransport
 from sglang.srt.weight_sync.delta.transport import DiskTransport, NcclTransport
-from sglang.srt.weight_sync.delta.wire import DeltaStatus, zstd_level
+from sglang.srt.weight_sync.delta.wire import DeltaEncoding, DeltaStatus, zstd_level
 
 from .delta_sharded import ShardDiffFailed, ShardedSync
 from .update_weight_from_distributed import (
@@ -112,23 +112,26 @@ class UpdateWeightFromDistributedDelta(UpdateWeightFromDistributed):
             return
         engines = [_RayEngine(e) for e in rollout_engines]
         store = getattr(self.args, "update_weight_store", None)
+        level = getattr(self.args, "update_weight_delta_zstd_level", None)
+        side = None
         if store:  # every sync a version of the store: late and restarted engines catch up from it
-            transport = StoreTransport(store, engines, stages=stages, key=StoreKey.from_file(
-                                           getattr(self.args, "update_weight_store_key_file", None)),
-                                       zstd=zstd_level(self.args.update_weight_delta_encoding,
-                                                       getattr(self.args, "update_weight_delta_zstd_level", None)),
-                                       post_write_hook=self._post_write_hook(), hf_dir=self.args.hf_checkpoint)
-        elif self._disk:
-            transport = DiskTransport(self.args.update_weight_disk_dir, engines, stages=stages,
-                                      zstd=zstd_level(self.args.update_weight_delta_encoding,
-                                                      getattr(self.args, "update_weight_delta_zstd_level", None)),
-                                      keep_files=self.args.update_weight_disk_keep_files,
-                                      post_write_hook=self._post_write_hook())
+            side = StoreTransport(store, engines, stages=stages, key=StoreKey.from_file(
+                                      getattr(self.args, "update_weight_store_key_file", None)),
+                                  # the store's files are compressed whatever the group carries
+                                  zstd=zstd_level(self.args.update_weight_delta_encoding if self._disk
+                                                  else DeltaEncoding.DELTAS_ZSTD.value, level),
+                                  post_write_hook=self._post_write_hook() if self._disk else None,
+                                  hf_dir=self.args.hf_checkpoint)
+        if self._disk:
+            transport = side or DiskTransport(self.args.update_weight_disk_dir, engines, stages=stages,
+                                              zstd=zstd_level(self.args.update_weight_delta_encoding, level),
+                                              keep_files=self.args.update_weight_disk_keep_files,
+                                              post_write_hook=self._post_write_hook())
         else:
-            transport = NcclTransport(self._model_update_groups, self._group_name, engines,
-                                      device=torch.device(torch.cuda.current_device()) if torch.cuda.is_available()
-                                      else torch.device("cpu"),
-                                      reconnect=self._reconnect, guard=self._engine_lock)
+            group = dict(device=torch.device(torch.cuda.current_device()) if torch.cuda.is_available()
+                         else torch.device("cpu"), reconnect=self._reconnect, guard=self._engine_lock)
+            transport = NcclStoreTransport(self._model_update_groups, self._group_name, engines, side, **group) \
+                if side is not None else NcclTransport(self._model_update_groups, self._group_name, engines, **group)
         if self._sender is not None:  # re-connected (an engine restarted, or after an offload): same snapshot
             self._sender.attach(transport, engines, stages)
             return

@@ -8,6 +8,9 @@ engines that need more than the next delta (new, restarted, behind) told to catc
 trainer's work per sync does not grow with them. A sync without a snapshot to diff against (the first, or after a
 trainer restart) writes an anchor instead of full-sync files: the engines load it from the store like any anchor.
 
+Beside a shared group (``nccl``), :class:`NcclStoreTransport` broadcasts each request to the engines it is for and
+files it in the store as one flush file; the store is only read by engines that catch up.
+
 If the store commit fails, every engine's result is a failure (the sender keeps the sync's positions staged and the
 next delta covers them); if ``HEAD`` moved under this trainer, ``fatal`` says so and the sender stops.
 """
@@ -33,7 +36,7 @@ from sglang.srt.weight_sync.delta.store.manifest import (
     warn_unkeyed,
 )
 from sglang.srt.weight_sync.delta.store.objects import HeadMoved, open_store
-from sglang.srt.weight_sync.delta.transport import DiskTransport
+from sglang.srt.weight_sync.delta.transport import DiskTransport, NcclTransport
 from sglang.srt.weight_sync.delta.wire import DeltaError, DeltaPayload
 
 logger = logging.getLogger(__name__)
@@ -142,8 +145,10 @@ class StoreTransport(DiskTransport):
         return results
 
     def stage_record(self) -> dict:
-        """What the version's commit needs of this pipeline stage's part (stage 0 commits for all)."""
-        return {"written": self._written, "fingerprint": self.fingerprint, "weight_map": self._weight_map}
+        """What the version's commit needs of this pipeline stage's part (stage 0 commits for all); a stage that did
+        not publish in lockstep adds its own requests and anchor shards."""
+        own = {} if self.lockstep else {"requests": self._requests, "anchor": self._anchor}
+        return {"written": self._written, "fingerprint": self.fingerprint, "weight_map": self._weight_map, **own}
 
     def commit(self, results, records: List[dict]):
         """Once every stage's part is written (``records``: each stage's :meth:`stage_record`): the manifest, then
@@ -152,10 +157,13 @@ class StoreTransport(DiskTransport):
         self.fingerprint = None if None in prints else {n: h for f in prints for n, h in f.items()}
         for r in records:
             self._weight_map.update(r["weight_map"])
+        if not self.lockstep:  # each stage's requests in stage order: an engine takes each stage's in sequence
+            self._requests = [q for r in records for q in r["requests"]]
+            self._anchor = [a for r in records for a in r["anchor"]]
         targets = sorted(set(self.catch_up) | set(self._anchor_targets))
-        if not all(r["written"] for r in records):
-            results.update({i: (False, "transport: the version was not written") for i in targets})
-            return results
+        if not all(r["written"] for r in records):  # no engine counts it taken: the next delta covers it from the
+            # last committed base (engines that a shared group reached hold it anyway: it applies to them too)
+            return {i: (False, "transport: the version was not written to the store") for i in range(len(self.engines))}
         try:
             self._commit()
         except DeltaError as e:
@@ -207,3 +215,44 @@ class StoreTransport(DiskTransport):
         self.store.put(key, data)
         self.upload_bytes += sum(len(d) for d in extra.values()) + len(data)
         return [key, digest(data)]
+
+
+class NcclStoreTransport(NcclTransport):
+    """``nccl`` with a version store beside the group: each request is broadcast to the engines it is for and
+    filed in the store (``side``, a :class:`StoreTransport` announcing to no one), one flush file per request.
+    Engines that need more than the next delta catch up from the store once the version commits: nothing crosses
+    the group for them, and a kind no engine is pushed (an anchor every K versions) is not broadcast at all."""
+
+    versioned = True
+
+    def __init__(self, group, group_name: str, engines, side: StoreTransport, **kw):
+        super().__init__(group, group_name, engines, **kw)
+        self.side = side
+        side.lockstep = False  # each stage files its own requests; stage 0 lists them in stage order at commit
+
+    head_version = property(lambda self: self.side.head_version,
+                            lambda self, v: setattr(self.side, "head_version", v))
+    catch_up = property(lambda self: self.side.catch_up, lambda self, v: setattr(self.side, "catch_up", v))
+    fingerprint = property(lambda self: self.side.fingerprint, lambda self, v: setattr(self.side, "fingerprint", v))
+    fatal = property(lambda self: self.side.fatal, lambda self, v: setattr(self.side, "fatal", v))
+
+    def begin(self, version: int) -> None:
+        super().begin(version)
+        self.side.begin(version)
+
+    def send(self, payload: DeltaPayload, targets: List[int], kind: str = "delta"):
+        results = super().send(payload, targets, kind) if targets else {}
+        self.side.write(payload, kind)
+        self.side.publish({})
+        return results
+
+    def stage_record(self) -> dict:
+        self.side.collect()
+        return self.side.stage_record()
+
+    def commit(self, results, records: List[dict]):
+        return self.side.commit(results, records)
+
+    def close(self) -> None:
+        super().close()
+        self.side.close()
