@@ -12,7 +12,7 @@ TRANSPORT ?= disk
 ENCODING  ?=
 IMAGE     ?= delta-weight-sync:latest
 
-.PHONY: venvs test test-slime bench-slime soak soak-fleet demo bench gpu-check gpu-bundle image image-lint check-image-tree clean
+.PHONY: venvs test test-slime slime-tree bench-slime bench-memory soak soak-fleet demo bench gpu-check gpu-bundle image image-lint check-image-tree clean
 
 venvs:
 	@for p in $(PINS); do scripts/build_venv.sh $$p $(BUILD) || exit 1; done
@@ -22,11 +22,12 @@ venvs:
 # package's layout, the bench's report, gpu-check's dry run, the delta tools and the image's tree (our scripts); and
 # the soak, 8 syncs per pause mode (both pins' pause modes run in test_pause_modes; `make soak PIN=...` runs 200);
 # the sender's pipeline stages and shared-group re-sync (overlay logic; both pins' receivers take disk and NCCL
-# deltas in test_server and test_sender); the version store's cases (its server test runs on both pins). Later pins leave the sharded engines' bf16 cases to the first: their FP8
-# twins run the same ranks' paths there. slime's updater runs in `make test-slime` (its own venv: Megatron, Ray).
+# deltas in test_server and test_sender); the version store's cases (its server test runs on both pins); the docs'
+# claims read from the code. Later pins leave the sharded engines' bf16 cases to the first: their FP8 twins run the
+# same ranks' paths there. slime's updater runs in `make test-slime` (its own venv: Megatron, Ray).
 ONE_PIN_TESTS = tests/test_wire.py tests/test_checksum.py tests/test_fingerprint.py tests/test_layout.py \
   tests/test_bench.py tests/test_gpu_check.py tests/test_tools.py tests/test_image.py tests/test_soak.py \
-  tests/test_pipeline_stages.py tests/test_shared_group_resync.py tests/test_store.py
+  tests/test_pipeline_stages.py tests/test_shared_group_resync.py tests/test_store.py tests/test_docs.py
 FIRST_PIN_CASES = $(foreach c,qwen3-moe-None-2-1 qwen3-moe-None-2-2 deepseek-v3-None-2-2,\
   tests/test_sharded_engines.py::test_every_rank_of_a_sharded_engine_takes_each_delta_bit_identically[$(c)])
 test: venvs
@@ -38,16 +39,21 @@ test: venvs
 	  skip="$(addprefix --ignore=,$(ONE_PIN_TESTS)) $(addprefix --deselect=,$(FIRST_PIN_CASES))"; \
 	done; exit $$rc
 
-$(BUILD)/slime/.stamp: $(SLIME_TARBALL)
+$(BUILD)/slime/.stamp: $(wildcard $(SLIME_TARBALL))
+	@test -f "$(SLIME_TARBALL)" || { echo "make $(MAKECMDGOALS): no slime archive at $(SLIME_TARBALL):" \
+	  "pass SLIME_DIR=<slime checked out at 624b824a> or SLIME_TARBALL=<its archive>"; exit 2; }
 	rm -rf $(BUILD)/slime && mkdir -p $(BUILD) && tar xzf $(SLIME_TARBALL) -C $(BUILD) && touch $@
 
-# slime's patched updater with a tiny Megatron model on CPU into a server on the image's SGLang tree
-# (slime's own SGLang patches, then ours); slime at the pinned commit from SLIME_DIR (default: SLIME_TARBALL).
-test-slime: $(if $(filter $(BUILD)/slime,$(SLIME_DIR)),$(BUILD)/slime/.stamp)
-	@test -d "$(SLIME_DIR)/slime" || { echo "make test-slime: no slime checkout at $(SLIME_DIR) (SLIME_DIR=...)"; exit 2; }
+# slime at the pinned commit from SLIME_DIR (default: SLIME_TARBALL), patched, and its venv (Megatron, Ray, the image's
+# SGLang tree: slime's own SGLang patches, then ours): what test-slime, bench-slime and bench-memory run on.
+slime-tree: $(if $(filter $(BUILD)/slime,$(SLIME_DIR)),$(BUILD)/slime/.stamp)
+	@test -d "$(SLIME_DIR)/slime" || { echo "make $(MAKECMDGOALS): no slime checkout at $(SLIME_DIR) (SLIME_DIR=...)"; exit 2; }
 	@scripts/build_venv.sh 0.5.15.post1 $(BUILD) slime "$(SLIME_DIR)"
 	rm -rf $(BUILD)/slime-tree && cp -a "$(SLIME_DIR)" $(BUILD)/slime-tree
 	SLIME_COMMIT=$(SLIME_COMMIT) scripts/apply_patches.sh $(BUILD)/slime-tree
+
+# slime's patched updater with a tiny Megatron model on CPU into a server on the image's SGLang tree.
+test-slime: slime-tree
 	SLIME_PATCHED_DIR=$(abspath $(BUILD)/slime-tree) PYTHONPATH=$(abspath $(BUILD)/slime-tree) \
 	  $(BUILD)/venv-0.5.15.post1-slime/bin/python -m pytest tests/test_slime_sender.py tests/test_slime_shard_map.py \
 	  tests/test_slime_store.py $(PYTEST_ARGS)
@@ -55,13 +61,17 @@ test-slime: $(if $(filter $(BUILD)/slime,$(SLIME_DIR)),$(BUILD)/slime/.stamp)
 # slime's own disk delta (xor, overwrite) and ours (deltas_zstd, planes_zstd, xor_zstd) on the same Megatron steps
 # into a real server, side by side -> a section of docs/benchmarks.md (same slime checkout as test-slime).
 BENCH_SLIME_ARGS ?=
-bench-slime: $(if $(filter $(BUILD)/slime,$(SLIME_DIR)),$(BUILD)/slime/.stamp)
-	@test -d "$(SLIME_DIR)/slime" || { echo "make bench-slime: no slime checkout at $(SLIME_DIR) (SLIME_DIR=...)"; exit 2; }
-	@scripts/build_venv.sh 0.5.15.post1 $(BUILD) slime "$(SLIME_DIR)"
-	rm -rf $(BUILD)/slime-tree && cp -a "$(SLIME_DIR)" $(BUILD)/slime-tree
-	SLIME_COMMIT=$(SLIME_COMMIT) scripts/apply_patches.sh $(BUILD)/slime-tree
+bench-slime: slime-tree
 	PYTHONPATH=$(abspath $(BUILD)/slime-tree) \
 	  $(BUILD)/venv-0.5.15.post1-slime/bin/python scripts/bench_slime.py --workdir $(BUILD)/bench-slime $(BENCH_SLIME_ARGS)
+
+# The peak tensor memory of every transient of a sync (shard map build, sharded diff, sender flush, engine apply,
+# xor rebuild, full sync, fingerprint) against the reference that bounds it, at two model depths: one line per
+# component on stdout, and a section of docs/benchmarks.md; fails if one is OVER its budget or grows with the model.
+BENCH_MEMORY_ARGS ?=
+bench-memory: slime-tree
+	PYTHONPATH=$(abspath $(BUILD)/slime-tree) \
+	  $(BUILD)/venv-0.5.15.post1-slime/bin/python scripts/bench_memory.py --workdir $(BUILD)/bench-memory $(BENCH_MEMORY_ARGS)
 
 demo:
 	@scripts/build_venv.sh $(PIN) $(BUILD)

@@ -406,13 +406,15 @@ def write_hf_checkpoint(out_dir: str, cfg, state: Dict[str, torch.Tensor]) -> st
 
 
 def _device_flags(device: str) -> List[str]:
-    """CPU: SGLang's torch-native paths, one small TP rank (a later ``--tp`` overrides). CUDA: SGLang's defaults
-    (CUDA graphs and the overlap scheduler on), a modest share of the memory."""
+    """CPU: SGLang's torch-native paths, one small TP rank (a later ``--tp`` overrides), and an idle scheduler that
+    waits on its sockets (SGLang's ``--sleep-on-idle``) instead of polling a core at 100%: on a small machine the
+    idle servers of a test would otherwise take the cores its work needs. CUDA: SGLang's defaults (CUDA graphs and
+    the overlap scheduler on), a modest share of the memory."""
     if device == "cuda":
         return ["--mem-fraction-static", "0.3"]
     return ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph", "--mem-fraction-static",
             "0.1", "--skip-server-warmup", "--tp", "1", "--max-total-tokens", "2048", "--sampling-backend", "pytorch",
-            "--grammar-backend", "none"]
+            "--grammar-backend", "none", "--sleep-on-idle"]
 
 
 class Server:
@@ -594,3 +596,65 @@ class SyncCounter(TorchDispatchMode):
         if syncs:
             self.ops.append(str(func))
         return func(*args, **kwargs)
+
+
+# ---------------------------------------------------------------- measuring live tensor memory
+
+
+class LiveBytes(TorchDispatchMode):
+    """The peak bytes of tensor storage created while it is on (this thread's ops) and alive at once: each new
+    storage counted once, until it is freed (views share their base's). Storage that existed before is not counted:
+    the peak is what a phase adds."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: Dict[int, int] = {}
+        self.now = self.peak = 0
+
+    def _free(self, key: int) -> None:
+        self.now -= self.live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import weakref
+
+        from torch.utils._pytree import tree_flatten
+
+        out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                 if isinstance(t, torch.Tensor) and t.device.type != "meta"}  # in place, views, out=: not new
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                s = t.untyped_storage()
+                key = s.data_ptr()
+                if s.nbytes() and key not in self.live and key not in given:
+                    self.live[key] = s.nbytes()
+                    self.now += s.nbytes()
+                    self.peak = max(self.peak, self.now)
+                    weakref.finalize(s, self._free, key)
+        return out
+
+
+class PeakMemory:
+    """The peak bytes a phase adds on ``device``: the CUDA allocator's statistics there (every thread's), else
+    :class:`LiveBytes` (this thread's tensors)."""
+
+    def __init__(self, device):
+        self.device, self.peak = torch.device(device), 0
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self._live = LiveBytes().__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self._base
+        else:
+            self._live.__exit__(*exc)
+            self.peak = self._live.peak
+        return False

@@ -211,8 +211,13 @@ def overlap_us(trace_events) -> tuple:
 
 
 class Report:
-    def __init__(self):
-        self.lines, self.failed = [], False
+    """Checks and figures, printed as they come and, with ``path``, appended to the report file at once: a run cut
+    short (a time limit, a lost machine) still leaves every section it finished."""
+
+    def __init__(self, path: str = ""):
+        self.lines, self.failed, self.path = [], False, path
+        if path:
+            open(path, "w").close()
 
     def check(self, ok: bool, what: str) -> None:
         self.failed |= not ok
@@ -224,6 +229,9 @@ class Report:
     def add(self, line: str) -> None:
         self.lines.append(line)
         print(line, flush=True)
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(line + "\n")
 
 
 def _sums_and_flags(device) -> tuple:
@@ -374,6 +382,20 @@ def check_fp8(report, args, device, workdir) -> None:
         transport.close()
 
 
+def check_memory(report, args, device, workdir: str) -> None:
+    """Each transient's device peak next to its modeled bound (``make bench-memory``'s components and budgets)."""
+    from bench_memory import BUDGETS, engine_components, judge
+
+    flush = 16 << 20
+    report.add(f"\nmemory: device peak of each transient on {device} (a Qwen2-shaped model, {args.layers} layers; "
+               f"flush buffer and engine chunk {flush} B)")
+    figures = engine_components(args.layers, flush, 20000, workdir, device)
+    for name in ("sender flush", "engine apply", "engine xor rebuild", "engine full sync", "fingerprint"):
+        line, ok, ref = judge(name, [figures[name]], figures, flush)
+        report.check(ok, f"{line.removeprefix('memory: ')}: device peak {figures[name]} B, modeled at most "
+                         f"{BUDGETS[name][0] * ref:.0f} B")
+
+
 def run(args, device, report, stubbed: bool) -> None:
     from cpu_harness import InProcessEngine, bf16_state, delta_flushes, full_flushes, hf_config, hf_model, rl_steps, \
         segments, sglang_model
@@ -499,6 +521,7 @@ def run(args, device, report, stubbed: bool) -> None:
     ratio = f"{t_full / t_apply:.2f}x faster" if t_apply <= t_full else f"{t_apply / t_full:.2f}x slower"
     report.check(ok and ok2, f"delta apply `deltas` {1e3 * t_apply:.2f} ms vs full load_weights {1e3 * t_full:.2f} ms "
                              f"({ratio})" + ("" if ok and ok2 else f" — {msg} / {msg2}"))
+    check_memory(report, args, device, workdir)
     check_fp8(report, args, device, workdir)
     check_sharded_ranks(report, args, device, workdir, stubbed)
     check_server(report, args, device, workdir, stubbed)
@@ -536,7 +559,7 @@ def main():
             return 2
         use_bundle(args.bundle, tempfile.gettempdir())
     stubbed = install_sgl_kernel_stub() if device.type == "cuda" else False
-    report = Report()
+    report = Report(args.report)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (dry run)"
     t0 = time.time()
     try:
@@ -551,8 +574,6 @@ def main():
         report.check(False, f"the check stopped: {e!r}")
         report.add("```\n" + traceback.format_exc() + "```")
     report.add(f"\n{'FAILED' if report.failed else 'all checks passed'} in {time.time() - t0:.0f} s")
-    with open(args.report, "w") as f:
-        f.write("\n".join(report.lines) + "\n")
     print(f"report: {args.report}")
     return 1 if report.failed else 0
 

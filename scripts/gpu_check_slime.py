@@ -157,8 +157,19 @@ def _rank(rank: int, ranks: int, device_type: str, port: int, root: str, sizes, 
             transport = DiskTransport(shared, [engine], zstd=zstd_level(ENCODING), post_write_hook=hook)
             sender = DeltaSender(transport, [engine], encoding=ENCODING, buffer_bytes=64 << 20, device=device,
                                  fingerprint_every=1, repair_dirty=False)
-        sharded = ShardedSync(args, [model], "llama", None, source)
         lines, held, base = [], None, None
+        from cpu_harness import PeakMemory
+        from slime.backends.megatron_utils.update_weight.common import named_params_and_buffers
+        from slime.backends.megatron_utils.update_weight.delta_shard_map import build_shard_maps
+
+        gather = 2 * max(p.numel() * (ranks if getattr(p, "tensor_model_parallel", False) else 1)
+                         for _, p in named_params_and_buffers(args, [model]))  # slime's bf16 gather, largest param
+        with PeakMemory(device) as peak:
+            build_shard_maps(args, [model], "llama")
+        lines.append(("memory", peak.peak <= 2 * gather,
+                      f"rank {rank}: shard map build, device peak {peak.peak} B = {peak.peak / gather:.2f}x slime's "
+                      f"own bf16 gather of the largest param ({gather} B); modeled at most 2x"))
+        sharded = ShardedSync(args, [model], "llama", None, source)
         for k in range(SYNCS):
             mine = {n: t.cpu() for n, t in H.hf_state(args, model).items()}  # collective: slime's own conversion
             corrupt = k == REFUSED
@@ -291,6 +302,8 @@ def _report(report, results, ranks: int, cuda: bool) -> None:
         for line in results[rank][0]:
             if line[0] == "figure":
                 report.add(f"- {line[1]}")
+            elif line[0] == "memory":
+                report.check(line[1], line[2])
     full, delta = times["full"][0], min(times["delta"])
     report.add(f"- sync time on the source: gathering sync {1e3 * full:.1f} ms, sharded delta {1e3 * delta:.1f} ms "
                f"({full / delta:.2f}x)" + ("" if cuda else " (CPU dry run: not a figure)"))

@@ -50,7 +50,8 @@ def one_segment(state):
 
 
 def test_late_joiners_and_restarts_catch_up_from_the_store(store_url):
-    """The first sync writes an anchor every engine loads from the store; later syncs are deltas. An engine that
+    """The first sync writes an anchor every engine loads from the store (and a server started from it follows that
+    store); later syncs are deltas. An engine that
     joins late catches up by itself (anchor, then the chain), one the sender meets late is told to catch up instead
     of a full sync, a restarted engine too; every engine bit-identical at every version."""
     cfg = hf_config("qwen2")
@@ -63,6 +64,12 @@ def test_late_joiners_and_restarts_catch_up_from_the_store(store_url):
     m = sender.pop_metrics()
     assert m["perf/update_weights_full_sync_engines"] == 1 and delta_status(a.host.model).version == 1
     assert_params_equal(a.host.model, reference(cfg, state))
+    from sglang.srt.weight_sync.delta.store.watch import anchor_store
+
+    anchor = transport.store.url(transport.akey)  # a server started from this anchor follows the store it is in
+    assert anchor_store(anchor, StoreKey(None)) == transport.store.url_root
+    assert anchor_store(transport.vdir, StoreKey(None)) is None  # a version's directory is no anchor
+    assert anchor_store(anchor, StoreKey(b"k" * 32)) is None  # nor one that does not verify under the engine's key
     steps = rl_steps(trainer, 6)
     for _ in range(2):
         state = next(steps)

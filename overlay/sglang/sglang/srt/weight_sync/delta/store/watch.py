@@ -1,4 +1,5 @@
-"""An engine that follows a version store by itself (``--update-weight-store URL``), in its HTTP server's process.
+"""An engine that follows a version store by itself (``--update-weight-store URL``, or a model path that is one of
+the store's anchors), in its HTTP server's process.
 
 A task polls the store's ``HEAD`` every ``--update-weight-store-poll-s`` seconds and, whenever the engine is behind,
 asks it to catch up through the ordinary update path (``/update_weights_from_disk`` with ``store: catch_up``: the
@@ -14,9 +15,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from typing import Optional
 
-from sglang.srt.weight_sync.delta.store.manifest import StoreKey, read_head
+from sglang.srt.weight_sync.delta.store.manifest import RECORD_CAP, StoreKey, open_record, read_head
 from sglang.srt.weight_sync.delta.store.objects import open_store
 
 logger = logging.getLogger(__name__)
@@ -99,13 +101,31 @@ class StoreWatch:
 _WATCH: Optional[StoreWatch] = None
 
 
+def anchor_store(model_path: str, key: StoreKey) -> Optional[str]:
+    """The store whose anchor ``model_path`` is (a directory or ``s3://`` prefix named ``anchor_v<N>-<id>`` holding
+    an anchor record that verifies under ``key``), else None."""
+    root, _, leaf = str(model_path).rstrip("/").rpartition("/")
+    if not root or not re.fullmatch(r"anchor_v\d{6}-[0-9a-f]+", leaf):
+        return None
+    try:
+        open_record(open_store(root).get(f"{leaf}/manifest.json", RECORD_CAP), key, f"anchor {model_path}", "anchor")
+    except Exception as e:  # not an anchor of a store: a model path like any other
+        logger.warning("model path %s looks like a store's anchor, but its record does not verify: %s", model_path, e)
+        return None
+    return root
+
+
 def start(tokenizer_manager, server_args) -> None:
-    """Hooked at the HTTP server's start: follow ``--update-weight-store`` if it is set."""
+    """Hooked at the HTTP server's start: follow ``--update-weight-store`` if it is set, or the store whose anchor
+    the model path is. Its first catch-up reads that anchor again through the checked path: SGLang's own load of
+    the model path checks no digest."""
     global _WATCH
-    url = getattr(server_args, "update_weight_store", None)
+    key_file = getattr(server_args, "update_weight_store_key_file", None)
+    url = getattr(server_args, "update_weight_store", None) or \
+        anchor_store(getattr(server_args, "model_path", ""), StoreKey.from_file(key_file))
     if not url:
         return
-    _WATCH = StoreWatch(tokenizer_manager, url, getattr(server_args, "update_weight_store_key_file", None),
+    _WATCH = StoreWatch(tokenizer_manager, url, key_file,
                         int(getattr(server_args, "update_weight_store_max_lag", -1)),
                         float(getattr(server_args, "update_weight_store_poll_s", 5.0)))
     _WATCH.task = asyncio.get_event_loop().create_task(_WATCH.run())

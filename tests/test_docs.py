@@ -1,0 +1,100 @@
+"""The docs say what the code does, where a claim can be read from the code: every status code, metric, flag and make
+target the code defines is documented, and every one the docs name exists."""
+import glob
+import os
+import re
+
+from sglang.srt.weight_sync.delta.wire import Refusal
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# slime's own flags the docs name (defined in slime itself, not in our patches)
+SLIME_OWN = {"--update-weight-mode", "--update-weight-transport", "--update-weight-buffer-size",
+             "--update-weight-disk-dir", "--update-weight-disk-keep-files", "--update-weight-delta-encoding"}
+
+
+def read(*parts):
+    with open(os.path.join(ROOT, *parts)) as f:
+        return f.read()
+
+
+def docs():
+    return {p: read(p) for p in ["README.md"] + sorted(os.path.relpath(d, ROOT) for d in
+                                                       glob.glob(os.path.join(ROOT, "docs", "*.md")))}
+
+
+def table_first_column(text: str, heading: str):
+    """The backquoted names in the first column of the table under ``heading``."""
+    section = text.split(heading, 1)[1].split("\n#", 1)[0]
+    names = set()
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            names.update(re.findall(r"`([a-z_0-9]+)`", line.split("|")[1]))
+    return names
+
+
+def test_every_status_code_is_in_the_troubleshooting_table_and_every_row_is_a_code():
+    rows = table_first_column(read("docs", "troubleshooting.md"), "## Status codes")
+    assert rows == {r.value for r in Refusal}, (rows ^ {r.value for r in Refusal})
+
+
+def _metrics_of_a_sync(tmp_path):
+    from cpu_harness import InProcessEngine, Host, bf16_state, hf_config, hf_model, nan_filled, rl_steps, segments, \
+        sglang_model
+    from sglang.srt.weight_sync.delta.sender import DeltaSender
+    from sglang.srt.weight_sync.delta.transport import DiskTransport
+
+    cfg = hf_config("qwen2")
+    trainer = hf_model(cfg)
+    engine = InProcessEngine(Host(nan_filled(sglang_model(cfg))))
+    transport = DiskTransport(str(tmp_path), [engine], zstd=1)
+    sender = DeltaSender(transport, [engine], encoding="xor_zstd", fingerprint_every=1)
+    keys = set()
+    for state in [bf16_state(trainer), next(rl_steps(trainer, 1))]:
+        assert sender.update(segments(state))[0][0]
+        keys |= set(sender.pop_metrics())
+    transport.close()
+    return keys
+
+
+def test_every_metric_a_sync_reports_is_in_the_metrics_table_and_every_row_is_one(tmp_path):
+    prefix = "perf/update_weights_"
+    emitted = {k[len(prefix):] for k in _metrics_of_a_sync(tmp_path)}
+    totals = {k[:-len("_total")] for k in emitted if k.endswith("_total")}
+    emitted = (emitted - {f"{k}_total" for k in totals}) | totals  # a counter's per-sync name: e.g. repairs
+    sharded = read("overlay", "slime", "slime", "backends", "megatron_utils", "update_weight", "delta_sharded.py")
+    assert 'p = "perf/update_weights_sharded_"' in sharded
+    emitted |= {"sharded_" + m for m in re.findall(r'p \+ "([a-z_]+)"', sharded)}
+    rows = table_first_column(read("docs", "reference.md"), "### Metrics")
+    assert emitted == rows, f"undocumented: {sorted(emitted - rows)}; no such metric: {sorted(rows - emitted)}"
+
+
+def _our_flags():
+    ours = set()
+    for p in glob.glob(os.path.join(ROOT, "patches", "sglang", "*", "*.patch")):
+        ours |= {"--" + f.replace("_", "-") for f in re.findall(r"^\+    (update_weight_[a-z_0-9]+): ", read(p), re.M)}
+    for p in glob.glob(os.path.join(ROOT, "patches", "slime", "*", "*.patch")):
+        ours |= set(re.findall(r'^\+\s+"(--update-weight-[a-z0-9-]+)",$', read(p), re.M))
+    args = read("overlay", "slime", "slime", "utils", "delta_sync_args.py")
+    ours |= set(re.findall(r'^\s+"(--update-weight-[a-z0-9-]+)",$', args, re.M))
+    return ours
+
+
+def test_every_flag_we_define_is_documented_and_every_documented_flag_exists():
+    ours = _our_flags()
+    assert {"--update-weight-store", "--update-weight-pause-mode", "--update-weight-delta-chunk-bytes"} <= ours
+    reference = read("docs", "reference.md")
+    assert not [f for f in sorted(ours) if f"`{f}`" not in reference], "flags missing from docs/reference.md"
+    named = set()
+    for text in docs().values():
+        named |= set(re.findall(r"--update-weight-[a-z0-9-]*[a-z0-9]", text))
+    assert named <= ours | SLIME_OWN, sorted(named - ours - SLIME_OWN)
+
+
+def test_every_make_target_is_documented_and_every_documented_one_exists():
+    makefile = read("Makefile")
+    targets = set(re.findall(r"^([a-z][a-z0-9-]*):", makefile, re.M))
+    phony = set(re.search(r"^\.PHONY: (.*)$", makefile, re.M).group(1).split())
+    text = "\n".join(docs().values())
+    named = set(re.findall(r"`make ([a-z][a-z0-9-]*)", text))
+    assert named <= targets, sorted(named - targets)
+    assert phony <= named, f"targets no doc names: {sorted(phony - named)}"
