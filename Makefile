@@ -23,11 +23,16 @@ venvs:
 # the soak, 8 syncs per pause mode (both pins' pause modes run in test_pause_modes; `make soak PIN=...` runs 200);
 # the sender's pipeline stages and shared-group re-sync (overlay logic; both pins' receivers take disk and NCCL
 # deltas in test_server and test_sender); the version store's cases (its server test runs on both pins); the docs'
-# claims read from the code. Later pins leave the sharded engines' bf16 cases to the first: their FP8 twins run the
-# same ranks' paths there. slime's updater runs in `make test-slime` (its own venv: Megatron, Ray).
+# claims read from the code; the receiver's fault handling, refusals, write guard, device-path branches and host
+# synchronization counts, and the broadcast deadlines (overlay logic: both pins' bindings, loaders and update groups
+# run in test_server, test_receiver_*, test_sharded_engines and test_sender). Later pins leave the sharded engines'
+# bf16 cases to the first: their FP8 twins run the same ranks' paths there. slime's updater runs in
+# `make test-slime` (its own venv: Megatron, Ray).
 ONE_PIN_TESTS = tests/test_wire.py tests/test_checksum.py tests/test_fingerprint.py tests/test_layout.py \
   tests/test_bench.py tests/test_gpu_check.py tests/test_tools.py tests/test_image.py tests/test_soak.py \
-  tests/test_pipeline_stages.py tests/test_shared_group_resync.py tests/test_store.py tests/test_docs.py
+  tests/test_pipeline_stages.py tests/test_shared_group_resync.py tests/test_store.py tests/test_docs.py \
+  tests/test_fault_matrix.py tests/test_nccl_deadlines.py tests/test_sync_counts.py tests/test_receiver_refusals.py \
+  tests/test_write_guard_threads.py tests/test_device_path.py
 FIRST_PIN_CASES = $(foreach c,qwen3-moe-None-2-1 qwen3-moe-None-2-2 deepseek-v3-None-2-2,\
   tests/test_sharded_engines.py::test_every_rank_of_a_sharded_engine_takes_each_delta_bit_identically[$(c)])
 test: venvs

@@ -34,7 +34,7 @@ def delta_args(transport: str, disk_dir: str, fingerprint_every: int = 1) -> str
     if transport == "disk":
         return common + (f"--update-weight-transport disk --update-weight-delta-encoding xor_zstd "
                          f"--update-weight-disk-dir {disk_dir} ")
-    return common + "--update-weight-transport nccl --update-weight-delta-encoding indices "
+    return common + "--update-weight-transport nccl --update-weight-delta-encoding deltas "
 
 
 def rollout_args(external_engine) -> str:

@@ -335,7 +335,7 @@ def test_the_example_parses_with_slimes_own_arguments():
 
     parser = argparse.ArgumentParser()
     parser = get_slime_extra_args_provider()(parser) or parser
-    for transport, encoding in (("disk", "xor_zstd"), ("nccl", "indices")):
+    for transport, encoding in (("disk", "xor_zstd"), ("nccl", "deltas")):
         ns, _ = parser.parse_known_args(shlex.split(train_args(transport, "/shared", 4)))
         assert (ns.update_weight_mode, ns.update_weight_transport, ns.update_weight_delta_encoding) == \
             ("delta", transport, encoding)
@@ -346,7 +346,7 @@ def test_the_example_parses_with_slimes_own_arguments():
     argv = shlex.split(train_args("nccl", "/shared", 4))
     ns, _ = parser.parse_known_args(argv + ["--update-weight-encoding", "deltas_zstd"])  # the seed's spelling
     ns.pipeline_model_parallel_size = 1
-    with pytest.raises(ValueError, match="use --update-weight-delta-encoding=indices"):
+    with pytest.raises(ValueError, match="use --update-weight-delta-encoding=deltas"):
         validate_sparse_delta_args(ns)
     with pytest.raises(SystemExit):
         parser.parse_known_args(argv + ["--update-weight-delta-encoding", "lz4"])
@@ -506,7 +506,7 @@ def test_argument_rules():
 
     base = dict(colocate=False, update_weight_transport="nccl", pipeline_model_parallel_size=1)
     validate_sparse_delta_args(argparse.Namespace(**base, update_weight_delta_encoding="indices"))
-    with pytest.raises(ValueError, match="use --update-weight-delta-encoding=indices"):
+    with pytest.raises(ValueError, match="use --update-weight-delta-encoding=deltas"):
         validate_sparse_delta_args(argparse.Namespace(**base, update_weight_delta_encoding="deltas_zstd"))
     with pytest.raises(ValueError, match="not supported with --colocate"):
         validate_sparse_delta_args(argparse.Namespace(**{**base, "colocate": True}, update_weight_delta_encoding="deltas"))

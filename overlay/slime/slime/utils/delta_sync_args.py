@@ -84,7 +84,7 @@ def validate_sparse_delta_args(args) -> None:
     if args.update_weight_transport == "nccl" and args.update_weight_delta_encoding not in NCCL_ENCODINGS:
         raise ValueError(
             f"--update-weight-delta-encoding={args.update_weight_delta_encoding} compresses files and is disk-only; "
-            "with --update-weight-transport=nccl use --update-weight-delta-encoding=indices (or deltas)."
+            "with --update-weight-transport=nccl use --update-weight-delta-encoding=deltas (or indices)."
         )
 
 

@@ -36,6 +36,13 @@ DIGIT = torch.uint8
 _ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "parallel_mode")
 _RUN_BYTES = 32  # a run's row in the table (4 x int64): a map with more bytes of runs than the param's bf16 bytes
 #                  (a transposing conversion: runs of one element) keeps the gather path
+WORK_BYTES = 64  # at most this many bytes of temporaries per element of a working block, beside the gathers
+
+
+def block_elements(args) -> int:
+    """Elements a build works on at once: 1/128 of ``--update-weight-buffer-size`` (at least 16 Ki), a multiple of
+    8 (the kept bits are packed by the byte)."""
+    return max(1 << 14, args.update_weight_buffer_size // 128) // 8 * 8
 
 
 @dataclasses.dataclass
@@ -230,8 +237,8 @@ def _map(args, model_name: str, name: str, param: torch.Tensor, qcfg, block: int
 def build_shard_maps(args, model, model_name: str, quantization_config=None) -> Dict[str, ParamMap]:
     """Every local param's map, through slime's own gather and conversion (collective: every rank of the stage
     calls it, in the same param order, as slime's own update does). Rebuild after each full sync and whenever a
-    shape changes. Working blocks: a sixteenth of ``--update-weight-buffer-size`` in elements."""
-    block = max(1 << 16, args.update_weight_buffer_size // 16) // 8 * 8
+    shape changes. Working blocks: :func:`block_elements`."""
+    block = block_elements(args)
     maps: Dict[str, ParamMap] = {}
     with torch.no_grad():
         for name, param in named_params_and_buffers(args, model):
