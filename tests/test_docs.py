@@ -99,3 +99,17 @@ def test_every_make_target_is_documented_and_every_documented_one_exists():
     named = set(re.findall(r"`make ([a-z][a-z0-9-]*)", text))
     assert named <= targets, sorted(named - targets)
     assert phony <= named, f"targets no doc names: {sorted(phony - named)}"
+
+
+def test_no_prose_line_of_the_written_docs_is_over_120_characters():
+    """Tables, code blocks and the generated benchmark pages excepted (their rows and generators are the next step)."""
+    long = []
+    for path, text in docs().items():
+        if os.path.basename(path).startswith("benchmarks"):
+            continue
+        fence = False
+        for k, line in enumerate(text.split("\n"), 1):
+            fence ^= line.startswith("```")
+            if not fence and not line.startswith("|") and len(line) > 120:
+                long.append(f"{path}:{k}")
+    assert not long, long
