@@ -149,7 +149,8 @@ def main():
         header = (f"{'step':>4} {'ver':>4} {'density':>8} {'wire bytes':>12} {'vs full':>8} {'encode ms':>9} "
                   f"{'transfer ms':>11} {'apply ms':>8} {'identical':>10}")
         rows, ok, prev, logprob_before = [], True, None, None
-        bar = tqdm(total=args.steps + 1, desc="sync", unit="sync", file=sys.stderr, leave=False)
+        bar = tqdm(total=args.steps + 1, desc="sync", unit="sync", file=sys.stderr, leave=False,
+                   disable=not sys.stderr.isatty())  # progress for a terminal only: `make demo > file` keeps the table
         for step in range(args.steps + 1):
             if step:
                 prev, state = state, next(steps)

@@ -113,3 +113,7 @@ def test_no_prose_line_of_the_written_docs_is_over_120_characters():
             if not fence and not line.startswith("|") and len(line) > 120:
                 long.append(f"{path}:{k}")
     assert not long, long
+
+
+def test_the_readme_stays_short():
+    assert len(read("README.md").splitlines()) <= 200

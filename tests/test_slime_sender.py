@@ -436,12 +436,10 @@ def test_the_single_gpu_example_attaches_to_an_external_patched_server(world):
         train_args("nccl", "/shared", 4, external_engine=addr)
 
 
-def test_unset_flags_say_which_delta_runs(caplog):
-    """An unset encoding: 'deltas' over nccl, slime's own 'xor' over disk (said in a warning). An unset
+def test_unset_flags_say_which_delta_runs():
+    """An unset encoding: 'deltas' over nccl; over disk refused, naming this project's encodings and slime's own. An unset
     ``--update-weight-delta-sharded``: on with the sparse encodings, off with slime's own; set where it cannot run,
     refused with the reason."""
-    import logging
-
     import slime_harness as H
     from slime.utils.delta_sync_args import resolve_delta_args
 
@@ -451,10 +449,13 @@ def test_unset_flags_say_which_delta_runs(caplog):
     assert (args.update_weight_delta_encoding, args.update_weight_delta_sharded) == ("deltas", True)
     args = H.make_args(update_weight_transport="disk", update_weight_delta_encoding=None,
                        update_weight_delta_sharded=None)
-    with caplog.at_level(logging.WARNING):
+    with pytest.raises(ValueError, match=r"needs --update-weight-delta-encoding: xor_zstd \(this project.*or xor "
+                                         r"\(slime's own delta"):
         resolve_delta_args(args)
+    args = H.make_args(update_weight_mode="full", update_weight_transport="disk", update_weight_delta_encoding=None,
+                       update_weight_delta_sharded=None)
+    resolve_delta_args(args)  # no delta runs: slime's own default stands
     assert (args.update_weight_delta_encoding, args.update_weight_delta_sharded) == ("xor", False)
-    assert "runs slime's own 'xor' delta" in caplog.text and "deltas_zstd" in caplog.text
     args = H.make_args(update_weight_transport="disk", update_weight_delta_encoding="deltas_zstd",
                        update_weight_delta_sharded=False)  # --no-update-weight-delta-sharded
     resolve_delta_args(args)

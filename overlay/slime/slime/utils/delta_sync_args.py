@@ -3,30 +3,27 @@
 Kept free of torch/megatron imports at module level: ``slime.utils.arguments`` imports it at parse time.
 """
 
-import logging
-
-logger = logging.getLogger(__name__)
-
 SPARSE_DELTA_ENCODINGS = ("indices", "deltas", "deltas_zstd", "planes_zstd", "xor_zstd")
 NCCL_ENCODINGS = ("indices", "deltas")
 
 
 def resolve_delta_args(args) -> None:
     """Unset flags take their defaults here. ``--update-weight-delta-encoding``: 'deltas' over nccl (slime's own
-    delta cannot run there), slime's own 'xor' over disk — saying so, since both implementations answer to
-    ``--update-weight-mode delta``. ``--update-weight-delta-sharded``: on wherever it runs
-    (:func:`runs_sparse_delta`); set where it cannot, it is refused."""
+    delta cannot run there); over disk two implementations answer to ``--update-weight-mode delta``, so an unset
+    encoding is refused with both named (a patched tree never picks one silently); unused in ``full`` mode.
+    ``--update-weight-delta-sharded``: on wherever it runs (:func:`runs_sparse_delta`); set where it cannot, it is
+    refused."""
     if getattr(args, "update_weight_delta_encoding", None) is None:
         if args.update_weight_mode == "delta" and args.update_weight_transport == "nccl":
             args.update_weight_delta_encoding = "deltas"
+        elif args.update_weight_mode == "delta":
+            raise ValueError(
+                "--update-weight-mode=delta over disk needs --update-weight-delta-encoding: xor_zstd (this project: "
+                "sparse delta files a delta-patched SGLang applies in place, fewest bytes; or deltas_zstd, "
+                "planes_zstd) or xor (slime's own delta: a per-host checkpoint patch, then a reload)."
+            )
         else:
-            args.update_weight_delta_encoding = "xor"
-            if args.update_weight_mode == "delta":
-                logger.warning(
-                    "--update-weight-mode=delta over disk without --update-weight-delta-encoding runs slime's own "
-                    "'xor' delta (per-host checkpoint patch + reload); for sparse delta files applied in place by a "
-                    "delta-patched SGLang pass --update-weight-delta-encoding xor_zstd (fewest bytes) or deltas_zstd."
-                )
+            args.update_weight_delta_encoding = "xor"  # slime's own default; no delta runs in this mode
     if getattr(args, "update_weight_delta_sharded", None) is None:
         args.update_weight_delta_sharded = runs_sparse_delta(args)
     _check_sharded(args)
