@@ -15,6 +15,7 @@ import os
 import re
 import sys
 import tempfile
+import textwrap
 
 import torch
 
@@ -206,16 +207,18 @@ def _report(a, rows, eng, depths) -> None:
     for name, peaks, ref, _ in rows:
         table.append(f"| {name} | {peaks[0]:,} B | {peaks[1]:,} B | {ref:,} B | {max(peaks) / ref:.2f}x | "
                      f"{BUDGETS[name][0]:g}x |")
-    text = "\n".join([
-        MARK[0],
-        "## Peak memory of each transient (`make bench-memory`)",
-        "",
+    intro = textwrap.fill(
         "Tensor bytes each component creates and holds at once (storage that existed before — weights, the sender's "
         "snapshot — not counted), on this CPU box, at two depths with the same number of changed elements "
         f"({eng[0]['changed']:,}): a flush-bounded component must not grow with the model. Flush buffer and engine "
         f"chunk: {a.flush:,} B. Shard map build and sharded diff: two gloo ranks at TP=2, a Megatron GPTModel with a "
         "64,000 x 256 embedding; the others: a Qwen2-shaped SGLang model, in process. `make gpu-check` reports the "
-        "same components' device peaks on a GPU.",
+        "same components' device peaks on a GPU.", 118, break_long_words=False, break_on_hyphens=False)
+    text = "\n".join([
+        MARK[0],
+        "## Peak memory of each transient (`make bench-memory`)",
+        "",
+        intro,
         "",
         *table,
         "",
