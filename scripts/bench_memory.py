@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import sys
 import tempfile
 import textwrap
@@ -85,6 +86,7 @@ def engine_components(layers: int, flush: int, changed: int, workdir: str, devic
     from sglang.srt.weight_sync.delta.transport import DiskTransport
 
     device = torch.device(device)
+    workdir = tempfile.mkdtemp(dir=workdir)  # this call's files, removed at its end
     cfg = hf_config("qwen2", vocab=32000, hidden=256, layers=layers)
     old = bf16_state(hf_model(cfg))
     new = {n: t.clone() for n, t in old.items()}
@@ -148,6 +150,7 @@ def engine_components(layers: int, flush: int, changed: int, workdir: str, devic
         fingerprint_payload(fresh.host.model)
     out["fingerprint"] = m.peak
     out["fingerprint block"] = fingerprint._BLOCK * 8  # its int64 words
+    shutil.rmtree(workdir, ignore_errors=True)
     return out
 
 

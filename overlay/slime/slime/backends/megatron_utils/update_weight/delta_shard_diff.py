@@ -148,7 +148,7 @@ class ShardDiffer:
         snapshot buffer, so a chunk's snapshot moves to the device as one copy."""
         chunk, size, dtype = [], 0, None
         for name, live in named:
-            per = max(1, self.chunk_bytes // live.element_size())
+            per = self._piece(live)
             for off in range(0, max(1, live.numel()), per):
                 piece = live[off:off + per]
                 if chunk and (size + piece.nbytes > self.chunk_bytes or piece.dtype != dtype):
@@ -158,6 +158,10 @@ class ShardDiffer:
                 size, dtype = size + piece.nbytes, piece.dtype
         if chunk:
             yield chunk
+
+    def _piece(self, live: torch.Tensor) -> int:
+        """Elements of ``live``'s dtype in one chunk: the most of a slice one piece holds."""
+        return max(1, self.chunk_bytes // live.element_size())
 
     def _prefetch(self, chunk):
         hosts = [self.flat[p.dtype][self.at[n] + off:self.at[n] + off + p.numel()] for n, off, p in chunk]
@@ -205,11 +209,10 @@ class ShardDiffer:
         parts = dict(zip(held, torch.cat([self.staged[n] for n in held]).to(torch.int64).split(
             [self.staged[n].numel() for n in held])))
         out = {}
-        per_dtype = {}
         for name, live in named:
             if name not in parts:
                 continue
-            per = per_dtype.setdefault(live.dtype, max(1, self.chunk_bytes // live.element_size()))
+            per = self._piece(live)
             if live.numel() <= per:
                 out[(name, 0)] = parts[name]
                 continue

@@ -27,9 +27,9 @@ logger = logging.getLogger(__name__)
 class StoreWatch:
     """What the server process knows of its engine against the store: ``HEAD``, the engine's version, the lag."""
 
-    def __init__(self, tokenizer_manager, url: str, key_file: Optional[str], max_lag: int, poll_s: float):
+    def __init__(self, tokenizer_manager, url: str, key: StoreKey, max_lag: int, poll_s: float):
         self.tm, self.url, self.max_lag, self.poll_s = tokenizer_manager, url, max_lag, poll_s
-        self.store, self.key = open_store(url), StoreKey.from_file(key_file)
+        self.store, self.key = open_store(url), key
         self.head: Optional[int] = None
         self.caught_up = False  # the first catch-up succeeded: the engine holds a version of this store
         self.error = ""
@@ -99,13 +99,14 @@ class StoreWatch:
 
 
 _WATCH: Optional[StoreWatch] = None
+_ANCHOR_DIR = re.compile(r"anchor_v\d{6}-[0-9a-f]+")  # an anchor's directory: ``manifest.anchor_dir`` + a publish id
 
 
 def anchor_store(model_path: str, key: StoreKey) -> Optional[str]:
     """The store whose anchor ``model_path`` is (a directory or ``s3://`` prefix named ``anchor_v<N>-<id>`` holding
     an anchor record that verifies under ``key``), else None."""
     root, _, leaf = str(model_path).rstrip("/").rpartition("/")
-    if not root or not re.fullmatch(r"anchor_v\d{6}-[0-9a-f]+", leaf):
+    if not root or not _ANCHOR_DIR.fullmatch(leaf):
         return None
     try:
         open_record(open_store(root).get(f"{leaf}/manifest.json", RECORD_CAP), key, f"anchor {model_path}", "anchor")
@@ -120,12 +121,15 @@ def start(tokenizer_manager, server_args) -> None:
     the model path is. Its first catch-up reads that anchor again through the checked path: SGLang's own load of
     the model path checks no digest."""
     global _WATCH
-    key_file = getattr(server_args, "update_weight_store_key_file", None)
-    url = getattr(server_args, "update_weight_store", None) or \
-        anchor_store(getattr(server_args, "model_path", ""), StoreKey.from_file(key_file))
+    url = getattr(server_args, "update_weight_store", None)
+    model_path = str(getattr(server_args, "model_path", ""))
+    if not url and not _ANCHOR_DIR.fullmatch(model_path.rstrip("/").rpartition("/")[2]):
+        return  # no store to follow: the key file is not read
+    key = StoreKey.from_file(getattr(server_args, "update_weight_store_key_file", None))
+    url = url or anchor_store(model_path, key)
     if not url:
         return
-    _WATCH = StoreWatch(tokenizer_manager, url, key_file,
+    _WATCH = StoreWatch(tokenizer_manager, url, key,
                         int(getattr(server_args, "update_weight_store_max_lag", -1)),
                         float(getattr(server_args, "update_weight_store_poll_s", 5.0)))
     _WATCH.task = asyncio.get_event_loop().create_task(_WATCH.run())
