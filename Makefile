@@ -28,7 +28,7 @@ venvs:
 # run in test_server, test_receiver_*, test_sharded_engines and test_sender). Later pins leave the sharded engines'
 # bf16 cases to the first: their FP8 twins run the same ranks' paths there. slime's updater runs in
 # `make test-slime` (its own venv: Megatron, Ray).
-ONE_PIN_TESTS = tests/test_wire.py tests/test_checksum.py tests/test_fingerprint.py tests/test_layout.py \
+ONE_PIN_TESTS = tests/test_wire.py tests/test_ctx.py tests/test_checksum.py tests/test_fingerprint.py tests/test_layout.py \
   tests/test_bench.py tests/test_gpu_check.py tests/test_tools.py tests/test_image.py tests/test_soak.py \
   tests/test_pipeline_stages.py tests/test_shared_group_resync.py tests/test_store.py tests/test_docs.py \
   tests/test_fault_matrix.py tests/test_nccl_deadlines.py tests/test_sync_counts.py tests/test_receiver_refusals.py \

@@ -43,7 +43,7 @@ def tensors(path):
     return out
 
 
-@pytest.mark.parametrize("encoding", ["indices", "deltas", "deltas_zstd", "planes_zstd", "xor_zstd"])
+@pytest.mark.parametrize("encoding", ["indices", "deltas", "deltas_zstd", "planes_zstd", "xor_zstd", "xor_ctx"])
 def test_diff_then_apply_is_bit_identical(ckpts, encoding):
     root, (c0, c1, _), _ = ckpts
     out = root / f"delta-{encoding}"
@@ -60,7 +60,8 @@ def test_diff_then_apply_is_bit_identical(ckpts, encoding):
     assert (root / f"rebuilt-{encoding}" / "config.json").exists()
     r = tool("inspect", out)
     assert r.returncode == 0 and "final" in r.stdout and "checksum" in r.stdout, r.stdout
-    assert ("unverified (xor_zstd: apply checks it against the base)" if encoding == "xor_zstd" else " ok") in r.stdout
+    assert (f"unverified ({encoding}: apply checks it against the base)" if encoding.startswith("xor")
+            else " ok") in r.stdout
 
 
 def test_apply_refuses_the_wrong_base(ckpts):

@@ -35,10 +35,12 @@ class DeltaBucket:
         self.nbytes = 0
 
     def add(self, name: str, tensor: torch.Tensor, idx: Optional[torch.Tensor],
-            base: Optional[torch.Tensor] = None, values: Optional[torch.Tensor] = None) -> None:
-        """One param; ``values``: ``tensor`` at ``idx`` when the caller already gathered them."""
+            base: Optional[torch.Tensor] = None, values: Optional[torch.Tensor] = None,
+            whole: Optional[torch.Tensor] = None) -> None:
+        """One param; ``values``: ``tensor`` at ``idx`` when the caller already gathered them; ``base`` the base at
+        ``idx`` (``xor_zstd``), ``whole`` the whole base (``xor_ctx``)."""
         self._close(tensor.dtype)
-        g = FlushEntry.of(name, tensor, idx, values, base)
+        g = FlushEntry.of(name, tensor, idx, values, base, whole)
         self.entries.setdefault(tensor.dtype, []).append(g)
         self.nbytes += g.counts[0] * ((0 if idx is None else 4) + tensor.element_size())  # 4: the wire may pick 2
         self.last = name

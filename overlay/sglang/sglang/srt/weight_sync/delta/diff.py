@@ -224,26 +224,29 @@ class FlushEntry:
     values: torch.Tensor  # flat, joined, in the params' dtype
     idx: Optional[torch.Tensor]  # joined, each param's own positions (from 0)
     base: Optional[torch.Tensor] = None  # xor_zstd: base_version's values beside ``values``
+    wholes: Optional[List[torch.Tensor]] = None  # xor_ctx: each param's whole base (references, not copies)
 
     @classmethod
     def of(cls, name: str, tensor: torch.Tensor, idx: Optional[torch.Tensor],
-           values: Optional[torch.Tensor] = None, base: Optional[torch.Tensor] = None) -> "FlushEntry":
+           values: Optional[torch.Tensor] = None, base: Optional[torch.Tensor] = None,
+           whole: Optional[torch.Tensor] = None) -> "FlushEntry":
         """One param; ``values``: ``tensor`` at ``idx``, when the caller already gathered them."""
         if idx is None or values is None:
             flat = tensor.detach().reshape(-1)
             values = flat if idx is None else gather(flat, idx)
         return cls([name], [list(tensor.shape)], [values.numel()], values, idx,
-                   None if base is None else base.reshape(-1))
+                   None if base is None else base.reshape(-1), None if whole is None else [whole.reshape(-1)])
 
 
 def encode_flush(entries: Sequence[Tuple[str, torch.Tensor, Optional[torch.Tensor]]], encoding: str,
                  bases: Optional[Sequence[torch.Tensor]] = None, **spec_fields) -> DeltaPayload:
     """``[(hf_name, new_tensor, changed_positions or None for dense)]`` -> one flush (see :func:`encode_gathered`);
-    ``bases``: per entry, for ``xor_zstd``."""
+    ``bases``: per entry, for ``xor_zstd`` (its values' bases) or ``xor_ctx`` (its whole base)."""
     if bases is not None and len(bases) != len(entries):
         raise DeltaError("xor_zstd needs base_version's values of every param (bases)")
     bases = bases if bases is not None else [None] * len(entries)
-    return encode_gathered([FlushEntry.of(*e, base=b) for e, b in zip(entries, bases)], encoding, **spec_fields)
+    key = "whole" if DeltaEncoding(encoding) is DeltaEncoding.XOR_CTX else "base"
+    return encode_gathered([FlushEntry.of(*e, **{key: b}) for e, b in zip(entries, bases)], encoding, **spec_fields)
 
 
 def encode_gathered(items: Sequence[FlushEntry], encoding: str, sealed: bool = True, **spec_fields) -> DeltaPayload:
@@ -257,6 +260,9 @@ def encode_gathered(items: Sequence[FlushEntry], encoding: str, sealed: bool = T
     xor = DeltaEncoding(encoding) is DeltaEncoding.XOR_ZSTD
     if xor and any(g.base is None for g in items):
         raise DeltaError("xor_zstd needs base_version's values of every param (bases)")
+    ctx = DeltaEncoding(encoding) is DeltaEncoding.XOR_CTX
+    if ctx and any(g.wholes is None or len(g.wholes) != len(g.names) for g in items):
+        raise DeltaError("xor_ctx needs base_version's whole tensor of every param (wholes)")
     for g in items:  # the spec is made from counts the checksum then signs: a count off its blobs is caught here
         n = g.values.numel()
         if not len(g.names) == len(g.shapes) == len(g.counts):
@@ -298,6 +304,9 @@ def encode_gathered(items: Sequence[FlushEntry], encoding: str, sealed: bool = T
             raise DeltaError(f"xor_zstd bases: {base.dtype} do not pair with the values {values.dtype}")
     spec = DeltaSpec(encoding=DeltaEncoding(encoding).value, params=params, **spec_fields)
     payload = DeltaPayload(spec, positions, values, base=base)
+    if ctx:
+        payload.wholes = list(itertools.chain.from_iterable(g.wholes for g in items))
+        payload.idx = torch.cat([g.idx for g in sparse]) if sparse else torch.zeros(0, dtype=torch.int64)
     if not sealed:
         payload.sums = blob_sums(positions, values)
         return payload

@@ -1,5 +1,6 @@
 """A flush as a disk file: safetensors with the spec as ``__metadata__``, zstd-compressed for the disk-only
-encodings, each param's segments plane-major for ``planes_zstd``/``xor_zstd`` (values XOR the base for the latter).
+encodings, each param's segments plane-major for ``planes_zstd``/``xor_zstd`` (values XOR the base for the latter);
+``xor_ctx`` files hold the coded streams of :mod:`ctx`.
 
 Reading checks the header's cap and layout before any byte is trusted and hands out views of the file's bytes; the
 spec and blobs are then checked whole by :mod:`validate`. Files are made and read on the host (numpy).
@@ -16,6 +17,7 @@ import numpy as np
 import safetensors.torch
 import torch
 
+from sglang.srt.weight_sync.delta import ctx
 from sglang.srt.weight_sync.delta.ops import INT_VIEW
 from sglang.srt.weight_sync.delta.wire import (
     HEADER_CAP,
@@ -174,17 +176,45 @@ def flush_file(payload: DeltaPayload, zstd_level: Optional[int] = None) -> bytes
     """One flush as a disk file: safetensors, zstd-compressed when ``zstd_level`` is given (every disk-only
     encoding); ``xor_zstd`` files hold ``values XOR base``."""
     values = payload.values
+    if DeltaEncoding(payload.spec.encoding) is DeltaEncoding.XOR_CTX:
+        return _zstd(_ctx_file(payload), zstd_level)
     if DeltaEncoding(payload.spec.encoding) is DeltaEncoding.XOR_ZSTD:
         if payload.base is None or payload.base.shape != values.shape or payload.base.dtype != values.dtype:
             raise DeltaError("an xor_zstd flush needs its base values, one per value")
         iv = INT_VIEW[values.element_size()]
         values = torch.bitwise_xor(values.view(iv), payload.base.to(values.device).view(iv)).view(values.dtype)
-    data = write_safetensors(payload.spec, payload.positions, values, payload.sealed_params)
+    return _zstd(write_safetensors(payload.spec, payload.positions, values, payload.sealed_params), zstd_level)
+
+
+def _zstd(data: bytes, zstd_level: Optional[int]) -> bytes:
     if zstd_level is None:
         return data
     import zstandard
 
     return zstandard.ZstdCompressor(level=zstd_level).compress(data)
+
+
+def _ctx_file(payload: DeltaPayload) -> bytes:
+    """An ``xor_ctx`` flush: the sparse params' coded streams as ``__positions__``, the dense params' values XOR their
+    base as ``__values__``; the spec, as always, describes (and its checksum covers) the logical blobs."""
+    spec, values, wholes = payload.spec, payload.values, payload.wholes
+    if wholes is None or len(wholes) != len(spec.params) or payload.idx is None:
+        raise DeltaError("an xor_ctx flush needs the whole base of every param and its joined positions")
+    sparse = [k for k, p in enumerate(spec.params) if not p.dense]
+    dense = [k for k, p in enumerate(spec.params) if p.dense]
+    if dense:
+        iv = INT_VIEW[values.element_size()]
+        spans = [spec.params[k] for k in sparse]
+        sparse_values = torch.cat([values[p.val_start:p.val_end] for p in spans]) if spans else values[:0]
+        dense_values = torch.cat([torch.bitwise_xor(values[spec.params[k].val_start:spec.params[k].val_end].view(iv),
+                                                    wholes[k].to(values.device).view(iv)) for k in dense]).view(values.dtype)
+    else:
+        sparse_values, dense_values = values, values[:0]
+    coded = ctx.encode(sparse, [wholes[k] for k in sparse], [spec.params[k].nnz for k in sparse], payload.idx,
+                       sparse_values, ctx.SEG_LOG2)
+    blob = torch.frombuffer(bytearray(coded), dtype=torch.uint8)
+    return safetensors.torch.save({POSITIONS: blob, VALUES: dense_values.detach().to("cpu").contiguous()},
+                                  metadata=payload.spec.to_metadata(payload.sealed_params))
 
 
 def maybe_zstd_decompress(data: bytes, max_bytes: int, name: str = "") -> bytes:
@@ -272,6 +302,9 @@ def read_safetensors(data: bytes, name: str = "") -> DeltaPayload:
     if val.storage_offset() % size:  # a dtype view needs an aligned offset (the library's writer aligns it)
         val = val.clone()
     enc = DeltaEncoding(spec.encoding)
+    if enc is DeltaEncoding.XOR_CTX:
+        return DeltaPayload(spec, pos, val.view(val_dtype) if val_dtype != torch.uint8 else val, source=name,
+                            coded=True, params_text=header["__metadata__"]["params"])
     if enc.plane_major:
         try:
             pos_seg, val_seg = plane_segments(spec, pos.numel(), val.numel() // size, size)

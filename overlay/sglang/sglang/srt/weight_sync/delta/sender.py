@@ -96,6 +96,9 @@ class DeltaSender:
                  device: Optional[torch.device] = None, fingerprint_every: int = 0,
                  stages: Optional[StageGroup] = None, repair_dirty: bool = True, anchor_every: int = 0):
         self.encoding = DeltaEncoding(encoding).value
+        if self.encoding == DeltaEncoding.XOR_CTX.value:
+            raise DeltaError("xor_ctx files are made and applied by the delta CLI (diff, apply); engines do not take "
+                             "them yet: use xor_zstd")
         self.buffer_bytes = buffer_bytes
         self.state = DeltaState(device)
         self.version = 0  # last sync attempted

@@ -25,7 +25,7 @@ from sglang.srt.weight_sync.delta.bucket import DeltaBucket
 from sglang.srt.weight_sync.delta.diff import changed_positions, encode_flush
 from sglang.srt.weight_sync.delta.files import flush_file, maybe_zstd_decompress, read_safetensors
 from sglang.srt.weight_sync.delta.positions import encode_positions
-from sglang.srt.weight_sync.delta.validate import check_structure, unxor, validate_payload
+from sglang.srt.weight_sync.delta.validate import check_coded, check_structure, uncode, unxor, validate_payload
 from sglang.srt.weight_sync.delta.wire import DeltaEncoding, DeltaError, dtype_to_str, sparse_allowed, zstd_level
 
 MANIFEST = "delta.json"
@@ -141,9 +141,10 @@ def diff(old_dir: str, new_dir: str, out: str, encoding: str = "deltas_zstd", bu
             continue
         sparse = sparse_allowed(b.dtype)
         base = (a.reshape(-1)[idx] if sparse else a.reshape(-1)) if enc is DeltaEncoding.XOR_ZSTD else None
+        whole = a.reshape(-1) if enc is DeltaEncoding.XOR_CTX else None
         if bucket.should_flush(name):
             emit(bucket.take(**spec))
-        bucket.add(name, b, idx if sparse else None, base)
+        bucket.add(name, b, idx if sparse else None, base, whole=whole)
     if len(bucket):
         emit(bucket.take(**spec))
     if not held:  # identical checkpoints: one empty flush still carries the versions
@@ -176,7 +177,8 @@ def apply(base_dir: str, delta_dir: str, out: str) -> None:
     payloads = [_read_flush(os.path.join(delta_dir, name)) for name in manifest["files"]]
     if not payloads or not payloads[-1].spec.final or [p.spec.flush for p in payloads] != list(range(len(payloads))):
         raise DeltaError(f"{delta_dir}: flushes are incomplete or out of order")
-    # xor_zstd values are rebuilt against the base (each param appears once per version), then checked like any
+    # xor_zstd values and xor_ctx blobs are rebuilt against the base (each param appears once per version), then
+    # checked like any
     payloads = [rebuilt(pl, state, shapes) for pl in payloads]
     decoded = [validate_payload(pl, shapes) for pl in payloads]  # everything checked before any write
     for pl, positions in zip(payloads, decoded):
@@ -187,7 +189,12 @@ def apply(base_dir: str, delta_dir: str, out: str) -> None:
 
 
 def rebuilt(pl, state: Dict[str, torch.Tensor], shapes: dict):
-    """A flush with its ``xor_zstd`` values rebuilt against ``state`` (its base); any other flush as it is."""
+    """A flush with its ``xor_zstd`` values or ``xor_ctx`` blobs rebuilt against ``state`` (its base); any other
+    flush as it is."""
+    if pl.coded:
+        names = [p.name for p in pl.spec.params]
+        return uncode(pl, shapes, lambda pieces: torch.cat(
+            [state[names[k]].reshape(-1)[a:a + n] for k, a, n in pieces]))
     if not pl.xored:
         return pl
     return unxor(pl, shapes, lambda ps, ix: torch.cat(
@@ -231,8 +238,8 @@ def inspect(path: str) -> dict:
     for f in files:
         try:
             pl = _read_flush(f)
-            if pl.xored:  # the checksum covers the new values, which need the base: `apply` checks them
-                check_structure(pl)
+            if pl.xored or pl.coded:  # the checksum covers the new values, which need the base: `apply` checks them
+                check_structure(pl) if pl.xored else check_coded(pl)
                 status = "unverified"
             else:
                 validate_payload(pl, None)
@@ -358,11 +365,11 @@ def main(argv=None) -> int:
                 if f["status"] not in ("ok", "unverified"):
                     print(f"{f['file']}: {f['status']}")
                     continue
-                nnz = sum(p["nnz"] for p in f["params"])
+                nnz, enc = sum(p["nnz"] for p in f["params"]), f["encoding"]
                 print(f"{f['file']}: version {f['version']} (base {f['base_version']}), flush {f['flush']}"
                       f"{' final' if f['final'] else ''}{' full' if f['full'] else ''}, {f['encoding']}, "
                       f"{len(f['params'])} params, {nnz} values, {_mb(f['bytes'])}, checksum {f['checksum']} "
-                      f"{'ok' if f['status'] == 'ok' else 'unverified (xor_zstd: apply checks it against the base)'}")
+                      f"{'ok' if f['status'] == 'ok' else f'unverified ({enc}: apply checks it against the base)'}")
                 for q in f["params"]:
                     print(f"  {q['name']:<60} {q['dtype']:<9} {str(q['shape']):<16} nnz {q['nnz']:>10} "
                           f"({100 * q['density']:.2f}%){' dense' if q['dense'] else ''}")

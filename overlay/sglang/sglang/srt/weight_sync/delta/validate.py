@@ -1,5 +1,5 @@
 """The engine's checks of a whole flush before its first write: checksum, structure, manifest, positions, NaN — and
-the rebuild of ``xor_zstd`` values, whose result only the checksum can vouch for.
+the rebuild of ``xor_zstd`` values and ``xor_ctx`` blobs, whose result only the checksum can vouch for.
 
 A batched pass decides for the whole flush with a constant number of host reads; only a flush that fails it is
 walked param by param, so the refusal names the param at fault.
@@ -10,13 +10,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
+from sglang.srt.weight_sync.delta import ctx
 from sglang.srt.weight_sync.delta.ops import INT_VIEW, host_values, nan_mask
-from sglang.srt.weight_sync.delta.positions import decode_all, decode_positions
+from sglang.srt.weight_sync.delta.positions import decode_all, decode_positions, encode_positions_many
 from sglang.srt.weight_sync.delta.wire import (
     POSITIONS,
     VALUES,
@@ -213,6 +214,58 @@ def unxor(payload: DeltaPayload, manifest, read_base) -> DeltaPayload:
         raise DeltaError(f"base values{where}: {at} rebuilt of {val.numel()}", Refusal.NO_BASE)
     return dataclasses.replace(payload, values=rebuilt.view(val.dtype), xored=False, sums=None,
                                decoded=(manifest, positions, flags))
+
+
+def uncode(payload: DeltaPayload, manifest, read_base) -> DeltaPayload:
+    """An ``xor_ctx`` flush with its logical blobs rebuilt from the coded streams and the base, before anything is
+    trusted: the spec's own rules first (it names the params and their sizes), then :func:`ctx.decode`, whose every
+    field is checked; the checksum over the rebuilt blobs, in :func:`validate_payload`, then decides.
+    ``read_base``: see :data:`ctx.ReadBase` (spec numbers of params, element ranges)."""
+    spec, val = payload.spec, payload.values
+    where = f" in {payload.source}" if payload.source else ""
+    if DeltaEncoding(spec.encoding) is not DeltaEncoding.XOR_CTX or not payload.coded:
+        raise DeltaError(f"uncode needs coded xor_ctx streams{where}, got a {spec.encoding} flush")
+    params = spec.params
+    sparse = check_coded(payload, manifest)
+    dense = [k for k, p in enumerate(params) if p.dense]
+    nval = params[-1].val_end if params else 0
+    dev = val.device
+    iv = INT_VIEW[val.element_size()]
+    out = torch.empty(nval, dtype=iv, device=dev)
+    if sparse:
+        pos, new = ctx.decode(payload.positions.to(dev), params, val.dtype, read_base, where)
+        out[_value_slots(sparse, dev)] = new.view(iv)
+        blob, ranges = encode_positions_many([pos], DeltaEncoding.DELTAS.value, dev, [[p.nnz for p in sparse]])
+        for p, got in zip(sparse, ranges):
+            if (p.pos_start, p.pos_end, p.pos_width) != tuple(got):
+                raise DeltaError(f"param {p.name!r}{where}: its decoded positions take bytes {list(got)}, the spec "
+                                 f"says [{p.pos_start}, {p.pos_end}, {p.pos_width}]")
+    else:
+        blob = torch.zeros(0, dtype=torch.uint8, device=dev)
+    if dense:
+        base = read_base([(k, 0, params[k].numel) for k in dense])
+        out[_value_slots([params[k] for k in dense], dev)] = torch.bitwise_xor(val.view(iv), base.to(dev).view(iv))
+    return dataclasses.replace(payload, positions=blob, values=out.view(val.dtype), coded=False, sums=None)
+
+
+def check_coded(payload: DeltaPayload, manifest=None) -> List[DeltaParam]:
+    """An ``xor_ctx`` flush's checks before its blobs are rebuilt: the spec's rules on the logical blobs it declares
+    (names, shapes, offsets), and the dense params' values; returns the sparse params in spec order."""
+    params, val = payload.spec.params, payload.values
+    where = f" in {payload.source}" if payload.source else ""
+    npos, nval = (params[-1].pos_end, params[-1].val_end) if params else (0, 0)
+    shell = dataclasses.replace(payload, positions=torch.empty(npos, dtype=torch.uint8, device="meta"),
+                                values=torch.empty(nval, dtype=val.dtype, device="meta"))
+    sparse = check_structure(shell, manifest)
+    want = sum(p.nnz for p in params if p.dense)
+    if val.numel() != want:
+        raise DeltaError(f"xor_ctx values{where}: {val.numel()} in the file, its dense params hold {want}")
+    return sparse
+
+
+def _value_slots(params: Sequence[DeltaParam], dev) -> torch.Tensor:
+    """The logical value indices of ``params`` (in spec order), joined."""
+    return ctx.slots([p.val_start for p in params], [p.nnz for p in params], dev)
 
 
 def _check_one_by_one(payload: DeltaPayload, where: str) -> None:

@@ -199,11 +199,13 @@ class DeltaEncoding(str, enum.Enum):
     DELTAS_ZSTD = "deltas_zstd"
     PLANES_ZSTD = "planes_zstd"
     XOR_ZSTD = "xor_zstd"
+    XOR_CTX = "xor_ctx"
 
     @property
     def disk_only(self) -> bool:
         """Compressed file layouts: a broadcast carries raw blobs."""
-        return self in (DeltaEncoding.DELTAS_ZSTD, DeltaEncoding.PLANES_ZSTD, DeltaEncoding.XOR_ZSTD)
+        return self in (DeltaEncoding.DELTAS_ZSTD, DeltaEncoding.PLANES_ZSTD, DeltaEncoding.XOR_ZSTD,
+                        DeltaEncoding.XOR_CTX)
 
     @property
     def plane_major(self) -> bool:
@@ -212,7 +214,8 @@ class DeltaEncoding(str, enum.Enum):
 
 # Level 1: on real AdamW steps higher levels save next to nothing (the planes' bytes sit at their order-0 entropy:
 # random gaps, random low mantissa bytes) at several times level 1's time.
-ZSTD_LEVELS = {DeltaEncoding.DELTAS_ZSTD: 1, DeltaEncoding.PLANES_ZSTD: 1, DeltaEncoding.XOR_ZSTD: 1}
+ZSTD_LEVELS = {DeltaEncoding.DELTAS_ZSTD: 1, DeltaEncoding.PLANES_ZSTD: 1, DeltaEncoding.XOR_ZSTD: 1,
+               DeltaEncoding.XOR_CTX: 1}
 
 
 def zstd_level(encoding: str, level: Optional[int] = None) -> Optional[int]:
@@ -474,6 +477,9 @@ class DeltaPayload:
     params_text: Optional[str] = None  # receiver: the spec's params as the JSON text that arrived (received_params)
     sealed_params: Optional[str] = None  # sender: the params' canonical JSON the last seal hashed (for the transports)
     decoded: Optional[tuple] = None  # (manifest, Positions, fault flags): unxor's structure check and decode
+    wholes: Optional[list] = None  # sender, xor_ctx: every param's whole base (flat), in spec order
+    idx: Optional[torch.Tensor] = None  # sender, xor_ctx: the sparse params' positions, joined in spec order
+    coded: bool = False  # receiver, xor_ctx: ``positions`` hold the coded streams, ``values`` the dense XOR base
 
     def seal(self, spec_only: bool = False) -> "DeltaPayload":
         """Set the spec's checksum; ``spec_only``: only spec fields changed since the last seal (reuses the blob sums).

@@ -1,0 +1,221 @@
+"""``xor_ctx``: the change coded with contexts from the base. Real AdamW steps through the CLI (bytes and bit-identity
+against ``xor_zstd`` on the same states), the coder's corners (escapes, complement classes, every dtype it codes),
+and every lie in a file refused before a weight is touched."""
+import dataclasses
+import json
+import os
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from cpu_harness import hf_config, rl_states, write_hf_checkpoint
+from sglang.srt.weight_sync.delta import ctx
+from sglang.srt.weight_sync.delta.diff import encode_flush
+from sglang.srt.weight_sync.delta.files import flush_file, maybe_zstd_decompress, read_safetensors
+from sglang.srt.weight_sync.delta.tools import main
+from sglang.srt.weight_sync.delta.validate import uncode, validate_payload
+from sglang.srt.weight_sync.delta.wire import DeltaError
+from test_tools import tensors, tool
+
+
+@pytest.fixture(scope="module")
+def steps(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ctx")
+    cfg = hf_config("qwen3", vocab=4096, hidden=256)  # 3.3M elements: the table's share is what a model's would be
+    states = rl_states(cfg, 2, seed=0, lr=1e-6)
+    return root, [write_hf_checkpoint(str(root / f"step{i}"), cfg, s) for i, s in enumerate(states)], states
+
+
+def _size(out) -> tuple:
+    m = json.loads((out / "delta.json").read_text())
+    return sum(os.path.getsize(out / f) for f in m["files"]), m["changed"], m["elements"]
+
+
+@pytest.mark.parametrize("step", [0, 1])
+def test_cli_rebuilds_real_adamw_steps_at_under_0_85_bytes_and_0_7x_xor_zstd(steps, step):
+    root, ckpts, _ = steps
+    old, new = ckpts[step], ckpts[step + 1]
+    sizes = {}
+    for enc in ("xor_zstd", "xor_ctx"):
+        out = root / f"{enc}-{step}"
+        r = tool("diff", old, new, "--out", out, "--encoding", enc)
+        assert r.returncode == 0, r.stderr
+        sizes[enc] = _size(out)
+    (ctx_bytes, changed, elements), (xor_bytes, _, _) = sizes["xor_ctx"], sizes["xor_zstd"]
+    assert 0.01 < changed / elements < 0.05
+    print(f"step {step}: xor_ctx {ctx_bytes / changed:.3f} B/changed, xor_zstd {xor_bytes / changed:.3f}, "
+          f"ratio {ctx_bytes / xor_bytes:.3f}")
+    assert ctx_bytes / changed <= 0.85 and ctx_bytes <= 0.7 * xor_bytes
+    r = tool("apply", old, root / f"xor_ctx-{step}", "--out", root / f"rebuilt-{step}")
+    assert r.returncode == 0, r.stderr
+    want, got = tensors(new), tensors(root / f"rebuilt-{step}")
+    assert want.keys() == got.keys()
+    for n in want:
+        assert torch.equal(want[n].view(torch.int16), got[n].view(torch.int16)), n
+
+
+def _roundtrip(olds, news, seg_log2=ctx.SEG_LOG2):
+    """Flush -> file -> rebuilt against ``olds``: the new tensors' bits at the changed positions, checked."""
+    names = list(news)
+    entries = []
+    for n in names:
+        a, b = olds[n].reshape(-1), news[n].reshape(-1)
+        iv = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+        entries.append((n, news[n], torch.nonzero(a.view(iv) != b.view(iv))[:, 0]))
+    pl = encode_flush(entries, "xor_ctx", bases=[olds[n] for n in names], version=1, base_version=0)
+    ctx.SEG_LOG2, saved = seg_log2, ctx.SEG_LOG2
+    try:
+        data = flush_file(pl, 1)
+    finally:
+        ctx.SEG_LOG2 = saved
+    got = read_safetensors(maybe_zstd_decompress(data, 1 << 30))
+    return pl, got, _reader(olds, got)
+
+
+def _reader(olds, pl):
+    names = [p.name for p in pl.spec.params]
+    return lambda pieces: torch.cat([olds[names[k]].reshape(-1)[a:a + n] for k, a, n in pieces])
+
+
+def _rebuild(pl, read):
+    out = uncode(pl, None, read)
+    validate_payload(out, None)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn])
+def test_escapes_complements_and_every_coded_dtype_round_trip(dtype):
+    g = torch.Generator().manual_seed(3)
+    olds, news = {}, {}
+    base = (torch.randn(300_000, generator=g) * 0.02).to(dtype)
+    new = base.clone()
+    # a class where every element changes (complement), steps of thousands of ULPs (escapes), one far change,
+    # sign crossings, and zeros of both signs
+    small = base.to(torch.float32).abs() < 1e-3
+    new[small] = (base[small].to(torch.float32) * -3.0).to(dtype)
+    pick = torch.randperm(300_000, generator=g)[:6000]
+    new[pick] = (base[pick].to(torch.float32) + 1e-4 * torch.randn(6000, generator=g)).to(dtype)
+    new[299_999] = torch.tensor(-1.0).to(dtype)
+    olds["a.weight"], news["a.weight"] = base.reshape(600, 500), new.reshape(600, 500)
+    z = torch.zeros(1000)
+    z[::2] = -0.0
+    olds["b.weight"], news["b.weight"] = z.to(dtype), torch.where(torch.arange(1000) % 3 == 0, -z, z).to(dtype)
+    olds["c.weight"] = news["c.weight"] = torch.ones(10, dtype=dtype)  # unchanged: no entry
+    for seg_log2 in (ctx.SEG_LOG2, 12):  # one segment, and many (a large param split, small ones joined)
+        sent, got, read = _roundtrip(olds, news, seg_log2)
+        out = _rebuild(got, read)
+        assert out.spec.checksum == sent.spec.checksum
+        assert torch.equal(out.positions, sent.positions)
+        assert torch.equal(out.values.view(torch.uint8), sent.values.view(torch.uint8))
+
+
+def _state(steps):
+    _, _, states = steps
+    names = [n for n in states[0] if states[0][n].dtype == torch.bfloat16][:6]
+    return {n: states[0][n] for n in names}, {n: states[1][n] for n in names}, {n: states[2][n] for n in names}
+
+
+class _Blob:
+    """An xor_ctx positions blob cut into its parts, to lie about one and put it back together."""
+
+    def __init__(self, blob: torch.Tensor):
+        raw = bytes(blob.numpy())
+        self.head = list(ctx._HEADER.unpack(raw[:ctx._HEADER.size]))
+        n, at = self.head[4], ctx._HEADER.size
+        self.cols = {}
+        for name, t in ctx._COLUMNS:
+            size = np.dtype(t).itemsize * n
+            self.cols[name] = np.frombuffer(raw[at:at + size], dtype=t).copy()
+            at += size
+        self.streams = []
+        for length in self.head[5:]:
+            self.streams.append(raw[at:at + length])
+            at += length
+
+    def bytes(self, fix_lengths=True) -> torch.Tensor:
+        if fix_lengths:
+            self.head[5:] = [len(s) for s in self.streams]
+        raw = ctx._HEADER.pack(*self.head) + b"".join(self.cols[n].tobytes() for n, _ in ctx._COLUMNS) \
+            + b"".join(self.streams)
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def _lie(edit):
+    def apply(pl):
+        b = _Blob(pl.positions)
+        out = edit(b)
+        return dataclasses.replace(pl, positions=out if out is not None else b.bytes())
+    return apply
+
+
+def _set(col, k, value):
+    def edit(b):
+        b.cols[col][k] = value
+    return edit
+
+
+LIES = {
+    "a class count off the spec": (lambda b: [b.cols[c].__setitem__(0, b.cols[c][0] + 1) for c in ("count", "coded")]
+                                   and None, "changes in its classes, the spec says"),
+    "a context past the dtype's": (_set("ctx", 0, 300), "has a context above 255"),
+    "entries out of order": (lambda b: b.cols["ctx"].__setitem__(slice(0, 2), b.cols["ctx"][[1, 0]]),
+                             "is out of order or repeated"),
+    "a Rice parameter past 31": (_set("kp", 0, 40), "has a Rice parameter above 31"),
+    "a table naming no param": (_set("param", 0, 99), "names no param of the flush"),
+    "unknown flags": (_set("flags", 0, 8), "has unknown flags"),
+    "a unary stream that ends early": (lambda b: b.streams.__setitem__(0, b.streams[0][:-1]),
+                                       "the unary stream does not match"),
+    "a remainder stream that runs on": (lambda b: b.streams.__setitem__(1, b.streams[1] + b"\x00"),
+                                        "the remainder stream does not match"),
+    "a sign stream that runs on": (lambda b: b.streams.__setitem__(2, b.streams[2] + b"\x01"),
+                                   "the signs stream does not match"),
+    "a header whose lengths lie": (lambda b: b.bytes(fix_lengths=False)[:-1], "a stream ends early or runs on"),
+    "another magic": (lambda b: torch.frombuffer(bytearray(b"NOPE" + bytes(b.bytes().numpy())[4:]),
+                                                 dtype=torch.uint8), "not an xor_ctx version 1 header"),
+}
+
+
+@pytest.mark.parametrize("lie", list(LIES))
+def test_every_lie_is_refused_by_name_before_a_write(steps, lie):
+    old, new, _ = _state(steps)
+    _, got, read = _roundtrip(old, new)
+    edit, words = LIES[lie]
+    bad = _lie(edit)(got)
+    with pytest.raises(DeltaError) as e:
+        _rebuild(bad, read)
+    assert words in str(e.value), str(e.value)
+    if "param" in words or "entr" in lie or "class" in lie:
+        assert "param '" in str(e.value) or "table entry" in str(e.value), str(e.value)
+
+
+def test_a_base_that_is_not_the_one_coded_against_is_refused(steps):
+    """The next step's state as the base: classes and values differ; the decoder's checks or the checksum refuse it,
+    never a wrong weight."""
+    old, new, later = _state(steps)
+    _, got, _ = _roundtrip(old, new)
+    with pytest.raises(DeltaError) as e:
+        _rebuild(got, _reader(later, got))
+    assert "checksum mismatch" in str(e.value) or "xor_ctx streams" in str(e.value), str(e.value)
+
+
+def test_apply_of_a_corrupted_xor_ctx_file_writes_nothing(steps, tmp_path):
+    root, ckpts, _ = steps
+    out = tmp_path / "d"
+    assert tool("diff", ckpts[0], ckpts[1], "--out", out, "--encoding", "xor_ctx").returncode == 0
+    f = out / json.loads((out / "delta.json").read_text())["files"][0]
+    pl = read_safetensors(maybe_zstd_decompress(f.read_bytes(), 1 << 30))
+    b = _Blob(pl.positions)
+    b.streams[1] = bytes([b.streams[1][0] ^ 0x10]) + b.streams[1][1:]  # one remainder bit
+    import safetensors.torch
+
+    meta = struct.unpack("<Q", maybe_zstd_decompress(f.read_bytes(), 1 << 30)[:8])[0]
+    header = json.loads(maybe_zstd_decompress(f.read_bytes(), 1 << 30)[8:8 + meta])
+    f.write_bytes(safetensors.torch.save({"__positions__": b.bytes(), "__values__": pl.values},
+                                         metadata=header["__metadata__"]))
+    r = tool("apply", ckpts[0], out, "--out", tmp_path / "never")
+    assert r.returncode == 2 and ("checksum mismatch" in r.stderr or "xor_ctx streams" in r.stderr), r.stderr
+    assert not (tmp_path / "never").exists()
+    r = tool("inspect", f)
+    assert r.returncode == 0 and "unverified (xor_ctx" in r.stdout, r.stdout
