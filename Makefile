@@ -84,12 +84,14 @@ demo:
 
 # Full sync vs delta on a Qwen2.5-0.5B-shaped model: wire bytes, sender vs memcpy, apply vs load_weights,
 # modeled sync time, peak memory -> docs/benchmarks.md + docs/benchmarks.png (BENCH_ARGS="--steps 5" etc.); then the
-# version store on the same states (a late joiner's catch-up vs a full sync, upload vs engines, compaction).
+# version store on the same states (a late joiner's catch-up vs a full sync, upload vs engines, compaction); then
+# every encoding side by side with slime's and the published formats, and the entropy floors (bench_coding.py).
 BENCH_ARGS ?=
 bench:
 	@scripts/build_venv.sh $(PIN) $(BUILD)
 	$(BUILD)/venv-$(PIN)/bin/python scripts/bench.py --workdir $(BUILD)/bench $(BENCH_ARGS)
 	$(BUILD)/venv-$(PIN)/bin/python scripts/bench_store.py --workdir $(BUILD)/bench $(BENCH_ARGS)
+	$(BUILD)/venv-$(PIN)/bin/python scripts/bench_coding.py --workdir $(BUILD)/bench $(BENCH_ARGS)
 
 # On a GPU host: the CUDA sender and receiver paths checked and measured (scripts/gpu_check.py; exits 2 without
 # CUDA). Where SGLang is not installed it runs from build/gpu-bundle/site.zip (`make gpu-bundle` on a machine

@@ -129,10 +129,10 @@ def report(m: dict) -> str:
     return "\n".join(lines)
 
 
-def with_section(path: str, text: str) -> None:
+def with_section(path: str, text: str, begin: str = BEGIN, end: str = END) -> None:
     doc = open(path).read() if os.path.exists(path) else ""
-    if BEGIN in doc:
-        doc = doc[:doc.index(BEGIN)] + text + doc[doc.index(END) + len(END):]
+    if begin in doc:
+        doc = doc[:doc.index(begin)] + text + doc[doc.index(end) + len(end):]
     else:
         doc = doc.rstrip("\n") + "\n\n" + text + "\n"
     with open(path, "w") as f:

@@ -151,7 +151,8 @@ def delta_flushes(old: Dict[str, torch.Tensor], new: Dict[str, torch.Tensor], en
                   base_version: int, max_params: int = 1 << 30, raw: Sequence[str] = (),
                   dense: Sequence[str] = ()) -> List[DeltaPayload]:
     """The changed elements of ``new`` vs ``old`` as one sync's flushes (by dtype, at most max_params each);
-    ``xor_zstd`` values XOR ``old``, except the ``raw`` names (an engine's ``xor_raw``); ``dense`` names whole."""
+    ``xor_zstd`` values XOR ``old`` and ``xor_ctx`` codes against it, except the ``raw`` names (an engine's
+    ``xor_raw``: zero); ``dense`` names whole."""
     names = list(new)
     groups: Dict[torch.dtype, List[str]] = {}
     for n in names:
@@ -163,7 +164,8 @@ def delta_flushes(old: Dict[str, torch.Tensor], new: Dict[str, torch.Tensor], en
                     else None) for n in batch]
         bases = [torch.zeros_like(t.reshape(-1) if i is None else t.reshape(-1)[i]) if n in raw else
                  old[n].reshape(-1) if i is None else old[n].reshape(-1)[i] for n, t, i in entries] \
-            if encoding == "xor_zstd" else None
+            if encoding == "xor_zstd" else [torch.zeros_like(t.reshape(-1)) if n in raw else old[n].reshape(-1)
+                                            for n, t, _ in entries] if encoding == "xor_ctx" else None
         out.append(encode_flush(entries, encoding, bases=bases, version=version, base_version=base_version, flush=k,
                                 final=k == len(batches) - 1))
     return out

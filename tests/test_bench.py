@@ -30,6 +30,20 @@ def test_bench_writes_its_report(tmp_path):
     assert (out / "benchmarks.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_encodings_side_by_side(tmp_path):
+    """`bench_coding.py` at the tiny shape: every format's row, both floors, and ours decoded with every check."""
+    out = tmp_path / "docs"
+    out.mkdir()
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_coding.py"), "--shape", "tiny",
+                        "--steps", "1", "--workdir", str(tmp_path / "work"), "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    text = (out / "benchmarks.md").read_text()
+    rows = dict(re.findall(r"^\| ([^|]+) \| ([\d.]+) \| [\d.]+x \|", text, re.M))
+    assert len(rows) == 9 and float(rows["`xor_ctx` (ours)"]) < 0.7 * float(rows["`xor_zstd` (ours)"]), rows
+    assert max(map(len, text.splitlines())) <= 200
+
+
 def test_the_sharded_bench_reports_every_rank(tmp_path):
     """`--engine-tp 2` at the tiny shape: one process per rank, each rank checked bit-identical to its own plain load
     after every step; the report holds a row per rank with its syncs and ops per flush."""

@@ -10,7 +10,7 @@ from sglang.srt.weight_sync.delta.receiver import receiver_state
 from sglang.srt.weight_sync.delta.files import flush_file
 from sglang.srt.weight_sync.delta.wire import POSITIONS, VALUES, DeltaEncoding, dtype_to_str
 
-ENCODINGS = ["indices", "deltas", "deltas_zstd", "planes_zstd", "xor_zstd"]
+ENCODINGS = ["indices", "deltas", "deltas_zstd", "planes_zstd", "xor_zstd", "xor_ctx"]
 _TRAINED = {}
 
 

@@ -88,3 +88,49 @@ def test_tp2_each_rank_narrows_the_global_delta(tmp_path, arch, encoding, run):
     failures = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
     assert not failures, "\n".join(failures)
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
+def _ctx_rank(rank, init_method, root, errors):
+    try:
+        from cpu_harness import Host, init_sglang_inprocess, nan_filled, sglang_model
+        from sglang.srt.weight_sync.delta.receiver import delta_status, receiver_state
+
+        init_sglang_inprocess(tp_rank=rank, tp_size=TP, init_method=init_method)
+        host = Host(nan_filled(sglang_model(hf_config("qwen2", hidden=128))), chunk_bytes=32 << 10)
+        ok, msg = host.call("_apply_delta", os.path.join(root, "weight_v000001"), ["rank0000_flush000000.safetensors"],
+                            "1")
+        assert ok, msg
+        st = delta_status(host.model)
+        assert st.xor and not st.ctx, st  # the sender reads this and sends xor_zstd instead
+        before = {n: p.detach().clone() for n, p in host.model.named_parameters()}
+        ok, msg = host.call("_apply_delta", os.path.join(root, "weight_v000002"), ["rank0000_flush000000.safetensors"],
+                            "2")
+        assert not ok and receiver_state(host.model).last[1] == "no_base", msg
+        assert receiver_state(host.model).version == 1 and not receiver_state(host.model).dirty
+        assert all(torch.equal(p, before[n]) for n, p in host.model.named_parameters())
+    except BaseException:
+        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+
+
+def test_a_tensor_parallel_engine_says_it_cannot_decode_xor_ctx_and_refuses_it_untouched(tmp_path):
+    """Its contexts need every element of a changed segment's base, which each rank holds only a shard of."""
+    cfg = hf_config("qwen2", hidden=128)
+    states = rl_states(cfg, 1, seed=0)
+    for v, payloads in ((1, full_flushes(states[0], version=1)),
+                        (2, delta_flushes(states[0], states[1], "xor_ctx", version=2, base_version=1))):
+        vdir = tmp_path / f"weight_v{v:06d}"
+        vdir.mkdir()
+        for pl in payloads:
+            pl.spec.flush, pl.spec.final = 0, True
+        (vdir / "rank0000_flush000000.safetensors").write_bytes(flush_file(as_parts(payloads)[0], 1))
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    procs = [ctx.Process(target=_ctx_rank, args=(r, init_method, str(tmp_path), errors)) for r in range(TP)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+    failures = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
+    assert not failures, "\n".join(failures)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]

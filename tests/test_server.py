@@ -110,3 +110,24 @@ def test_generate_equals_a_server_fully_loaded(world):
         second.stop()
     assert after_deltas["text"] == full["text"]
     assert after_deltas["meta_info"]["output_token_logprobs"] == full["meta_info"]["output_token_logprobs"]
+
+
+def test_a_delta_sender_sends_xor_ctx_that_the_server_applies_bit_identically(world):
+    """``DeltaSender(encoding="xor_ctx")`` over disk: a full sync, then deltas the server decodes against its committed
+    bytes (its status says it can: no tensor parallelism), each bit-identical."""
+    from sglang.srt.weight_sync.delta.sender import DeltaSender
+    from sglang.srt.weight_sync.delta.transport import DiskTransport, HttpEngine
+    from cpu_harness import segments
+
+    engine = HttpEngine(world["server"].url)
+    transport = DiskTransport(str(world["root"] / "ctx"), [engine], zstd=1)
+    sender = DeltaSender(transport, [engine], encoding="xor_ctx")
+    try:
+        for k, state in enumerate(world["states"][:4]):
+            results = sender.update(segments(state))
+            m = sender.pop_metrics()
+            assert all(ok for ok, _ in results.values()), results
+            assert m["perf/update_weights_ctx"] == (k > 0) and m["perf/update_weights_full_sync_engines"] == (k == 0), m
+            assert_engine_has(world["server"], state)
+    finally:
+        transport.close()

@@ -441,7 +441,7 @@ def test_unset_flags_say_which_delta_runs():
     ``--update-weight-delta-sharded``: on with the sparse encodings, off with slime's own; set where it cannot run,
     refused with the reason."""
     import slime_harness as H
-    from slime.utils.delta_sync_args import resolve_delta_args
+    from slime.utils.delta_sync_args import resolve_delta_args, runs_sparse_delta
 
     args = H.make_args(update_weight_transport="nccl", update_weight_delta_encoding=None,
                        update_weight_delta_sharded=None)
@@ -835,3 +835,20 @@ def test_sharded_sender(world, tmp_path, layout, transport):
         for row in rows[1:3]:  # positions and values (and with xor_zstd the base values) of the changed elements
             assert 0 < row["to_source"] <= 1.2 * row["changed"] * (4 + 2 + 2 * xor) + 1024, (r, row)
     world.pop("version", None)  # the engine's chain moved on
+
+
+def test_xor_ctx_runs_with_the_senders_own_snapshot_and_refuses_the_sharded_one():
+    """xor_ctx codes against whole bases: unset, the sharded sender is off for it; asked for, it is refused."""
+    import types
+
+    from slime.utils.delta_sync_args import resolve_delta_args, runs_sparse_delta
+
+    def args(**kw):
+        return types.SimpleNamespace(update_weight_mode="delta", update_weight_transport="disk",
+                                     update_weight_delta_encoding="xor_ctx", **kw)
+
+    ns = args()
+    resolve_delta_args(ns)
+    assert ns.update_weight_delta_sharded is False and runs_sparse_delta(ns)
+    with pytest.raises(ValueError, match="drop --update-weight-delta-sharded"):
+        resolve_delta_args(args(update_weight_delta_sharded=True))

@@ -4,6 +4,7 @@ module (a flush never separates params a loader fuses).
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Dict, List, Optional, Sequence
 
@@ -31,6 +32,7 @@ class DeltaBucket:
         self.encoding, self.max_bytes = encoding, max_bytes
         self.last = ""  # the last param added (its module is read only when the bucket is full)
         self.entries: Dict[torch.dtype, List[FlushEntry]] = {}
+        self.base_of = None  # xor_ctx: (name, numel, dtype) -> the param's whole base, flat, read when flushed
         self._open: Dict[torch.dtype, _Span] = {}  # per dtype, the run being extended by add_found
         self.nbytes = 0
 
@@ -99,6 +101,10 @@ class DeltaBucket:
         """The bucket's flushes, one per dtype, not yet sealed: every caller numbers them first, then seals."""
         for dtype in list(self._open):
             self._close(dtype)
+        if self.base_of is not None:
+            for dt, entries in self.entries.items():
+                for g in entries:
+                    g.wholes = [self.base_of(n, math.prod(s), dt) for n, s in zip(g.names, g.shapes)]
         out = [encode_gathered(self.entries[dt], self.encoding, sealed=False, **spec_fields)
                for dt in sorted(self.entries, key=str)]
         self.entries, self.nbytes = {}, 0

@@ -65,10 +65,6 @@ def _unkey(k: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.where(k < 0, (1 << (bits - 1)) | (-k - 1), k)
 
 
-def _ctx(b: torch.Tensor, bits: int, mant: int) -> torch.Tensor:
-    return (b & ((1 << (bits - 1)) - 1)) >> mant
-
-
 # ---------------------------------------------------------------- bit streams
 
 
@@ -171,8 +167,12 @@ class _Sorted:
         self.base = base.view(INT_VIEW[bits // 8])
         lens = [s[3] for s in g.segs]
         self.goff = np.cumsum([0, *lens[:-1]]).astype(np.int64)
-        self.keys = (_ctx(_bits(base, bits), bits, mant) + _rep(
-            to_device([j * nctx for j in range(len(lens))], dev), lens)).to(torch.int32)
+        ctx = (self.base >> mant) & (nctx - 1)  # in the base's own width: the sign bit shifts out of the mask
+        if len(lens) == 1 and nctx <= 256:  # one segment: the context alone is the class, sorted as bytes
+            self.keys = ctx.to(torch.uint8)
+        else:
+            self.keys = ctx.to(torch.int32) + _rep(to_device([j * nctx for j in range(len(lens))], dev), lens).to(
+                torch.int32)
         self.order = torch.argsort(self.keys, stable=True)
         self.sizes = torch.bincount(self.keys, minlength=len(lens) * nctx)
         self.starts = torch.cumsum(self.sizes, 0) - self.sizes
@@ -485,7 +485,7 @@ def decode(blob: torch.Tensor, params: Sequence[DeltaParam], dtype: torch.dtype,
         out = (newk < -(1 << (t.bits - 1))) | (newk >= (1 << (t.bits - 1)))
         bad_step.append(torch.zeros(len(ents), dtype=torch.int64, device=dev).index_add_(
             0, _rep(torch.arange(len(ents), device=dev), count[ents]), out[perm].long()) > 0)
-        j = (srt.keys[local] // t.nctx).long()
+        j = srt.keys[local].long() // t.nctx
         pos_out.append(local - to_device(srt.goff, dev)[j] + to_device([a for _, _, a, _ in g.segs], dev)[j])
         val_out.append(_unkey(torch.clamp(newk, -(1 << (t.bits - 1)), (1 << (t.bits - 1)) - 1), t.bits))
         seg_at, lo_e = hi_seg, hi_e

@@ -109,7 +109,8 @@ def read_files_once(host, model_path: str, files: List[str], reader=None) -> Lis
             torch.distributed.broadcast(broadcastable(t), src=group.first_rank, group=group.device_group)
         text, spec = spec, DeltaSpec.from_json(spec)
         out.append(DeltaPayload(spec, pos, val, source=source, params_text=received_params(text),
-                                xored=DeltaEncoding(spec.encoding) is DeltaEncoding.XOR_ZSTD))
+                                xored=DeltaEncoding(spec.encoding) is DeltaEncoding.XOR_ZSTD,
+                                coded=DeltaEncoding(spec.encoding) is DeltaEncoding.XOR_CTX))
     return out
 
 

@@ -46,7 +46,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from sglang.srt.weight_sync.delta import device as dev, fingerprint
-from sglang.srt.weight_sync.delta.collectives import tp_agree
+from sglang.srt.weight_sync.delta.collectives import tp_agree, tp_group
 from sglang.srt.weight_sync.delta.engine_state import ReceiverState, host_device, host_model, receiver_state, server_arg
 from sglang.srt.weight_sync.delta.ingest import (
     max_request_bytes,
@@ -59,6 +59,7 @@ from sglang.srt.weight_sync.delta.versions import check_version, check_xor_base,
 from sglang.srt.weight_sync.delta.views import (
     contiguous_strides,
     direct_plan,
+    rebuild_ctx,
     rebuild_xor,
     ReadBack,
     write_plan,
@@ -132,6 +133,7 @@ def delta_status(model: torch.nn.Module) -> DeltaStatus:
     return DeltaStatus(version=state.version, needs_full=reason is not None, reason=reason, pending=state.pending,
                        request=request, code=code, received=received, max_request_bytes=max_request_bytes(model),
                        xor=state.xor_ready and reason is None, xor_raw=list(state.xor_raw), dense=list(state.dense),
+                       ctx=state.xor_ready and reason is None and tp_group() is None,
                        applied=dict(state.applied), wire_format=WIRE_FORMAT)
 
 
@@ -172,7 +174,7 @@ def _apply_request(self, payloads: Sequence[DeltaPayload], weight_version: Optio
     request = [head.version, head.flush] if head is not None else None
     received = (payloads[0].source == "broadcast" or None) if payloads else None
     continuing = head is not None and state.pending == head.version  # part of this version is written
-    xor = any(p.xored for p in payloads)
+    xor = any(p.xored or p.coded for p in payloads)  # rebuilt from the committed bytes before any check
     error = failure
     if error is None:
         try:
@@ -201,7 +203,7 @@ def _apply_request(self, payloads: Sequence[DeltaPayload], weight_version: Optio
         error = peer
     if xor and error is None:  # every rank agreed to rebuild: the rebuild's collectives match on all of them
         try:
-            payloads = rebuild_xor(state.plan, manifest, payloads, device)
+            payloads = (rebuild_ctx if payloads[0].coded else rebuild_xor)(state.plan, manifest, payloads, device)
             decoded = [validate_payload(p, manifest) for p in payloads]
         except DeltaError as e:
             error = e

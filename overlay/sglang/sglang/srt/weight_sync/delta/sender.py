@@ -68,6 +68,7 @@ class EngineStatus:
     max_request_bytes: int = 0  # from the engine's DeltaStatus (0: not known yet)
     xor: bool = False  # every rank can rebuild xor_zstd values (and did not refuse them for want of a base)
     xor_raw: frozenset = frozenset()  # names no rank stores: xor_zstd sends them raw (XOR zero)
+    ctx: bool = False  # every rank can decode xor_ctx (and none refused it for want of a base)
     dense: frozenset = frozenset()  # names some rank can take only dense (fp8 without recorded views)
     wire_formats: frozenset = frozenset()  # the spec layouts its ranks read (empty: not known yet)
     unsupported: bool = False  # a rank refused its last request as code 'unsupported': no sync can help
@@ -96,9 +97,6 @@ class DeltaSender:
                  device: Optional[torch.device] = None, fingerprint_every: int = 0,
                  stages: Optional[StageGroup] = None, repair_dirty: bool = True, anchor_every: int = 0):
         self.encoding = DeltaEncoding(encoding).value
-        if self.encoding == DeltaEncoding.XOR_CTX.value:
-            raise DeltaError("xor_ctx files are made and applied by the delta CLI (diff, apply); engines do not take "
-                             "them yet: use xor_zstd")
         self.buffer_bytes = buffer_bytes
         self.state = DeltaState(device)
         self.version = 0  # last sync attempted
@@ -154,6 +152,7 @@ class DeltaSender:
                 or not (self.state.version <= st.version <= self.version)
             st.xor = all(r.xor for r in ranks) and not any(r.code == Refusal.NO_BASE.value for r in ranks)
             st.xor_raw = frozenset.intersection(*(frozenset(r.xor_raw) for r in ranks))
+            st.ctx = st.xor and all(r.ctx for r in ranks)
             st.dense = frozenset().union(*(r.dense for r in ranks))
             st.unsupported = any(r.code == Refusal.UNSUPPORTED.value for r in ranks)
             st.dirty = any(r.reason == "dirty" for r in ranks)
@@ -290,7 +289,9 @@ class DeltaSender:
             logger.error("delta sync v%d failed on engine %d (%s): %s", v, i,
                          "full sync next" if st.needs_full else "next delta covers it", results[i][1])
         self._metrics = run.metrics(t_encode, t_finalize)
-        self._metrics["perf/update_weights_xor"] = float(run.encodings.get("delta") == DeltaEncoding.XOR_ZSTD.value)
+        self._metrics["perf/update_weights_xor"] = float(run.encodings.get("delta") in (
+            DeltaEncoding.XOR_ZSTD.value, DeltaEncoding.XOR_CTX.value))
+        self._metrics["perf/update_weights_ctx"] = float(run.encodings.get("delta") == DeltaEncoding.XOR_CTX.value)
         self._count("failures", len(failed))
         self._count("snapshot_fold_failures", fold_failed)
         self._count("resyncs", resyncs)
@@ -360,8 +361,10 @@ class DeltaSender:
     def _encodings(self, delta_targets: List[int]) -> Dict[str, str]:
         """Per sync kind. ``xor_zstd`` only when every delta target is committed at the snapshot's version, can
         rebuild from its views and names the same raw params; otherwise that sync's deltas are ``planes_zstd``
-        (overwrite semantics: right for any engine in range). Full syncs have no base: ``planes_zstd``."""
-        if self.encoding != DeltaEncoding.XOR_ZSTD.value:
+        (overwrite semantics: right for any engine in range). ``xor_ctx`` where, beyond that, every delta target
+        decodes it (its status' ``ctx``: no tensor parallelism) and this sender holds every base (not the sharded
+        sender's, kept on the trainer ranks); else ``xor_zstd``. Full syncs have no base: ``planes_zstd``."""
+        if self.encoding not in (DeltaEncoding.XOR_ZSTD.value, DeltaEncoding.XOR_CTX.value):
             return {"delta": self.encoding, "full": self.encoding}
         sts = [self.status[i] for i in delta_targets]
         xor = bool(sts) and all(st.xor and st.version == self.state.version and st.xor_raw == sts[0].xor_raw
@@ -369,7 +372,10 @@ class DeltaSender:
         if getattr(self.transport, "versioned", False):  # in a store, each version applies from its parent
             xor = xor and self.transport.head_version == self.state.version
         planes = DeltaEncoding.PLANES_ZSTD.value
-        return {"delta": self.encoding if xor else planes, "full": planes}
+        ctx = xor and self.encoding == DeltaEncoding.XOR_CTX.value and all(st.ctx for st in sts) \
+            and not self.state.elsewhere
+        return {"delta": DeltaEncoding.XOR_CTX.value if ctx else DeltaEncoding.XOR_ZSTD.value if xor else planes,
+                "full": planes}
 
     def _check_fingerprints(self, mine: Dict[str, "fingerprint.NameSum"], results, hashing_s: float,
                             found: Optional[Dict[str, "fingerprint.NameSum"]]) -> None:

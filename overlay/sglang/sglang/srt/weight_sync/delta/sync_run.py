@@ -48,6 +48,8 @@ class SyncRun:
         cap = min(sender.buffer_bytes, self.max_request or sender.buffer_bytes)
         # stored: the kinds a version store takes whichever engines are pushed to (deltas, or an anchor)
         self.buckets = {k: DeltaBucket(encodings[k], cap) for k, t in self.targets.items() if t or k in stored}
+        if encodings.get("delta") == DeltaEncoding.XOR_CTX.value and "delta" in self.buckets:
+            self.buckets["delta"].base_of = self._whole_base
         self.flush = 0  # request index within the sync (shared by all files of one disk publish)
         self.final_segment = False
         self.held: Dict[str, DeltaPayload] = {}  # NCCL: each kind's last flush waits to learn whether it is final
@@ -123,6 +125,8 @@ class SyncRun:
                              "these engines")
         if xor and f.olds is None:
             raise DeltaError("xor_zstd needs base_version's values of changes found elsewhere (olds)")
+        if self.encodings.get("delta") == DeltaEncoding.XOR_CTX.value:  # the sender picks xor_zstd then
+            raise DeltaError("xor_ctx codes against whole bases, which changes found elsewhere do not come with")
         if self.fingerprints is not None:
             if found.shares is None:
                 raise DeltaError("this sync checks fingerprints: changes found elsewhere need their shares")
@@ -186,6 +190,14 @@ class SyncRun:
         names = [n for n, _ in chunk]
         return sparse_allowed(dtype) and (nan_sentinel(dtype) or self.dense.isdisjoint(names)) and \
             not (xor and not self.xor_raw.isdisjoint(names))
+
+    def _whole_base(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """xor_ctx: base_version's whole tensor of a param, flat: the snapshot's (folded only at commit, after every
+        flush of the sync), or zero for a name no engine rank stores (``xor_raw``), as the engines read it."""
+        base = None if name in self.xor_raw else self.s.state.snapshot.get(name)
+        if base is None or base.numel() != numel or base.dtype != dtype:
+            return torch.zeros((), dtype=dtype).expand(numel)
+        return base.reshape(-1)
 
     def _xor_base(self, name: str, tensor: torch.Tensor, base: Optional[torch.Tensor],
                   idx: Optional[torch.Tensor], at_idx: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

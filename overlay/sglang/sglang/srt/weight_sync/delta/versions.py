@@ -83,14 +83,16 @@ def _check_parts(specs: Sequence[DeltaSpec], files: bool) -> List[int]:
 
 
 def check_xor_base(state: ReceiverState, head: DeltaSpec) -> None:
-    """xor_zstd values are relative to ``base_version``'s bytes: only an engine committed exactly there can use them."""
+    """xor_zstd and xor_ctx values are relative to ``base_version``'s bytes: only an engine committed exactly there can
+    use them."""
+    enc = head.encoding
     if head.full:
-        raise DeltaError("a full sync cannot be xor_zstd (it has no base)")
+        raise DeltaError(f"a full sync cannot be {enc} (it has no base)")
     if state.version != head.base_version:
-        raise DeltaError(f"xor_zstd values are relative to version {head.base_version}; this engine is at version "
+        raise DeltaError(f"{enc} values are relative to version {head.base_version}; this engine is at version "
                          f"{state.version}", Refusal.OFF_CHAIN)
     if not state.xor_ready:
-        raise DeltaError("xor_zstd values need the committed bytes of every param, and this engine cannot read them "
+        raise DeltaError(f"{enc} values need the committed bytes of every param, and this engine cannot read them "
                          "all through recorded views (send it planes_zstd)", Refusal.NO_BASE)
 
 

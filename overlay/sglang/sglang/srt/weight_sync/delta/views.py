@@ -21,7 +21,7 @@ from sglang.srt.weight_sync.delta import fingerprint
 from sglang.srt.weight_sync.delta.collectives import tp_agree, tp_group
 from sglang.srt.weight_sync.delta.ops import INT_VIEW, gather, host_values, repeat_counts, take, to_device
 from sglang.srt.weight_sync.delta.positions import Run
-from sglang.srt.weight_sync.delta.validate import unxor
+from sglang.srt.weight_sync.delta.validate import uncode, unxor
 from sglang.srt.weight_sync.delta.wire import DeltaError, DeltaPayload, Refusal
 
 logger = logging.getLogger(__name__)
@@ -305,7 +305,7 @@ def read_base(plan: Optional[WritePlan], params, idxs, dtype, device, helds: lis
     are (:func:`_locate`: one pass for whole blocks, one for part views, one gather per storage). Appends to
     ``helds`` the run's mask of the entries this rank holds, and whether any param is held through part views only. Entries no view holds read as zero (a
     param no rank stores travels raw) or as anything (the caller refuses a param that is held only in part)."""
-    counts = [p.nnz for p in params]
+    counts = [p.nnz if i is None else i.numel() for p, i in zip(params, idxs)]
     total = sum(counts)
     out = torch.zeros(total, dtype=INT_VIEW[dtype.itemsize], device=device)
     x = torch.cat([torch.arange(p.numel, device=device) if i is None else i.to(device) for p, i in zip(params, idxs)]) \
@@ -387,3 +387,36 @@ def rebuild_xor(plan: Optional[WritePlan], manifest, payloads: Sequence[DeltaPay
         raise DeltaError(f"param {params[bad[0][0]].name!r}: xor_zstd values need its committed bytes, which this "
                          "engine cannot read all of through recorded views (send it planes_zstd)", Refusal.NO_BASE)
     return rebuilt
+
+
+def rebuild_ctx(plan: Optional[WritePlan], manifest, payloads: Sequence[DeltaPayload], device) -> List[DeltaPayload]:
+    """``xor_ctx``: every flush's logical blobs rebuilt from its coded streams and this rank's committed bytes (see
+    ``validate.uncode``). Its contexts need every element of a changed segment's base, which a tensor-parallel rank
+    does not hold: such an engine says ``ctx: false`` in its status and is sent ``xor_zstd``."""
+    if tp_group() is not None:
+        raise DeltaError("xor_ctx needs every element of a changed param's base, which a tensor-parallel rank does not "
+                         "hold (send it xor_zstd)", Refusal.NO_BASE)
+    return [uncode(pl, manifest, functools.partial(read_ranges, plan, pl.spec.params, pl.values.dtype, device))
+            for pl in payloads]
+
+
+def read_ranges(plan: Optional[WritePlan], params, dtype, device, pieces) -> torch.Tensor:
+    """The committed values of element ranges ``[(param number, first, count)]`` of ``params``, joined, through the
+    recorded views (:func:`read_base`). A param no view holds reads as zero (the sender codes it against zero: its
+    ``xor_raw``); a range held only in part is refused (``no_base``)."""
+    counts = [n for _, _, n in pieces]
+    firsts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    idx = torch.arange(sum(counts), device=device) + repeat_counts(
+        to_device([a - f for (_, a, _), f in zip(pieces, firsts.tolist())], device), counts)
+    helds: list = []
+    out = read_base(plan, [params[k] for k, _, _ in pieces], list(idx.split(counts)), dtype, device, helds)
+    held, part = helds[0]
+    if part and counts:
+        sums = torch.cat([held.new_zeros(1, dtype=torch.int64), held.cumsum(0)])
+        ends = np.cumsum(counts)
+        got = take(sums, to_device(ends.tolist(), device)) - take(sums, to_device(firsts.tolist(), device))
+        bad = host_values(((got > 0) & (got < to_device(counts, device))).nonzero_static(size=1, fill_value=-1))
+        if bad[0][0] >= 0:
+            raise DeltaError(f"param {params[pieces[bad[0][0]][0]].name!r}: xor_ctx needs its committed bytes, which "
+                             "this engine holds only in part (send it xor_zstd)", Refusal.NO_BASE)
+    return out

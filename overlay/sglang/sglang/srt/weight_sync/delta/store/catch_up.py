@@ -275,7 +275,7 @@ def _deltas(records: Dict[int, tuple], have: int, target: int) -> Optional[List[
     steps, at = [], have
     while at < target:
         fits = [v for v, (_, _, r) in records.items() if at < v <= target and not r["full"]
-                and r["base_version"] <= at and (r["encoding"] != "xor_zstd" or r["base_version"] == at)]
+                and r["base_version"] <= at and (r["encoding"] not in ("xor_zstd", "xor_ctx") or r["base_version"] == at)]
         if not fits:
             return None
         at = max(fits)
