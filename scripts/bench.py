@@ -59,9 +59,9 @@ SHAPES = {
                                      num_experts_per_tok=8, moe_intermediate_size=32, vocab_size=2048,
                                      max_position_embeddings=256, tie_word_embeddings=False, initializer_range=0.02),
 }
-ENCODINGS = ("indices", "deltas", "deltas_zstd", "planes_zstd", "xor_zstd")
+ENCODINGS = ("indices", "deltas", "deltas_zstd", "planes_zstd", "xor_zstd", "xor_ctx")
 TRANSPORT = {"indices": "nccl", "deltas": "nccl", "deltas_zstd": "disk", "planes_zstd": "disk",
-             "xor_zstd": "disk"}  # the apply path each is measured on
+             "xor_zstd": "disk", "xor_ctx": "disk"}  # the apply path each is measured on
 BUFFER_BYTES = 512 << 20  # slime's default --update-weight-buffer-size
 LINKS = {"300 MB/s": 300e6, "1 GB/s": 1e9}
 # Published figures, quoted as their authors state them (see the seed article's references).
@@ -198,6 +198,9 @@ def _sender_sync(snapshot, new, encoding: str, version: int, raw):
     state = DeltaState(torch.device("cpu"))
     state.snapshot = snapshot
     bucket, payloads, raw = DeltaBucket(encoding, BUFFER_BYTES), [], frozenset(raw)
+    if encoding == "xor_ctx":  # as SyncRun does: whole bases from the snapshot (folded only after the last flush)
+        bucket.base_of = lambda name, numel, dtype: torch.zeros((), dtype=dtype).expand(numel) if name in raw \
+            else snapshot[name].reshape(-1)
     items = list(new.items())
     xor = encoding == "xor_zstd"
     for at in range(0, len(items), CHUNK_PARAMS):  # the chunks a trainer hands over: one diff per chunk
@@ -431,7 +434,7 @@ def measure_overhead(state: dict, version: int, apply, model=None) -> dict:
     return out
 
 
-FP8_ENCODINGS = ("deltas_zstd", "xor_zstd")
+FP8_ENCODINGS = ("deltas_zstd", "xor_zstd", "xor_ctx")
 
 
 def measure_fp8(bf16_states: list, shape: str, wire_dir: str, check: bool) -> dict:

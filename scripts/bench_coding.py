@@ -2,7 +2,8 @@
 element, encode and decode time, and the modeled sync time at 1 and 10 Gbit/s, for ours (``xor_ctx``, ``xor_zstd``,
 ``deltas_zstd``, through the code the CLI and the engines run), slime's own ``xor`` and ``overwrite`` and the
 published formats rebuilt from their descriptions; beside them the entropy floors of the change, computed here.
-Writes the "The encodings side by side" section of docs/benchmarks.md. One process, one run, CPU.
+Writes the "The encodings side by side" section of docs/benchmarks.md (a ``*-topology`` shape: of its own page).
+One process, one run, CPU.
 """
 from __future__ import annotations
 
@@ -247,7 +248,7 @@ def report(m: dict) -> str:
 
 
 def main():
-    from bench import train_states
+    from bench import doc_name, train_states
     from bench_store import with_section
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -260,7 +261,7 @@ def main():
     m = measure(train_states(args.shape, args.steps, workdir))
     json.dump(m, open(os.path.join(workdir, "coding.json"), "w"), indent=1)
     text = report(m)
-    with_section(os.path.join(args.out, "benchmarks.md"), text, BEGIN, END)
+    with_section(os.path.join(args.out, doc_name(args.shape, "md")), text, BEGIN, END)
     print(text)
     return 0
 

@@ -81,6 +81,7 @@ def engine_components(layers: int, flush: int, changed: int, workdir: str, devic
     from cpu_harness import (Host, InProcessEngine, PeakMemory, bf16_state, delta_flushes, full_flushes, hf_config,
                              hf_model, nan_filled, publish_request, sglang_model)
     from sglang.srt.weight_sync.delta import fingerprint
+    from sglang.srt.weight_sync.delta.ctx import seg_log2_for
     from sglang.srt.weight_sync.delta.receiver import fingerprint_payload
     from sglang.srt.weight_sync.delta.sender import DeltaSender
     from sglang.srt.weight_sync.delta.transport import DiskTransport
@@ -124,18 +125,24 @@ def engine_components(layers: int, flush: int, changed: int, workdir: str, devic
             size += item[1].nbytes
         return [lambda: chunks + [chunk]]
 
-    sink = engine("cpu")
-    transport = DiskTransport(os.path.join(workdir, "sender"), [sink], zstd=1)
-    sender = DeltaSender(transport, [sink], encoding="deltas_zstd", buffer_bytes=flush, device=device)
-    assert sender.update(segments({n: t.to(device) for n, t in old.items()}))[0][0]
-    live = {n: t.to(device) for n, t in new.items()}
-    with PeakMemory(device) as m:
-        assert sender.update(segments(live))[0][0]
-    out["sender flush"] = m.peak
-    transport.close()
-    for encoding, key in (("deltas_zstd", "engine apply"), ("xor_zstd", "engine xor rebuild")):
+    for encoding, key in (("deltas_zstd", "sender flush"), ("xor_ctx", "sender xor_ctx flush")):
+        sink = engine("cpu")
+        transport = DiskTransport(os.path.join(workdir, "sender"), [sink], zstd=1)
+        sender = DeltaSender(transport, [sink], encoding=encoding, buffer_bytes=flush, device=device)
+        assert sender.update(segments({n: t.to(device) for n, t in old.items()}))[0][0]
+        live = {n: t.to(device) for n, t in new.items()}
+        with PeakMemory(device) as m:
+            assert sender.update(segments(live))[0][0]
+        assert sender.pop_metrics()["perf/update_weights_ctx"] == (encoding == "xor_ctx")
+        out[key] = m.peak
+        transport.close()
+    for encoding, key in (("deltas_zstd", "engine apply"), ("xor_zstd", "engine xor rebuild"),
+                          ("xor_ctx", "engine xor_ctx decode")):
         e = engine(device)
-        vdir, files = request(2, delta_flushes(old, new, encoding, version=2, base_version=1, max_params=8), True)
+        payloads = delta_flushes(old, new, encoding, version=2, base_version=1, max_params=8)
+        for p in payloads:  # as the sender's bucket sets them from its buffer
+            p.seg_log2 = seg_log2_for(flush)
+        vdir, files = request(2, payloads, True)
         with PeakMemory(device) as m:
             ok, msg = e.update_weights_from_disk(vdir, files, "2")
         assert ok, msg
@@ -156,8 +163,9 @@ def engine_components(layers: int, flush: int, changed: int, workdir: str, devic
 
 # component -> (budget, reference: "flush" (the flush buffer and the engine's chunk) or its key in the figures)
 BUDGETS = {"shard map build": (2.0, "gather"), "sharded diff": (3.0, "flush"),
-           "sender flush": (4.0, "flush or param"),
-           "engine apply": (4.0, "flush"), "engine xor rebuild": (4.0, "flush"), "engine full sync": (4.0, "flush"),
+           "sender flush": (4.0, "flush or param"), "sender xor_ctx flush": (4.0, "flush or param"),
+           "engine apply": (4.0, "flush"), "engine xor rebuild": (4.0, "flush"), "engine xor_ctx decode": (4.0, "flush"),
+           "engine full sync": (4.0, "flush"),
            "fingerprint": (4.0, "fingerprint block")}
 WORDS = {"gather": "slime's own bf16 gather of the largest param", "fingerprint block": "its block of int64 words",
          "flush or param": "the flush buffer or the largest param (a chunk)"}

@@ -33,6 +33,7 @@ with a tiny model (CI does, so the script cannot rot; the CUDA-only figures then
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -48,7 +49,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-ENCODINGS = ("indices", "deltas", "deltas_zstd", "planes_zstd", "xor_zstd")
+ENCODINGS = ("indices", "deltas", "deltas_zstd", "planes_zstd", "xor_zstd", "xor_ctx")
 
 
 # ---------------------------------------------------------------- environment
@@ -382,6 +383,36 @@ def check_fp8(report, args, device, workdir) -> None:
         transport.close()
 
 
+def check_ctx_coding(report, old, new, device, nbytes: int, t_copy: float) -> None:
+    """``xor_ctx``'s coder on the device against ``xor_zstd``'s file making and rebuild, the same step: its encode and
+    decode include the pass over the base of every changed segment, which is what a GPU decides."""
+    from cpu_harness import delta_flushes
+    from sglang.srt.weight_sync.delta.files import flush_file, maybe_zstd_decompress, read_safetensors
+    from sglang.srt.weight_sync.delta.validate import uncode, unxor, validate_payload
+
+    for enc in ("xor_zstd", "xor_ctx"):
+        payloads = delta_flushes(old, new, enc, version=2, base_version=1)
+        files = [flush_file(p, 1) for p in payloads]
+        t_enc = median_s(lambda: [flush_file(p, 1) for p in payloads], device)
+
+        def decode():
+            for data in files:
+                pl = read_safetensors(maybe_zstd_decompress(data, 1 << 40))
+                pl = dataclasses.replace(pl, positions=pl.positions.to(device), values=pl.values.to(device))
+                names = [p.name for p in pl.spec.params]
+                if pl.coded:
+                    pl = uncode(pl, None, lambda pcs: torch.cat(
+                        [old[names[k]].reshape(-1)[a:a + n] for k, a, n in pcs]))
+                else:
+                    pl = unxor(pl, None, lambda ps, ix: torch.cat(
+                        [old[p.name].reshape(-1)[i] for p, i in zip(ps, ix)]))
+                validate_payload(pl, None)
+        t_dec = median_s(decode, device)
+        report.add(f"- `{enc}` file making (diffed, zstd incl.) {1e3 * t_enc:.2f} ms, rebuild + checks "
+                   f"{1e3 * t_dec:.2f} ms ({nbytes / (t_enc + t_dec) / 1e9:.1f} GB/s of weights, "
+                   f"{t_copy / (t_enc + t_dec):.3f}x the copy), {sum(map(len, files)) / 1e6:.2f} MB")
+
+
 def check_memory(report, args, device, workdir: str) -> None:
     """Each transient's device peak next to its modeled bound (``make bench-memory``'s components and budgets)."""
     from bench_memory import BUDGETS, engine_components, judge
@@ -390,7 +421,8 @@ def check_memory(report, args, device, workdir: str) -> None:
     report.add(f"\nmemory: device peak of each transient on {device} (a Qwen2-shaped model, {args.layers} layers; "
                f"flush buffer and engine chunk {flush} B)")
     figures = engine_components(args.layers, flush, 20000, workdir, device)
-    for name in ("sender flush", "engine apply", "engine xor rebuild", "engine full sync", "fingerprint"):
+    for name in ("sender flush", "sender xor_ctx flush", "engine apply", "engine xor rebuild", "engine xor_ctx decode",
+                 "engine full sync", "fingerprint"):
         line, ok, ref = judge(name, [figures[name]], figures, flush)
         report.check(ok, f"{line.removeprefix('memory: ')}: device peak {figures[name]} B, modeled at most "
                          f"{BUDGETS[name][0] * ref:.0f} B")
@@ -447,8 +479,8 @@ def run(args, device, report, stubbed: bool) -> None:
             ok = results[0][0] and bad is None and m["perf/update_weights_fingerprint_mismatches"] == 0 \
                 and m["perf/update_weights_fingerprint_uncovered"] == 0
             per_sync[enc].append(m)
-            if enc == "xor_zstd" and step:  # the engine rebuilt the values from its own device memory
-                ok = ok and m["perf/update_weights_xor"] == 1
+            if enc in ("xor_zstd", "xor_ctx") and step:  # the engine rebuilt the values from its own device memory
+                ok = ok and m["perf/update_weights_xor"] == 1 and m["perf/update_weights_ctx"] == (enc == "xor_ctx")
             report.check(ok, f"step {step} {enc}: {'full sync' if not step else 'delta'} v{sender.version}, density "
                              f"{m['perf/update_weights_density']:.2%}, every param bit-identical to a full load"
                              + ("" if ok else f" — {results[0][1]}; first differing param: {bad}"))
@@ -476,6 +508,7 @@ def run(args, device, report, stubbed: bool) -> None:
         t = median_s(encode, device)
         report.add(f"- diff + encode `{enc}` (joined diff, checksum incl.): {1e3 * t:.2f} ms ({nbytes / t / 1e9:.1f} "
                    f"GB/s, {t_copy / t:.2f}x the copy)")
+    check_ctx_coding(report, old, new, device, nbytes, t_copy)
     for enc, ms in per_sync.items():
         if enc not in ENCODINGS:
             continue

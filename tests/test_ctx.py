@@ -65,11 +65,8 @@ def _roundtrip(olds, news, seg_log2=ctx.SEG_LOG2):
         iv = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
         entries.append((n, news[n], torch.nonzero(a.view(iv) != b.view(iv))[:, 0]))
     pl = encode_flush(entries, "xor_ctx", bases=[olds[n] for n in names], version=1, base_version=0)
-    ctx.SEG_LOG2, saved = seg_log2, ctx.SEG_LOG2
-    try:
-        data = flush_file(pl, 1)
-    finally:
-        ctx.SEG_LOG2 = saved
+    pl.seg_log2 = seg_log2
+    data = flush_file(pl, 1)
     got = read_safetensors(maybe_zstd_decompress(data, 1 << 30))
     return pl, got, _reader(olds, got)
 
@@ -89,7 +86,7 @@ def _rebuild(pl, read):
 def test_escapes_complements_and_every_coded_dtype_round_trip(dtype):
     g = torch.Generator().manual_seed(3)
     olds, news = {}, {}
-    base = (torch.randn(300_000, generator=g) * 0.02).to(dtype)
+    base = (torch.randn(300_000, generator=g) * 0.02).to(dtype)  # 5 segments of 2**16
     new = base.clone()
     # a class where every element changes (complement), steps of thousands of ULPs (escapes), one far change,
     # sign crossings, and zeros of both signs
@@ -103,7 +100,7 @@ def test_escapes_complements_and_every_coded_dtype_round_trip(dtype):
     z[::2] = -0.0
     olds["b.weight"], news["b.weight"] = z.to(dtype), torch.where(torch.arange(1000) % 3 == 0, -z, z).to(dtype)
     olds["c.weight"] = news["c.weight"] = torch.ones(10, dtype=dtype)  # unchanged: no entry
-    for seg_log2 in (ctx.SEG_LOG2, 12):  # one segment, and many (a large param split, small ones joined)
+    for seg_log2 in (ctx.SEG_LOG2, ctx.SEG_LOG2_MIN):  # one segment, and many (a large param split, small ones joined)
         sent, got, read = _roundtrip(olds, news, seg_log2)
         out = _rebuild(got, read)
         assert out.spec.checksum == sent.spec.checksum
@@ -163,6 +160,7 @@ LIES = {
     "entries out of order": (lambda b: b.cols["ctx"].__setitem__(slice(0, 2), b.cols["ctx"][[1, 0]]),
                              "is out of order or repeated"),
     "a Rice parameter past 31": (_set("kp", 0, 40), "has a Rice parameter above 31"),
+    "segments past the bound": (lambda b: b.head.__setitem__(2, 23), "segments of 2**23 elements"),
     "a table naming no param": (_set("param", 0, 99), "names no param of the flush"),
     "unknown flags": (_set("flags", 0, 8), "has unknown flags"),
     "a unary stream that ends early": (lambda b: b.streams.__setitem__(0, b.streams[0][:-1]),

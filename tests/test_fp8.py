@@ -190,3 +190,21 @@ def test_the_sender_diffs_quantized_bytes_into_fp8_engines(tmp_path, encoding):
         for e in engines:
             assert_params_equal(e.host.model, reference(cfg, state))
     assert sender.status[1].dense and not sender.status[0].dense
+
+
+@pytest.mark.parametrize("encoding", ["xor_zstd", "xor_ctx"])
+def test_an_fp8_engine_rebuilds_xor_deltas_of_e4m3_bytes_and_fp32_scales(tmp_path, encoding):
+    """An FP8 engine whose params all have recorded views takes the XOR encodings: ``xor_ctx`` codes the e4m3 bytes and
+    the fp32 scales with their own contexts (each dtype's exponent field)."""
+    cfg, _, states = fp8_states("qwen3-moe")
+    engines = [InProcessEngine(engine(cfg))]
+    sender = DeltaSender(DiskTransport(str(tmp_path), engines, zstd=zstd_level(encoding)), engines,
+                         encoding=encoding, buffer_bytes=64 << 10)
+    for v, state in enumerate(states, start=1):
+        chunks = list(state.items())
+        results = sender.update([lambda: (chunks[i:i + 9] for i in range(0, len(chunks), 9))])
+        assert all(ok for ok, _ in results.values()), results
+        m = sender.pop_metrics()
+        if v > 1:
+            assert m["perf/update_weights_xor"] == 1 and m["perf/update_weights_ctx"] == (encoding == "xor_ctx"), m
+        assert_params_equal(engines[0].host.model, reference(cfg, state))

@@ -17,12 +17,13 @@ def test_dry_run_passes_every_check(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     text = report.read_text()
     assert "FAIL" not in text and text.rstrip().splitlines()[-1].startswith("all checks passed")
-    for lane in ("indices", "deltas", "deltas_zstd", "planes_zstd", "xor_zstd", "broadcast:gloo"):
+    for lane in ("indices", "deltas", "deltas_zstd", "planes_zstd", "xor_zstd", "xor_ctx", "broadcast:gloo"):
         assert f"PASS: step 3 {lane}: delta v4" in text
     assert "PASS: broadcast:gloo: a request refused unreceived aborts the pending broadcast" in text
     assert "PASS: broadcast:gloo: the next sync re-creates the group and lands bit-identically" in text
     assert "skipped (no device): mix64 blob sums equal on CPU and device" in text and "delta apply `deltas`" in text
     assert "- sender snapshot in host memory: " in text
+    assert "- `xor_ctx` file making (diffed, zstd incl.) " in text and "- `xor_zstd` file making" in text
     assert "PASS: mix64" not in text and "PASS: weight fingerprint equal on CPU" not in text
     for enc in ("deltas_zstd", "xor_zstd"):  # the FP8 rollout lane
         assert f"PASS: fp8 step 3 {enc}: delta, e4m3 density" in text

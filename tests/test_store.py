@@ -636,3 +636,25 @@ def test_two_pipeline_stages_publish_one_version_each_sync(store_url):
     assert_params_equal(late.host.model, reference(cfg, states[-1]))
     assert main(["store", "compact", store_url]) == 0  # version 2: both stages' fingerprints, merged
     assert any(k.startswith("anchor_v000002") for k in raw.keys("anchor_v"))
+
+
+def test_an_xor_ctx_chain_is_walked_by_an_engine_that_comes_back(store_url):
+    """Versions stored as xor_ctx (each coded against its parent): an engine that left at version 2 applies them one
+    by one from its own committed bytes, bit-identical."""
+    cfg = hf_config("qwen2")
+    a = Engine(cfg)
+    transport = StoreTransport(store_url, [a], zstd=1)
+    sender = DeltaSender(transport, [a], encoding="xor_ctx", buffer_bytes=64 << 10)
+    state = bf16_state(hf_model(cfg))
+    b = Engine(cfg)
+    for v in range(1, 7):
+        if v > 1:
+            state = nudged(state, v)
+        assert sender.update(one_segment(state))[0][0]
+        assert sender.pop_metrics()["perf/update_weights_ctx"] == (v > 1)
+        if v == 2:
+            assert b.catch_up(store_url)[0]
+    ok, msg = b.catch_up(store_url)
+    assert ok and "deltas, 4 step(s)" in msg, msg
+    assert_params_equal(b.host.model, reference(cfg, state))
+    transport.close()

@@ -311,3 +311,41 @@ def test_a_sharded_engines_apply_does_not_follow_the_params(ep):
         assert n6 > 2.5 * n2 and n16 > 2.5 * n2, (n2, n6, n16)
         assert syncs2 == syncs6 == syncs16 and len(syncs2) <= 5, (rank, syncs2, syncs6, syncs16)
         assert launches2 == launches16, (rank, launches2, launches16)
+
+
+def test_xor_ctx_codes_and_decodes_a_flush_with_a_constant_number_of_syncs_and_launches():
+    """Its coder runs per flush and per group of segments (at most one segment's elements, small params joined), never
+    per param: 100 params and 400 params cost the same host reads and the same kernel launches (both have classes of
+    each kind: rank gaps of changed and of unchanged elements, dense and sparse steps)."""
+    from sglang.srt.weight_sync.delta.files import flush_file, read_safetensors
+    from sglang.srt.weight_sync.delta.validate import uncode
+
+    def flush(n_params):
+        g = torch.Generator().manual_seed(1)
+        olds, entries = {}, []
+        for k in range(n_params):
+            old = (torch.randn(4096, generator=g) * 0.02).to(torch.bfloat16)
+            new = old.clone()
+            idx = torch.randperm(4096, generator=g)[:40].sort().values
+            new[idx] = (new[idx].float() * 1.01).to(torch.bfloat16)
+            olds[f"p{k}"] = old
+            entries.append((f"p{k}", new, changed_positions(old, new)))
+        return encode_flush(entries, "xor_ctx", bases=[olds[n] for n, _, _ in entries], version=2, base_version=1), olds
+
+    counts = []
+    for n in (100, 400):
+        pl, olds = flush(n)
+        names = [p.name for p in pl.spec.params]
+        read = lambda pieces: torch.cat([olds[names[k]][a:a + m] for k, a, m in pieces])  # noqa: E731
+        launches = OpCounter()
+        with launches, SyncCounter() as enc:
+            data = flush_file(pl)
+        got = read_safetensors(data)
+        decode_launches = OpCounter()
+        with decode_launches, SyncCounter() as dec:
+            out = uncode(got, None, read)
+        validate_payload(out, None)
+        counts.append((len(enc.ops), len(dec.ops), launches.n, decode_launches.n))
+    assert counts[0] == counts[1], counts
+    print(f"xor_ctx per flush: {counts[1][0]} host reads and {counts[1][2]} launches to code, {counts[1][1]} and "
+          f"{counts[1][3]} to decode")

@@ -10,6 +10,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from sglang.srt.weight_sync.delta.ctx import seg_log2_for
 from sglang.srt.weight_sync.delta.diff import ChangeRun, FlushEntry, encode_gathered
 from sglang.srt.weight_sync.delta.snapshot import Chunk
 from sglang.srt.weight_sync.delta.wire import DeltaPayload
@@ -107,6 +108,8 @@ class DeltaBucket:
                     g.wholes = [self.base_of(n, math.prod(s), dt) for n, s in zip(g.names, g.shapes)]
         out = [encode_gathered(self.entries[dt], self.encoding, sealed=False, **spec_fields)
                for dt in sorted(self.entries, key=str)]
+        for p in out:
+            p.seg_log2 = seg_log2_for(self.max_bytes)  # xor_ctx's base pass, bounded by the same buffer
         self.entries, self.nbytes = {}, 0
         return out
 

@@ -23,8 +23,9 @@ from sglang.srt.weight_sync.delta.wire import DeltaError, DeltaParam
 
 MAGIC = b"XCTX"
 VERSION = 1
-SEG_LOG2 = 22  # elements per segment (2**22): the unit of the base pass, which bounds its transient memory
-SEG_LOG2_MAX = 24  # a file may not ask a decoder for larger segments
+SEG_LOG2 = 22  # elements per segment at most (2**22): the unit of the base pass, which bounds its transient memory
+SEG_LOG2_MIN = 16  # below, the class table outweighs what the contexts save
+SEG_LOG2_MAX = SEG_LOG2  # a file may not ask a decoder for larger segments
 ESC = 32  # a unary quotient of ESC means: the value follows raw in RAW bits
 RAW = 32
 K_MAX = 31
@@ -41,6 +42,12 @@ _LAYOUT = {torch.bfloat16: (16, 7), torch.float16: (16, 10), torch.float32: (32,
 
 def supports(dtype: torch.dtype) -> bool:
     return dtype in _LAYOUT
+
+
+def seg_log2_for(buffer_bytes: int) -> int:
+    """Segments for a sender's flush buffer: the base pass holds about 32 bytes per element of a segment (its sort
+    and ranks), so a segment is at most a 32nd of the buffer, within [2**16, 2**22] elements."""
+    return max(SEG_LOG2_MIN, min(SEG_LOG2, max(1, buffer_bytes // 32).bit_length() - 1))
 
 
 def _layout(dtype: torch.dtype) -> Tuple[int, int, int]:
@@ -336,9 +343,9 @@ class _Table:
         magic, version, self.seg_log2, zero, n, *lens = _HEADER.unpack(head)
         if magic != MAGIC or version != VERSION or zero:
             raise DeltaError(f"xor_ctx streams{where}: not an xor_ctx version {VERSION} header")
-        if not 10 <= self.seg_log2 <= SEG_LOG2_MAX:
-            raise DeltaError(f"xor_ctx streams{where}: segments of 2**{self.seg_log2} elements (allowed 2**10 to "
-                             f"2**{SEG_LOG2_MAX})")
+        if not SEG_LOG2_MIN <= self.seg_log2 <= SEG_LOG2_MAX:
+            raise DeltaError(f"xor_ctx streams{where}: segments of 2**{self.seg_log2} elements (allowed "
+                             f"2**{SEG_LOG2_MIN} to 2**{SEG_LOG2_MAX})")
         row = sum(np.dtype(t).itemsize for _, t in _COLUMNS)
         if _HEADER.size + n * row + sum(lens) != blob.numel():
             raise DeltaError(f"xor_ctx streams{where}: {blob.numel()} bytes, the header declares "

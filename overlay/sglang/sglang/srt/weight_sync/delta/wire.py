@@ -480,6 +480,7 @@ class DeltaPayload:
     decoded: Optional[tuple] = None  # (manifest, Positions, fault flags): unxor's structure check and decode
     wholes: Optional[list] = None  # sender, xor_ctx: every param's whole base (flat), in spec order
     idx: Optional[torch.Tensor] = None  # sender, xor_ctx: the sparse params' positions, joined in spec order
+    seg_log2: Optional[int] = None  # sender, xor_ctx: its segments' size, from the flush buffer (ctx.seg_log2_for)
     coded: bool = False  # receiver, xor_ctx: ``positions`` hold the coded streams, ``values`` the dense XOR base
 
     def seal(self, spec_only: bool = False) -> "DeltaPayload":
