@@ -179,18 +179,19 @@ def snapshot_of(state: dict) -> dict:
 FOLD_S: list = []  # per sender_sync: the seconds its snapshot fold took after commit() returned
 
 
-def sender_sync(snapshot, new, encoding: str, version: int, raw=()):
+def sender_sync(snapshot, new, encoding: str, version: int, raw=(), bases=None):
     """One delta sync on the sender: diff vs the snapshot, encode into bounded buckets, advance the snapshot
-    (``xor_zstd``: the snapshot's values at the changed positions go along; ``raw``: the engine's ``xor_raw``).
+    (``xor_zstd``: the snapshot's values at the changed positions go along; ``raw``: the engine's ``xor_raw``;
+    ``xor_ctx``: ``bases``, the base state, which its files are coded against when serialized, after this fold).
     The fold into the snapshot, which ``DeltaSender`` leaves running behind its sync, is waited for here and its
     time appended to :data:`FOLD_S`."""
     from sglang.srt.weight_sync.delta.ops import gc_paused
 
     with gc_paused():  # as DeltaSender.update runs
-        return _sender_sync(snapshot, new, encoding, version, raw)
+        return _sender_sync(snapshot, new, encoding, version, raw, bases)
 
 
-def _sender_sync(snapshot, new, encoding: str, version: int, raw):
+def _sender_sync(snapshot, new, encoding: str, version: int, raw, bases):
     from sglang.srt.weight_sync.delta.bucket import DeltaBucket
     from sglang.srt.weight_sync.delta.snapshot import DeltaState
     from sglang.srt.weight_sync.delta.files import as_parts
@@ -198,9 +199,9 @@ def _sender_sync(snapshot, new, encoding: str, version: int, raw):
     state = DeltaState(torch.device("cpu"))
     state.snapshot = snapshot
     bucket, payloads, raw = DeltaBucket(encoding, BUFFER_BYTES), [], frozenset(raw)
-    if encoding == "xor_ctx":  # as SyncRun does: whole bases from the snapshot (folded only after the last flush)
+    if encoding == "xor_ctx":  # as SyncRun does, whole bases (there the snapshot's, folded after the files are written)
         bucket.base_of = lambda name, numel, dtype: torch.zeros((), dtype=dtype).expand(numel) if name in raw \
-            else snapshot[name].reshape(-1)
+            else bases[name].reshape(-1)
     items = list(new.items())
     xor = encoding == "xor_zstd"
     for at in range(0, len(items), CHUNK_PARAMS):  # the chunks a trainer hands over: one diff per chunk
@@ -348,7 +349,7 @@ def measure(paths: list, shape: str, out_json: str, check: bool) -> None:
             snapshot = snapshot_of(old)
             version += 1
             raw = delta_status(model).xor_raw  # names the engine never stores travel raw in xor_zstd
-            payloads, t_enc, m_enc = measured(sender_sync, snapshot, new, encoding, version, raw)
+            payloads, t_enc, m_enc = measured(sender_sync, snapshot, new, encoding, version, raw, old)
             t_fold = FOLD_S[-1]
             assert all(torch.equal(snapshot[k].view(torch.int16), new[k].view(torch.int16)) for k in new)
             files, t_ser, m_ser = measured(serialize, payloads, encoding)
@@ -466,7 +467,7 @@ def measure_fp8(bf16_states: list, shape: str, wire_dir: str, check: bool) -> di
         for i, encoding in enumerate(FP8_ENCODINGS):
             version += 1
             payloads = sender_sync({k: v.clone() for k, v in old.items()}, new, encoding, version,
-                                   delta_status(model).xor_raw)
+                                   delta_status(model).xor_raw, old)
             files = serialize(payloads, encoding)
             names = [f"fp8-v{version}-{k}.safetensors" for k in range(len(files))]
             for name, data in zip(names, files):
