@@ -217,3 +217,93 @@ def test_apply_of_a_corrupted_xor_ctx_file_writes_nothing(steps, tmp_path):
     assert not (tmp_path / "never").exists()
     r = tool("inspect", f)
     assert r.returncode == 0 and "unverified (xor_ctx" in r.stdout, r.stdout
+
+
+def _reference_decode(blob: bytes, params, bases):
+    """docs/wire-format.md's `xor_ctx` section, followed line by line in plain Python (no code of ctx.py): per sparse
+    param, its changed positions (ascending) and their new bits. ``params``: (numel, bits, mantissa bits) per spec
+    param; ``bases``: each param's base bits as Python ints."""
+    import struct as st
+
+    magic, version, seg_log2, zero, n, lu, lr, ls = st.unpack("<4sBBHIQQQ", blob[:36])
+    assert magic == b"XCTX" and version == 1 and zero == 0
+    at, cols = 36, {}
+    for name, fmt, size in (("param", "I", 4), ("seg", "I", 4), ("ctx", "H", 2), ("count", "I", 4), ("coded", "I", 4),
+                            ("nz", "I", 4), ("flags", "B", 1), ("kp", "B", 1), ("k1", "B", 1), ("k2", "B", 1)):
+        cols[name] = list(st.unpack(f"<{n}{fmt}", blob[at:at + n * size]))
+        at += n * size
+    u, r, s = blob[at:at + lu], blob[at + lu:at + lu + lr], blob[at + lu + lr:at + lu + lr + ls]
+    assert at + lu + lr + ls == len(blob)
+    bit = lambda buf, i: (buf[i >> 3] >> (i & 7)) & 1  # noqa: E731
+    state = {"u": 0, "r": 0}
+
+    def rice(k):
+        q = 0
+        while not bit(u, state["u"]):
+            q, state["u"] = q + 1, state["u"] + 1
+        state["u"] += 1
+        width = 32 if q == 32 else k
+        rem = sum(bit(r, state["r"] + i) << i for i in range(width))
+        state["r"] += width
+        return rem if q == 32 else (q << k) | rem
+
+    def runs(values):  # gaps -> increasing ints
+        out, prev = [], -1
+        for g in values:
+            prev += g + 1
+            out.append(prev)
+        return out
+
+    entries = list(range(n))
+    coded = {e: runs([rice(cols["kp"][e]) for _ in range(cols["coded"][e])]) for e in entries}
+    steps = {}
+    for e in entries:
+        if not cols["flags"][e] & 2:
+            steps[e] = [rice(cols["k1"][e]) + 1 for _ in range(cols["count"][e])]
+    big = {e: runs([rice(cols["k1"][e]) for _ in range(cols["nz"][e])]) for e in entries if cols["flags"][e] & 2}
+    for e in entries:
+        if cols["flags"][e] & 2:
+            steps[e] = [1] * cols["count"][e]
+            for i in big[e]:
+                steps[e][i] = rice(cols["k2"][e]) + 2
+    sign_at, out = 0, {}
+    for e in entries:
+        p, sg, c = cols["param"][e], cols["seg"][e], cols["ctx"][e]
+        numel, bits, mant = params[p]
+        half = 1 << (bits - 1)
+        lo = sg << seg_log2
+        members = [i for i in range(lo, min(numel, lo + (1 << seg_log2))) if (bases[p][i] & (half - 1)) >> mant == c]
+        if cols["flags"][e] & 1:
+            changed = [m for k, m in enumerate(members) if k not in set(coded[e])]
+        else:
+            changed = [members[k] for k in coded[e]]
+        key = lambda x: x if x < half else -(x & (half - 1)) - 1  # noqa: E731
+        for i, pos in enumerate(changed):
+            step = steps[e][i] * (-1 if bit(s, sign_at) else 1)
+            sign_at += 1
+            k = key(bases[p][pos]) + step
+            out.setdefault(p, {})[pos] = k if k >= 0 else half | (-k - 1)
+    assert state["u"] == 8 * lu or (lu - 1) * 8 < state["u"] <= 8 * lu
+    return {p: sorted(v.items()) for p, v in out.items()}
+
+
+def test_the_documented_contract_decodes_what_the_coder_writes():
+    """A decoder written from docs/wire-format.md alone agrees with ctx.py on a flush with every kind of class."""
+    g = torch.Generator().manual_seed(5)
+    olds, news = {}, {}
+    for k, n in enumerate((70_000, 3_000)):  # the first spans two segments of 2**16
+        base = (torch.randn(n, generator=g) * 0.02).to(torch.bfloat16)
+        new = base.clone()
+        small = base.float().abs() < 2e-3
+        new[small] = (base[small].float() * -5).to(torch.bfloat16)  # complement classes, large steps
+        pick = torch.randperm(n, generator=g)[:n // 30]
+        new[pick] = (base[pick].float() * 1.004).to(torch.bfloat16)
+        olds[f"p{k}.weight"], news[f"p{k}.weight"] = base, new
+    sent, got, _ = _roundtrip(olds, news, ctx.SEG_LOG2_MIN)
+    names = [p.name for p in got.spec.params]
+    as_ints = {k: (olds[n].view(torch.int16).to(torch.int32) & 0xFFFF).tolist() for k, n in enumerate(names)}
+    ref = _reference_decode(bytes(got.positions.numpy()), [(olds[n].numel(), 16, 7) for n in names], as_ints)
+    for k, n in enumerate(names):
+        idx = torch.nonzero(olds[n].view(torch.int16) != news[n].view(torch.int16))[:, 0].tolist()
+        want = (news[n].view(torch.int16).to(torch.int32) & 0xFFFF)[idx].tolist()
+        assert ref[k] == list(zip(idx, want)), n
