@@ -314,7 +314,7 @@ def test_a_sharded_engines_apply_does_not_follow_the_params(ep):
 
 
 def test_xor_ctx_codes_and_decodes_a_flush_with_a_constant_number_of_syncs_and_launches():
-    """Its coder runs per flush and per group of segments (at most one segment's elements, small params joined), never
+    """Its coder runs per flush and per segment of the flush's sparse params joined (small params share one), never
     per param: 100 params and 400 params cost the same host reads and the same kernel launches (both have classes of
     each kind: rank gaps of changed and of unchanged elements, dense and sparse steps)."""
     from sglang.srt.weight_sync.delta.files import flush_file, read_safetensors

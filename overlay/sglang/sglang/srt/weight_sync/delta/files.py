@@ -210,8 +210,8 @@ def _ctx_file(payload: DeltaPayload) -> bytes:
                                                     wholes[k].to(values.device).view(iv)) for k in dense]).view(values.dtype)
     else:
         sparse_values, dense_values = values, values[:0]
-    coded = ctx.encode(sparse, [wholes[k] for k in sparse], [spec.params[k].nnz for k in sparse], payload.idx,
-                       sparse_values, payload.seg_log2 or ctx.SEG_LOG2)
+    coded = ctx.encode([wholes[k] for k in sparse], [spec.params[k].nnz for k in sparse], payload.idx, sparse_values,
+                       payload.seg_log2 or ctx.SEG_LOG2)
     blob = torch.frombuffer(bytearray(coded), dtype=torch.uint8)
     return safetensors.torch.save({POSITIONS: blob, VALUES: dense_values.detach().to("cpu").contiguous()},
                                   metadata=payload.spec.to_metadata(payload.sealed_params))

@@ -18,6 +18,7 @@ import torch
 from sglang.srt.weight_sync.delta import ctx
 from sglang.srt.weight_sync.delta.ops import INT_VIEW, host_values, nan_mask
 from sglang.srt.weight_sync.delta.positions import decode_all, decode_positions, encode_positions_many
+from sglang.srt.weight_sync.delta.rice import slots
 from sglang.srt.weight_sync.delta.wire import (
     POSITIONS,
     VALUES,
@@ -265,7 +266,7 @@ def check_coded(payload: DeltaPayload, manifest=None) -> List[DeltaParam]:
 
 def _value_slots(params: Sequence[DeltaParam], dev) -> torch.Tensor:
     """The logical value indices of ``params`` (in spec order), joined."""
-    return ctx.slots([p.val_start for p in params], [p.nnz for p in params], dev)
+    return slots([p.val_start for p in params], [p.nnz for p in params], dev)
 
 
 def _check_one_by_one(payload: DeltaPayload, where: str) -> None:
