@@ -240,10 +240,18 @@ def report(m: dict) -> str:
     lines.append(f"| floor, given the base (mask per param and exponent {mean('mask_ctx'):.3f} + ULP steps per "
                  f"exponent {mean('step_ctx'):.3f}) | {mean('given_base'):.3f} | "
                  f"{mean('given_base') * changed / ref:.2f}x | | |" + " |" * len(LINKS))
+    def total(label):
+        rows = m["formats"][label]
+        return sum(r["bytes"] for r in rows), sum(r["encode_s"] + r["decode_s"] for r in rows)
+
+    (ctx_b, ctx_s), (xor_b, xor_s) = total("`xor_ctx` (ours)"), total("`xor_zstd` (ours)")
+    link = (xor_b - ctx_b) / (ctx_s - xor_s) if ctx_s > xor_s else float("inf")
     lines += ["", textwrap.fill(
-        "`xor_ctx`'s encode and decode include a pass over the base of every changed segment (its classes, a stable "
-        "sort by class): O(model) work, here on this CPU's two cores; on a GPU it is a few elementwise kernels and a "
-        "radix sort per segment, not measured yet. Its bytes do not depend on the device.", 120), END]
+        f"Here `xor_ctx` beats `xor_zstd` on links slower than {link * 8 / 1e6:,.1f} Mbit/s (the bytes it saves over "
+        "the time it adds). Its encode and decode include a pass over the base of every changed segment (its "
+        "classes, a stable sort by class): O(model) work, here on this CPU's two cores; on a GPU it is a few "
+        "elementwise kernels and a radix sort per segment (`make gpu-check` times it; not run yet). Its bytes do not "
+        "depend on the device.", 120), END]
     return "\n".join(lines)
 
 
