@@ -33,7 +33,7 @@ from sglang.srt.weight_sync.delta.rice import (
     ungaps,
     unpack,
 )
-from sglang.srt.weight_sync.delta.wire import DeltaError, DeltaParam
+from sglang.srt.weight_sync.delta.wire import DeltaError, DeltaParam, sparse_allowed
 
 MAGIC = b"XCTX"
 VERSION = 1
@@ -51,8 +51,10 @@ _LAYOUT = {torch.bfloat16: (16, 7), torch.float16: (16, 10), torch.float32: (32,
            torch.float8_e4m3fn: (8, 3), torch.float8_e5m2: (8, 2)}
 
 
-def supports(dtype: torch.dtype) -> bool:
-    return dtype in _LAYOUT
+def codes(dtype: torch.dtype) -> bool:
+    """Whether a flush of ``dtype`` can be ``xor_ctx``: the float dtypes it codes, and those that always travel dense
+    (integers: their values are XOR the base, no coded streams)."""
+    return dtype in _LAYOUT or not sparse_allowed(dtype)
 
 
 def seg_log2_for(buffer_bytes: int) -> int:

@@ -37,6 +37,7 @@ import torch
 
 from sglang.srt.weight_sync.delta import fingerprint
 from sglang.srt.weight_sync.delta.collectives import StageGroup
+from sglang.srt.weight_sync.delta.ctx import codes as ctx_codes
 from sglang.srt.weight_sync.delta.ops import gc_paused
 from sglang.srt.weight_sync.delta.snapshot import Chunk, DeltaState
 from sglang.srt.weight_sync.delta.store.objects import HeadMoved
@@ -362,8 +363,9 @@ class DeltaSender:
         """Per sync kind. ``xor_zstd`` only when every delta target is committed at the snapshot's version, can
         rebuild from its views and names the same raw params; otherwise that sync's deltas are ``planes_zstd``
         (overwrite semantics: right for any engine in range). ``xor_ctx`` where, beyond that, every delta target
-        decodes it (its status' ``ctx``: no tensor parallelism) and this sender holds every base (not the sharded
-        sender's, kept on the trainer ranks); else ``xor_zstd``. Full syncs have no base: ``planes_zstd``."""
+        decodes it (its status' ``ctx``: no tensor parallelism), this sender holds every base (not the sharded
+        sender's, kept on the trainer ranks) and every sparse dtype is one it codes (not float64); else ``xor_zstd``.
+        Full syncs have no base: ``planes_zstd``."""
         if self.encoding not in (DeltaEncoding.XOR_ZSTD.value, DeltaEncoding.XOR_CTX.value):
             return {"delta": self.encoding, "full": self.encoding}
         sts = [self.status[i] for i in delta_targets]
@@ -373,7 +375,7 @@ class DeltaSender:
             xor = xor and self.transport.head_version == self.state.version
         planes = DeltaEncoding.PLANES_ZSTD.value
         ctx = xor and self.encoding == DeltaEncoding.XOR_CTX.value and all(st.ctx for st in sts) \
-            and not self.state.elsewhere
+            and not self.state.elsewhere and all(map(ctx_codes, {t.dtype for t in self.state.snapshot.values()}))
         return {"delta": DeltaEncoding.XOR_CTX.value if ctx else DeltaEncoding.XOR_ZSTD.value if xor else planes,
                 "full": planes}
 
