@@ -852,3 +852,31 @@ def test_xor_ctx_runs_with_the_senders_own_snapshot_and_refuses_the_sharded_one(
     assert ns.update_weight_delta_sharded is False and runs_sparse_delta(ns)
     with pytest.raises(ValueError, match="drop --update-weight-delta-sharded"):
         resolve_delta_args(args(update_weight_delta_sharded=True))
+
+
+def test_slimes_own_full_mode_on_a_patched_tree_lands_and_leaves_no_stale_prefix(world):
+    """slime's own ``UpdateWeightFromDistributed`` (``--update-weight-mode full``), which our patches leave as
+    upstream wrote it (pause, flush the cache, broadcast every param, continue), into the patched server over gloo:
+    each sync lands bit-identically, and a prompt the cache held before it is computed afresh after it."""
+    import slime_harness as H
+    from slime.backends.megatron_utils.update_weight.update_weight_from_distributed import UpdateWeightFromDistributed
+    from slime.utils.delta_sync_args import sparse_delta_updater_cls
+
+    args = H.make_args(update_weight_mode="full", update_weight_delta_encoding="xor")
+    assert sparse_delta_updater_cls(args) is None  # slime's own selection stands
+    up = UpdateWeightFromDistributed(args, [world["model"]], weights_getter=lambda: {}, model_name="llama",
+                                     quantization_config=None)
+    up.connect_rollout_engines(world["engines"], world["lock"])
+    req = {"input_ids": list(range(3, 40)), "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+    try:
+        for _ in range(2):
+            world["server"].post("/generate", req)
+            cached = world["server"].post("/generate", req).json()["meta_info"]["cached_tokens"]
+            assert cached > 0  # the prompt is in the radix cache
+            world["trainer"].step()
+            up.update_weights()
+            engine_has(world["server"], H.hf_state(args, world["model"]))
+            after = world["server"].post("/generate", req).json()["meta_info"]["cached_tokens"]
+            assert after == 0, after  # no prefix computed with the old weights is served with the new ones
+    finally:
+        up.disconnect_rollout_engines()
