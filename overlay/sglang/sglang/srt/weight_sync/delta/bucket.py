@@ -10,10 +10,10 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from sglang.srt.weight_sync.delta.ctx import seg_log2_for
+from sglang.srt.weight_sync.delta.ctx import CODER_BYTES, seg_log2_for
 from sglang.srt.weight_sync.delta.diff import ChangeRun, FlushEntry, encode_gathered
 from sglang.srt.weight_sync.delta.snapshot import Chunk
-from sglang.srt.weight_sync.delta.wire import DeltaPayload
+from sglang.srt.weight_sync.delta.wire import DeltaEncoding, DeltaPayload
 
 _SHAPE = operator.attrgetter("shape")
 
@@ -33,6 +33,8 @@ class DeltaBucket:
         self.encoding, self.max_bytes = encoding, max_bytes
         self.last = ""  # the last param added (its module is read only when the bucket is full)
         self.entries: Dict[torch.dtype, List[FlushEntry]] = {}
+        # bytes a change costs the bound: its position's, plus what xor_ctx's coder holds per change on either side
+        self.per_change = 4 + (CODER_BYTES if encoding == DeltaEncoding.XOR_CTX.value else 0)  # the wire may pick 2
         self.base_of = None  # xor_ctx: (name, numel, dtype) -> the param's whole base, flat, read when flushed
         self._open: Dict[torch.dtype, _Span] = {}  # per dtype, the run being extended by add_found
         self.nbytes = 0
@@ -45,7 +47,7 @@ class DeltaBucket:
         self._close(tensor.dtype)
         g = FlushEntry.of(name, tensor, idx, values, base, whole)
         self.entries.setdefault(tensor.dtype, []).append(g)
-        self.nbytes += g.counts[0] * ((0 if idx is None else 4) + tensor.element_size())  # 4: the wire may pick 2
+        self.nbytes += g.counts[0] * ((0 if idx is None else self.per_change) + tensor.element_size())
         self.last = name
 
     def add_found(self, found: ChangeRun, j: int, name: str, shape: List[int]) -> None:
@@ -62,7 +64,7 @@ class DeltaBucket:
         span.shapes.append(shape)
         n = found.counts[j]
         span.counts.append(n)
-        self.nbytes += n * (4 + dtype.itemsize)
+        self.nbytes += n * (self.per_change + dtype.itemsize)
         self.last = name
 
     def add_chunk(self, chunk: Chunk, found: Sequence[ChangeRun]) -> bool:
@@ -73,7 +75,7 @@ class DeltaBucket:
             return False
         f = found[0]
         dtype = f.values.dtype
-        if self.nbytes + f.idx.numel() * (4 + dtype.itemsize) >= self.max_bytes:
+        if self.nbytes + f.idx.numel() * (self.per_change + dtype.itemsize) >= self.max_bytes:
             return False
         live = [j for j, n in enumerate(f.counts) if n]
         if not live:
@@ -85,7 +87,7 @@ class DeltaBucket:
         span.names = list(map(operator.itemgetter(0), live_params))
         span.shapes = list(map(list, map(_SHAPE, map(operator.itemgetter(1), live_params))))
         span.counts = [f.counts[j] for j in live]
-        self.nbytes += f.idx.numel() * (4 + dtype.itemsize)
+        self.nbytes += f.idx.numel() * (self.per_change + dtype.itemsize)
         self.last = span.names[-1]
         return True
 

@@ -27,6 +27,7 @@ from sglang.srt.weight_sync.delta.rice import (
     bits_of,
     gaps,
     pack,
+    pack_bits,
     rep,
     rice_fields,
     slots,
@@ -41,6 +42,9 @@ SEG_LOG2 = 22  # elements per segment at most (2**22): the unit of the base pass
 SEG_LOG2_MIN = 16  # below, the class table outweighs what the contexts save
 SEG_LOG2_MAX = SEG_LOG2  # a file may not ask a decoder for larger segments
 COMPLEMENT, SPARSE_STEPS = 1, 2  # flag bits of a table entry
+# what the coder holds per change beyond the flush's own bytes, counted against the sender's buffer so that a flush's
+# coding and decoding stay within a few buffers (make bench measures both sides per change)
+CODER_BYTES = 32
 _HEADER = struct.Struct("<4sBBHIQQQ")  # magic, version, seg_log2, 0, entries, U bytes, R bytes, S bytes
 _COLUMNS = (("seg", np.uint32), ("ctx", np.uint16), ("count", np.uint32),
             ("coded", np.uint32), ("nz", np.uint32), ("flags", np.uint8), ("kp", np.uint8), ("k1", np.uint8),
@@ -162,7 +166,8 @@ def encode(wholes: Sequence[torch.Tensor], counts: Sequence[int], idx: torch.Ten
         ranks.append(at - seg.starts[k])
         sizes.append(seg.sizes[k])
         steps.append(_key(_bits(new[lo:hi][perm], bits), bits) - seg.key_at(local))
-    ek, rank, size, step = (torch.cat(t) for t in (ent_keys, ranks, sizes, steps))
+    ek, rank, size, step = torch.cat(ent_keys), torch.cat(ranks), torch.cat(sizes), torch.cat(steps)
+    del ent_keys, ranks, sizes, steps  # the flush's O(changed) transients: each freed once read
     ukeys, counts = torch.unique_consecutive(ek, return_counts=True)
     firsts = torch.cumsum(counts, 0) - counts
     ukeys, counts, esize = (np.array(host_values(t), np.int64) for t in (ukeys, counts, size[firsts]))
@@ -207,9 +212,14 @@ def encode(wholes: Sequence[torch.Tensor], counts: Sequence[int], idx: torch.Ten
                    g_gaps[slots(nz_start[sp_e], nz[sp_e], dev)], (m[nzpos] - 1)[slots(nz_start[sp_e], nz[sp_e], dev)]])
     kk = np.concatenate([np.repeat(kp, coded), np.repeat(k1a[dense_e], counts[dense_e]),
                          np.repeat(kg[sp_e], nz[sp_e]), np.repeat(kb[sp_e], nz[sp_e])])
+    del rank, size, ek, pos_codes, p_gaps, g_gaps, m, nzpos, nzpos_in, nzmask, step
     (uv, uw), (rv, rw) = rice_fields(v, torch.from_numpy(kk).to(dev))
-    u, r = pack(uv, uw), pack(rv, rw)
-    s = pack(neg.long(), torch.ones_like(step))
+    del v
+    u = pack(uv, uw)
+    del uv, uw
+    r = pack(rv, rw)
+    del rv, rw
+    s = pack_bits(neg)
     table = dict(seg=np.array(segs, np.int64)[ukeys // nctx], ctx=ukeys % nctx,
                  count=counts, coded=coded, nz=np.where(sparse, nz, 0), flags=flags, kp=kp,
                  k1=np.where(sparse, kg, k1a), k2=np.where(sparse, kb, 0))
@@ -324,11 +334,13 @@ def decode(blob: torch.Tensor, params: Sequence[DeltaParam], dtype: torch.dtype,
     q = torch.diff(ones, prepend=ones.new_full((1,), -1)) - 1
     used = ones[-1] // 8 + 1 if total else torch.zeros((), dtype=torch.int64, device=dev)
     checks = {"unary": (ubits.sum() != total) | (used != u.numel()) | (q > ESC).any() | (q < 0).any()}
+    del ubits, ones  # the flush's O(changed) transients: each freed once read
     q = torch.clamp(q, 0, ESC)
     widths = torch.where(q == ESC, RAW, kk)
     rem, exact = unpack(r, widths)
     checks["remainder"] = ~exact
     v = torch.where(q < ESC, (q << kk) | rem, rem)
+    del q, widths, rem, kk
     gaps_p, a_codes, gaps_g, m_codes = torch.split(v, sec)
     ranks, last_rank = ungaps(gaps_p, coded, dev)
     nzin, last_nz = ungaps(gaps_g, nz, dev)
@@ -342,6 +354,7 @@ def decode(blob: torch.Tensor, params: Sequence[DeltaParam], dtype: torch.dtype,
     sbits = bits_of(s)
     checks["signs"] = torch.tensor(s.numel() != (changed + 7) // 8, device=dev) | (sbits[changed:] != 0).any()
     step = torch.where(sbits[:changed] != 0, -(m + 1), m + 1)
+    del v, gaps_p, a_codes, gaps_g, m_codes, nzin, nzabs, m, sbits
     # the base pass: the segments the table names, in order, one at a time
     segs = c["seg"]
     firsts = np.flatnonzero(np.concatenate([[True], segs[1:] != segs[:-1]])).tolist() + [t.n]

@@ -29,10 +29,18 @@ def pack(vals: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
     off = ends - widths
     word = vals << (off & 7)
     at = off >> 3
-    out = torch.zeros((total + 7) // 8 + 6, dtype=torch.int64, device=vals.device)
+    out = torch.zeros((total + 7) // 8 + 6, dtype=torch.int32, device=vals.device)  # a byte's fields add to <= 255
     for j in range(6):
-        out.index_add_(0, at + j, (word >> (8 * j)) & 0xFF)
+        out.index_add_(0, at + j, ((word >> (8 * j)) & 0xFF).to(torch.int32))
     return out[:(total + 7) // 8].to(torch.uint8)
+
+
+def pack_bits(flags: torch.Tensor) -> torch.Tensor:
+    """One bit per bool, LSB-first, the last byte zero-padded."""
+    n = flags.numel()
+    padded = torch.zeros((n + 7) // 8 * 8, dtype=torch.uint8, device=flags.device)
+    padded[:n] = flags
+    return (padded.view(-1, 8) << torch.arange(8, dtype=torch.uint8, device=flags.device)).sum(1, dtype=torch.uint8)
 
 
 def unpack(buf: torch.Tensor, widths: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -121,4 +129,5 @@ def ungaps(g: torch.Tensor, counts, dev) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 def bits_of(buf: torch.Tensor) -> torch.Tensor:
-    return ((buf.to(torch.int64)[:, None] >> torch.arange(8, device=buf.device)) & 1).reshape(-1)
+    """A byte stream's bits, least significant first, one uint8 each."""
+    return ((buf[:, None] >> torch.arange(8, dtype=torch.uint8, device=buf.device)) & 1).reshape(-1)
