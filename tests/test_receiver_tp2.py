@@ -14,7 +14,7 @@ from sglang.srt.weight_sync.delta.files import as_parts, flush_file
 TP = 2
 
 
-def _rank_main(rank, init_method, root, n_syncs, errors, encoding, arch, raw, run):
+def _rank_main(rank, init_method, root, n_syncs, encoding, arch, raw, run, errors):
     try:
         from cpu_harness import Host, SyncCounter, init_sglang_inprocess, nan_filled, sglang_model
         from sglang.srt.weight_sync.delta import positions
@@ -76,18 +76,7 @@ def test_tp2_each_rank_narrows_the_global_delta(tmp_path, arch, encoding, run):
             pl.spec.flush, pl.spec.final = 0, True
         for k, pl in enumerate(as_parts(payloads)):
             (vdir / f"rank0000_flush{k:06d}.safetensors").write_bytes(flush_file(pl, 1 if v > 1 and encoding == "xor_zstd" else None))
-    ctx = mp.get_context("spawn")
-    errors = ctx.Queue()
-    init_method = f"tcp://127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=_rank_main, args=(r, init_method, str(tmp_path), len(states), errors, encoding, arch, raw, run))
-             for r in range(TP)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(300)
-    failures = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
-    assert not failures, "\n".join(failures)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    _run_ranks(_rank_main, str(tmp_path), len(states), encoding, arch, raw, run)
 
 
 def _ctx_rank(rank, init_method, root, errors):
@@ -123,10 +112,15 @@ def test_a_tensor_parallel_engine_says_it_cannot_decode_xor_ctx_and_refuses_it_u
         for pl in payloads:
             pl.spec.flush, pl.spec.final = 0, True
         (vdir / "rank0000_flush000000.safetensors").write_bytes(flush_file(as_parts(payloads)[0], 1))
+    _run_ranks(_ctx_rank, str(tmp_path))
+
+
+def _run_ranks(target, *args):
+    """``target(rank, init_method, *args, errors)`` on TP spawned ranks; every rank's traceback fails the test."""
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
     init_method = f"tcp://127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=_ctx_rank, args=(r, init_method, str(tmp_path), errors)) for r in range(TP)]
+    procs = [ctx.Process(target=target, args=(r, init_method, *args, errors)) for r in range(TP)]
     for p in procs:
         p.start()
     for p in procs:

@@ -297,6 +297,8 @@ class _Table:
         fail((c["kp"] > K_MAX) | (c["k1"] > K_MAX) | (c["k2"] > K_MAX), f"has a Rice parameter above {K_MAX}")
         comp, sparse = (c["flags"] & COMPLEMENT) > 0, (c["flags"] & SPARSE_STEPS) > 0
         fail(~comp & (c["coded"] != c["count"]), "codes another number of ranks than it changes")
+        # a class lies within one segment: no count may ask for more (every allocation below follows these)
+        fail((c["count"] + c["coded"] * comp) > (1 << self.seg_log2), "has more members than a segment holds")
         fail(sparse & (c["nz"] > c["count"]), "has more large steps than changes")
         fail(~sparse & ((c["nz"] != 0) | (c["k2"] != 0)), "has large-step fields without sparse steps")
         key = (c["seg"] << 16) + c["ctx"]

@@ -206,8 +206,9 @@ def _ctx_file(payload: DeltaPayload) -> bytes:
         iv = INT_VIEW[values.element_size()]
         spans = [spec.params[k] for k in sparse]
         sparse_values = torch.cat([values[p.val_start:p.val_end] for p in spans]) if spans else values[:0]
-        dense_values = torch.cat([torch.bitwise_xor(values[spec.params[k].val_start:spec.params[k].val_end].view(iv),
-                                                    wholes[k].to(values.device).view(iv)) for k in dense]).view(values.dtype)
+        news = torch.cat([values[spec.params[k].val_start:spec.params[k].val_end] for k in dense])
+        bases = torch.cat([wholes[k] for k in dense]).to(values.device)  # one XOR for every dense param
+        dense_values = torch.bitwise_xor(news.view(iv), bases.view(iv)).view(values.dtype)
     else:
         sparse_values, dense_values = values, values[:0]
     coded = ctx.encode([wholes[k] for k in sparse], [spec.params[k].nnz for k in sparse], payload.idx, sparse_values,

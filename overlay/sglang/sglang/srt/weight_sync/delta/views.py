@@ -378,15 +378,21 @@ def rebuild_xor(plan: Optional[WritePlan], manifest, payloads: Sequence[DeltaPay
         return rebuilt  # every param held whole here, or not at all
     # A param no rank holds any of (the loader ignores it, e.g. a tied lm_head) travels raw: XOR zero. A param
     # held only in part cannot be rebuilt. Per param, how many of its entries are held: one host read.
-    counts = np.array([p.nnz for p in params], dtype=np.int64)
+    bad = _held_in_part(held, [p.nnz for p in params], device)
+    if bad is not None:
+        raise DeltaError(f"param {params[bad].name!r}: xor_zstd values need its committed bytes, which this "
+                         "engine cannot read all of through recorded views (send it planes_zstd)", Refusal.NO_BASE)
+    return rebuilt
+
+
+def _held_in_part(held: torch.Tensor, counts, device) -> Optional[int]:
+    """The first run of ``counts`` entries of which ``held`` marks some but not all (one host read), or None."""
+    counts = np.asarray(counts, dtype=np.int64)
     ends = np.cumsum(counts)
     sums = torch.cat([held.new_zeros(1, dtype=torch.int64), held.cumsum(0)])
     got = take(sums, to_device(ends.tolist(), device)) - take(sums, to_device((ends - counts).tolist(), device))
     bad = host_values(((got > 0) & (got < to_device(counts.tolist(), device))).nonzero_static(size=1, fill_value=-1))
-    if bad[0][0] >= 0:
-        raise DeltaError(f"param {params[bad[0][0]].name!r}: xor_zstd values need its committed bytes, which this "
-                         "engine cannot read all of through recorded views (send it planes_zstd)", Refusal.NO_BASE)
-    return rebuilt
+    return bad[0][0] if bad[0][0] >= 0 else None
 
 
 def rebuild_ctx(plan: Optional[WritePlan], manifest, payloads: Sequence[DeltaPayload], device) -> List[DeltaPayload]:
@@ -411,12 +417,8 @@ def read_ranges(plan: Optional[WritePlan], params, dtype, device, pieces) -> tor
     helds: list = []
     out = read_base(plan, [params[k] for k, _, _ in pieces], list(idx.split(counts)), dtype, device, helds)
     held, part = helds[0]
-    if part and counts:
-        sums = torch.cat([held.new_zeros(1, dtype=torch.int64), held.cumsum(0)])
-        ends = np.cumsum(counts)
-        got = take(sums, to_device(ends.tolist(), device)) - take(sums, to_device(firsts.tolist(), device))
-        bad = host_values(((got > 0) & (got < to_device(counts, device))).nonzero_static(size=1, fill_value=-1))
-        if bad[0][0] >= 0:
-            raise DeltaError(f"param {params[pieces[bad[0][0]][0]].name!r}: xor_ctx needs its committed bytes, which "
-                             "this engine holds only in part (send it xor_zstd)", Refusal.NO_BASE)
+    bad = _held_in_part(held, counts, device) if part and counts else None
+    if bad is not None:
+        raise DeltaError(f"param {params[pieces[bad][0]].name!r}: xor_ctx needs its committed bytes, which this "
+                         "engine holds only in part (send it xor_zstd)", Refusal.NO_BASE)
     return out
