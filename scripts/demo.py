@@ -113,7 +113,7 @@ def main():
     ap.add_argument("--workdir", default="build/demo")
     ap.add_argument("--steps", type=int, default=int(os.environ.get("STEPS", 5)))
     ap.add_argument("--transport", choices=["disk", "nccl"], default=os.environ.get("TRANSPORT", "disk"))
-    ap.add_argument("--encoding", choices=[e for e in ENCODINGS if e != "xor_ctx"],  # engines: not yet default=os.environ.get("ENCODING") or None)
+    ap.add_argument("--encoding", choices=ENCODINGS, default=os.environ.get("ENCODING") or None)
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)

@@ -117,3 +117,13 @@ def test_no_prose_line_of_the_written_docs_is_over_120_characters():
 
 def test_the_readme_stays_short():
     assert len(read("README.md").splitlines()) <= 200
+
+
+def test_every_python_file_the_repo_holds_compiles():
+    """Scripts that only CI's demo or a bench runs are compiled here, so a broken line fails the tests, not CI's end."""
+    import ast
+    files = [p for d in ("scripts", "overlay", "tests", "examples") for p in
+             glob.glob(os.path.join(ROOT, d, "**", "*.py"), recursive=True)]
+    assert len(files) > 20
+    for p in files:
+        ast.parse(read(p), filename=os.path.relpath(p, ROOT))
