@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cpu_harness import delta_flushes, free_port, full_flushes, hf_config, rl_states
+from sglang.srt.weight_sync.delta.ctx import SEG_LOG2
 from sglang.srt.weight_sync.delta.files import as_parts, flush_file
 
 TP = 2
@@ -18,7 +19,7 @@ def _rank_main(rank, init_method, root, n_syncs, encoding, arch, raw, run, error
     try:
         from cpu_harness import Host, SyncCounter, init_sglang_inprocess, nan_filled, sglang_model
         from sglang.srt.weight_sync.delta import positions
-        from sglang.srt.weight_sync.delta.receiver import receiver_state
+        from sglang.srt.weight_sync.delta.receiver import delta_status, receiver_state
 
         if run:  # flushes larger than a decode run: each run selects its own shard's entries (one host read each)
             positions._DECODE_RUN = run
@@ -51,18 +52,25 @@ def _rank_main(rank, init_method, root, n_syncs, encoding, arch, raw, run, error
             # for its base read too); per request: two TP agreements (xor_zstd: one more agreement, and the check
             # that every element was rebuilt)
             xor = encoding == "xor_zstd" and v > 1
-            assert run or len(syncs.ops) <= (3 + xor) * len(files) + 2 + 3 * xor, \
+            # xor_ctx: the decode's three per file, one per changed segment for the views that hold it in part, and
+            # one per request for the ranges some rank holds
+            segs = int(open(os.path.join(vdir, "segments")).read()) if encoding == "xor_ctx" and v > 1 else 0
+            assert run or len(syncs.ops) <= (3 + xor + 3 * bool(segs)) * len(files) + segs + 2 + 3 * xor + 2 * bool(segs), \
                 (len(files), syncs.ops)
+            if v > 1:
+                assert delta_status(host.model).ctx  # the sender reads this and may send xor_ctx
             holds(v)
     except BaseException:
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
 
 
 @pytest.mark.parametrize("arch, encoding, run", [("qwen2", "deltas", 0), ("qwen2", "xor_zstd", 0),
-                                               ("qwen3-tied", "xor_zstd", 0), ("qwen2", "indices", 40)])
+                                               ("qwen3-tied", "xor_zstd", 0), ("qwen2", "indices", 40),
+                                               ("qwen2", "xor_ctx", 0), ("qwen3-tied", "xor_ctx", 0)])
 def test_tp2_each_rank_narrows_the_global_delta(tmp_path, arch, encoding, run):
-    """xor_zstd: each rank holds only its shard of the base, so the ranks rebuild the new values together; the tied
-    lm_head, which no rank stores, travels raw."""
+    """xor_zstd: each rank holds only its shard of the base, so the ranks rebuild the new values together; xor_ctx:
+    they share each changed segment's base and decode together; the tied lm_head, which no rank stores, travels raw
+    (coded against zero)."""
     cfg = hf_config(arch, hidden=128)
     raw = ["lm_head.weight"] if cfg.tie_word_embeddings else []  # the loader skips the tied head on every rank
     states = rl_states(cfg, 3, seed=0)
@@ -74,45 +82,50 @@ def test_tp2_each_rank_narrows_the_global_delta(tmp_path, arch, encoding, run):
         vdir.mkdir()
         for pl in payloads:  # one publish: every flush file of the sync in one request
             pl.spec.flush, pl.spec.final = 0, True
+        if v > 1 and encoding == "xor_ctx":  # at most this many segments change
+            (vdir / "segments").write_text(str(sum(-(-sum(p.numel for p in pl.spec.params if not p.dense) >> SEG_LOG2)
+                                                   for pl in payloads)))
         for k, pl in enumerate(as_parts(payloads)):
-            (vdir / f"rank0000_flush{k:06d}.safetensors").write_bytes(flush_file(pl, 1 if v > 1 and encoding == "xor_zstd" else None))
+            (vdir / f"rank0000_flush{k:06d}.safetensors").write_bytes(
+                flush_file(pl, 1 if v > 1 and encoding.startswith("xor") else None))
     _run_ranks(_rank_main, str(tmp_path), len(states), encoding, arch, raw, run)
 
 
-def _ctx_rank(rank, init_method, root, errors):
+def _wrong_base_rank(rank, init_method, root, errors):
     try:
         from cpu_harness import Host, init_sglang_inprocess, nan_filled, sglang_model
-        from sglang.srt.weight_sync.delta.receiver import delta_status, receiver_state
+        from sglang.srt.weight_sync.delta.receiver import receiver_state
 
         init_sglang_inprocess(tp_rank=rank, tp_size=TP, init_method=init_method)
         host = Host(nan_filled(sglang_model(hf_config("qwen2", hidden=128))), chunk_bytes=32 << 10)
         ok, msg = host.call("_apply_delta", os.path.join(root, "weight_v000001"), ["rank0000_flush000000.safetensors"],
                             "1")
         assert ok, msg
-        st = delta_status(host.model)
-        assert st.xor and not st.ctx, st  # the sender reads this and sends xor_zstd instead
         before = {n: p.detach().clone() for n, p in host.model.named_parameters()}
         ok, msg = host.call("_apply_delta", os.path.join(root, "weight_v000002"), ["rank0000_flush000000.safetensors"],
                             "2")
-        assert not ok and receiver_state(host.model).last[1] == "no_base", msg
-        assert receiver_state(host.model).version == 1 and not receiver_state(host.model).dirty
+        st = receiver_state(host.model)
+        # every rank decodes the same shared base, so each refuses by itself, naming the same param
+        assert not ok and st.last[1] == "malformed" and "param 'model.embed_tokens.weight'" in msg, msg
+        assert st.version == 1 and not st.dirty
         assert all(torch.equal(p, before[n]) for n, p in host.model.named_parameters())
     except BaseException:
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
 
 
-def test_a_tensor_parallel_engine_says_it_cannot_decode_xor_ctx_and_refuses_it_untouched(tmp_path):
-    """Its contexts need every element of a changed segment's base, which each rank holds only a shard of."""
+def test_a_tensor_parallel_engine_refuses_xor_ctx_coded_against_another_base_untouched(tmp_path):
+    """The ranks decode against the base they share; a flush coded against a later one does not fit it (its
+    classes' ranks, or else the checksum), and both ranks refuse it before a write."""
     cfg = hf_config("qwen2", hidden=128)
-    states = rl_states(cfg, 1, seed=0)
+    states = rl_states(cfg, 2, seed=0)
     for v, payloads in ((1, full_flushes(states[0], version=1)),
-                        (2, delta_flushes(states[0], states[1], "xor_ctx", version=2, base_version=1))):
+                        (2, delta_flushes(states[1], states[2], "xor_ctx", version=2, base_version=1))):
         vdir = tmp_path / f"weight_v{v:06d}"
         vdir.mkdir()
         for pl in payloads:
             pl.spec.flush, pl.spec.final = 0, True
         (vdir / "rank0000_flush000000.safetensors").write_bytes(flush_file(as_parts(payloads)[0], 1))
-    _run_ranks(_ctx_rank, str(tmp_path))
+    _run_ranks(_wrong_base_rank, str(tmp_path))
 
 
 def _run_ranks(target, *args):

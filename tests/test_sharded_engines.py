@@ -1,6 +1,6 @@
 """Sharded engines: real SGLang MoE classes (Qwen3-MoE, DeepSeek-V3's MLA) on gloo ranks at TP=2, EP=2 and TP=4 with
 EP=2, bf16 and block FP8. A full sync, then a delta per encoding (``deltas`` over a gloo broadcast from a sender
-process, ``deltas_zstd`` and ``xor_zstd`` over disk): after each, every rank bit-identical to a plain load of the same
+process, ``deltas_zstd``, ``xor_zstd`` and ``xor_ctx`` over disk): after each, every rank bit-identical to a plain load of the same
 state on that rank. Names a rank does not hold (another rank's experts) cost nothing: no loader call at all in a delta.
 A file one rank cannot read, and a request naming an expert no rank has, are refused alike on every rank, untouched.
 And a real ``launch_server --tp 2`` (SGLang's CPU backend runs no expert parallelism) through a training loop."""
@@ -21,7 +21,8 @@ from sglang.srt.weight_sync.delta.wire import POSITIONS, VALUES, dtype_to_str, z
 
 GROUP = "sharded-test"
 # version -> how it travels (v1: the full sync, over disk)
-PLAN = {2: ("deltas", "broadcast"), 3: ("deltas_zstd", "disk"), 4: ("xor_zstd", "disk"), 5: ("deltas_zstd", "disk")}
+PLAN = {2: ("deltas", "broadcast"), 3: ("deltas_zstd", "disk"), 4: ("xor_zstd", "disk"), 5: ("deltas_zstd", "disk"),
+        6: ("xor_ctx", "disk")}
 
 
 def config(arch: str, quant):
@@ -139,7 +140,7 @@ def test_every_rank_of_a_sharded_engine_takes_each_delta_bit_identically(tmp_pat
 def test_a_tp2_server_takes_a_training_loop_over_disk_then_gloo(tmp_path):
     """A real server with ``--tp 2`` (a Qwen3-MoE, every expert sharded over both ranks): the sender's own loop, its
     fingerprint checked against every rank's share after every sync; ``xor_zstd`` files (the first rank reads them
-    once, the ranks rebuild together), then a gloo group the server's two ranks join (a full sync, then ``deltas``)."""
+    once, the ranks rebuild together), ``xor_ctx`` files (the ranks share each changed segment's base), then a gloo group the server's two ranks join (a full sync, then ``deltas``)."""
     cfg = config("qwen3-moe", None)
     boot = write_hf_checkpoint(str(tmp_path / "boot"), cfg, bf16_state(hf_model(cfg, seed=2)))
     srv = Server(boot, str(tmp_path / "server.log"), extra=["--tp", "2"],
@@ -149,7 +150,8 @@ def test_a_tp2_server_takes_a_training_loop_over_disk_then_gloo(tmp_path):
         state = bf16_state(trainer)
         engine = HttpEngine(srv.url)
         disk = DiskTransport(str(tmp_path / "shared"), [engine], zstd=zstd_level("xor_zstd"))
-        for encoding, transport in (("xor_zstd", disk), ("deltas", None)):
+        ctx = DiskTransport(str(tmp_path / "shared-ctx"), [engine], zstd=zstd_level("xor_ctx"))
+        for encoding, transport in (("xor_zstd", disk), ("xor_ctx", ctx), ("deltas", None)):
             if transport is None:
                 transport = NcclTransport(join_update_group(srv, "tp2-gloo", tp=2), "tp2-gloo", [engine])
             sender = DeltaSender(transport, [engine], encoding=encoding, buffer_bytes=256 << 10, fingerprint_every=1)
@@ -160,7 +162,8 @@ def test_a_tp2_server_takes_a_training_loop_over_disk_then_gloo(tmp_path):
                 m = sender.pop_metrics()
                 assert m["perf/update_weights_fingerprint_mismatches"] == 0, m
                 assert m["perf/update_weights_fingerprint_uncovered"] == 0, m
-                assert k == 0 or m["perf/update_weights_xor"] == (encoding == "xor_zstd"), m
+                assert k == 0 or m["perf/update_weights_xor"] == encoding.startswith("xor"), m
+                assert k == 0 or m["perf/update_weights_ctx"] == (encoding == "xor_ctx"), m
                 state = next(rl_steps(trainer, 1, seed=k))
             assert [s.version for s in engine.status()] == [sender.version] * 2  # both ranks
             transport.close()

@@ -46,7 +46,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from sglang.srt.weight_sync.delta import device as dev, fingerprint
-from sglang.srt.weight_sync.delta.collectives import tp_agree, tp_group
+from sglang.srt.weight_sync.delta.collectives import tp_agree
 from sglang.srt.weight_sync.delta.engine_state import ReceiverState, host_device, host_model, receiver_state, server_arg
 from sglang.srt.weight_sync.delta.ingest import (
     max_request_bytes,
@@ -133,7 +133,7 @@ def delta_status(model: torch.nn.Module) -> DeltaStatus:
     return DeltaStatus(version=state.version, needs_full=reason is not None, reason=reason, pending=state.pending,
                        request=request, code=code, received=received, max_request_bytes=max_request_bytes(model),
                        xor=state.xor_ready and reason is None, xor_raw=list(state.xor_raw), dense=list(state.dense),
-                       ctx=state.xor_ready and reason is None and tp_group() is None,
+                       ctx=state.xor_ready and reason is None,
                        applied=dict(state.applied), wire_format=WIRE_FORMAT)
 
 

@@ -363,8 +363,8 @@ class DeltaSender:
         """Per sync kind. ``xor_zstd`` only when every delta target is committed at the snapshot's version, can
         rebuild from its views and names the same raw params; otherwise that sync's deltas are ``planes_zstd``
         (overwrite semantics: right for any engine in range). ``xor_ctx`` where, beyond that, every delta target
-        decodes it (its status' ``ctx``: no tensor parallelism), this sender holds every base (not the sharded
-        sender's, kept on the trainer ranks) and every sparse dtype is one it codes (not float64); else ``xor_zstd``.
+        decodes it (its status' ``ctx``), this sender holds every base (not the sharded sender's, kept on the
+        trainer ranks) and every sparse dtype is one it codes (not float64); else ``xor_zstd``.
         Full syncs have no base: ``planes_zstd``."""
         if self.encoding not in (DeltaEncoding.XOR_ZSTD.value, DeltaEncoding.XOR_CTX.value):
             return {"delta": self.encoding, "full": self.encoding}

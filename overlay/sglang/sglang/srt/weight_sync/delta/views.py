@@ -356,24 +356,9 @@ def rebuild_xor(plan: Optional[WritePlan], manifest, payloads: Sequence[DeltaPay
         return rebuilt
     held = torch.cat([h for h, _ in helds]) if len(helds) > 1 else helds[0][0]
     if group is not None:
-        world, rank = group.world_size, group.rank_in_group
-        owner = torch.where(held, rank, world).to(torch.int32)
-        torch.distributed.all_reduce(owner, op=torch.distributed.ReduceOp.MIN, group=group.device_group)
-        # an element no rank holds is a raw param's (XOR zero): every rank has the same bytes, rank 0 gives them
-        mine = (owner == rank) | ((owner == world) & (rank == 0))
         parts = [pl.values.view(torch.uint8).view(pl.values.numel(), pl.values.element_size()) for pl in rebuilt]
-        # one run of bytes, though a request's flushes differ in value width (bf16 weights, fp8 experts, fp32
-        # scales): widest first, so every flush's values start aligned for their dtype
-        widest = sorted(range(len(parts)), key=lambda k: -parts[k].shape[1])
-        masks = mine.split([p.shape[0] for p in parts])
-        raw = torch.cat([torch.where(masks[k][:, None], parts[k], 0).reshape(-1) for k in widest])
-        torch.distributed.all_reduce(raw, op=torch.distributed.ReduceOp.SUM, group=group.device_group)  # disjoint bytes
-        out, at = [None] * len(parts), 0
-        for k in widest:
-            n = parts[k].numel()
-            out[k] = dataclasses.replace(rebuilt[k], values=raw[at:at + n].view(rebuilt[k].values.dtype))
-            at += n
-        rebuilt, held = out, owner < world
+        raws, held = _share_owned(group, held, parts)
+        rebuilt = [dataclasses.replace(r, values=raw.view(r.values.dtype)) for r, raw in zip(rebuilt, raws)]
     elif not any(some for _, some in helds):
         return rebuilt  # every param held whole here, or not at all
     # A param no rank holds any of (the loader ignores it, e.g. a tied lm_head) travels raw: XOR zero. A param
@@ -385,31 +370,77 @@ def rebuild_xor(plan: Optional[WritePlan], manifest, payloads: Sequence[DeltaPay
     return rebuilt
 
 
+def _share_owned(group, held: torch.Tensor, parts: List[torch.Tensor]) -> Tuple[List[torch.Tensor], torch.Tensor]:
+    """Each element's bytes from the lowest tensor-parallel rank that holds it, on every rank, with two collectives:
+    ``parts`` are byte rows ``[n, width]`` whose elements ``held`` marks, joined. An element no rank holds is a raw
+    param's (read as zero): every rank has the same bytes, rank 0 gives them. Returns the parts as flat bytes and
+    which elements some rank holds."""
+    world, rank = group.world_size, group.rank_in_group
+    owner = torch.where(held, rank, world).to(torch.uint8 if world < 255 else torch.int32)  # a byte per element
+    torch.distributed.all_reduce(owner, op=torch.distributed.ReduceOp.MIN, group=group.device_group)
+    mine = (owner == rank) | ((owner == world) & (rank == 0))
+    # one run of bytes, though a request's flushes differ in value width (bf16 weights, fp8 experts, fp32 scales):
+    # widest first, so every part's values start aligned for their dtype
+    widest = sorted(range(len(parts)), key=lambda k: -parts[k].shape[1])
+    masks = mine.split([p.shape[0] for p in parts])
+    raw = torch.cat([torch.where(masks[k][:, None], parts[k], 0).reshape(-1) for k in widest])
+    torch.distributed.all_reduce(raw, op=torch.distributed.ReduceOp.SUM, group=group.device_group)  # disjoint bytes
+    out, at = [None] * len(parts), 0
+    for k in widest:
+        n = parts[k].numel()
+        out[k] = raw[at:at + n]
+        at += n
+    return out, owner < world
+
+
+def _held_counts(held: torch.Tensor, counts) -> torch.Tensor:
+    """How many entries of each consecutive run of ``counts`` entries ``held`` marks (on the device)."""
+    ends = np.cumsum(np.asarray(counts, dtype=np.int64))
+    sums = torch.cat([held.new_zeros(1, dtype=torch.int64), held.cumsum(0)])
+    return take(sums, to_device(ends.tolist(), held.device)) - take(sums, to_device((ends - counts).tolist(), held.device))
+
+
 def _held_in_part(held: torch.Tensor, counts, device) -> Optional[int]:
     """The first run of ``counts`` entries of which ``held`` marks some but not all (one host read), or None."""
-    counts = np.asarray(counts, dtype=np.int64)
-    ends = np.cumsum(counts)
-    sums = torch.cat([held.new_zeros(1, dtype=torch.int64), held.cumsum(0)])
-    got = take(sums, to_device(ends.tolist(), device)) - take(sums, to_device((ends - counts).tolist(), device))
-    bad = host_values(((got > 0) & (got < to_device(counts.tolist(), device))).nonzero_static(size=1, fill_value=-1))
+    got = _held_counts(held, counts)
+    bad = host_values(((got > 0) & (got < to_device(list(counts), device))).nonzero_static(size=1, fill_value=-1))
     return bad[0][0] if bad[0][0] >= 0 else None
 
 
 def rebuild_ctx(plan: Optional[WritePlan], manifest, payloads: Sequence[DeltaPayload], device) -> List[DeltaPayload]:
-    """``xor_ctx``: every flush's logical blobs rebuilt from its coded streams and this rank's committed bytes (see
-    ``validate.uncode``). Its contexts need every element of a changed segment's base, which a tensor-parallel rank
-    does not hold: such an engine says ``ctx: false`` in its status and is sent ``xor_zstd``."""
-    if tp_group() is not None:
-        raise DeltaError("xor_ctx needs every element of a changed param's base, which a tensor-parallel rank does not "
-                         "hold (send it xor_zstd)", Refusal.NO_BASE)
-    return [uncode(pl, manifest, functools.partial(read_ranges, plan, pl.spec.params, pl.values.dtype, device))
-            for pl in payloads]
+    """``xor_ctx``: every flush's logical blobs rebuilt from its coded streams and the committed bytes (see
+    ``validate.uncode``). Its contexts need every element of a changed segment's base: with tensor parallelism a
+    rank holds only its shard, so the ranks share each segment's base as it is read (:func:`_share_owned`, two
+    collectives per segment: engine-internal traffic of the changed segments' bytes) and decode the same flush.
+    Called on every rank after the ranks agreed to rebuild; every rank reads the same file, so the collectives
+    match. A param read in part is refused after the decode, with one host read."""
+    out, tallies = [], []
+    for pl in payloads:
+        tally: list = []
+        out.append(uncode(pl, manifest, functools.partial(read_ranges, plan, pl.spec.params, pl.values.dtype, device,
+                                                          tally)))
+        tallies.append((pl.spec.params, tally))
+    flags, names = [], []
+    for params, tally in tallies:
+        if tally:  # per param: entries read, and how many some rank holds
+            k = torch.cat([t[0] for t in tally])
+            got = torch.zeros(len(params), dtype=torch.int64, device=device).index_add_(0, k, torch.cat([t[1] for t in tally]))
+            read = torch.zeros_like(got).index_add_(0, k, torch.cat([t[2] for t in tally]))
+            flags.append((got > 0) & (got < read))
+            names += [p.name for p in params]
+    if flags:
+        bad = host_values(torch.cat(flags).nonzero_static(size=1, fill_value=-1))[0][0]
+        if bad >= 0:
+            raise DeltaError(f"param {names[bad]!r}: xor_ctx needs its committed bytes, which this engine holds only in "
+                             "part (send it xor_zstd)", Refusal.NO_BASE)
+    return out
 
 
-def read_ranges(plan: Optional[WritePlan], params, dtype, device, pieces) -> torch.Tensor:
+def read_ranges(plan: Optional[WritePlan], params, dtype, device, tally: list, pieces) -> torch.Tensor:
     """The committed values of element ranges ``[(param number, first, count)]`` of ``params``, joined, through the
-    recorded views (:func:`read_base`). A param no view holds reads as zero (the sender codes it against zero: its
-    ``xor_raw``); a range held only in part is refused (``no_base``)."""
+    recorded views (:func:`read_base`); with tensor parallelism, every rank's (:func:`_share_owned`). A param no
+    view holds reads as zero (the sender codes it against zero: its ``xor_raw``). Where some param may be held in
+    part, appends to ``tally`` (param numbers, entries held, entries read) per range, for the caller to judge."""
     counts = [n for _, _, n in pieces]
     firsts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
     idx = torch.arange(sum(counts), device=device) + repeat_counts(
@@ -417,8 +448,10 @@ def read_ranges(plan: Optional[WritePlan], params, dtype, device, pieces) -> tor
     helds: list = []
     out = read_base(plan, [params[k] for k, _, _ in pieces], list(idx.split(counts)), dtype, device, helds)
     held, part = helds[0]
-    bad = _held_in_part(held, counts, device) if part and counts else None
-    if bad is not None:
-        raise DeltaError(f"param {params[pieces[bad][0]].name!r}: xor_ctx needs its committed bytes, which this "
-                         "engine holds only in part (send it xor_zstd)", Refusal.NO_BASE)
+    group = tp_group()
+    if group is not None:
+        (raw,), held = _share_owned(group, held, [out.view(torch.uint8).view(out.numel(), out.element_size())])
+        out, part = raw.view(dtype), True
+    if part and counts:
+        tally.append((to_device([k for k, _, _ in pieces], device), _held_counts(held, counts), to_device(counts, device)))
     return out

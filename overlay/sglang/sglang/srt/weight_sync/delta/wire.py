@@ -133,7 +133,7 @@ class DeltaStatus:
     max_request_bytes: int = 0  # the most bytes one request may declare (the sender never declares more)
     xor: bool = False  # can rebuild xor_zstd values: every param this rank loaded is readable through recorded views
     xor_raw: List[str] = dataclasses.field(default_factory=list)  # names its loader never stored: xor_zstd sends them raw
-    ctx: bool = False  # can decode xor_ctx: ``xor``, and this rank holds every element it loads (no tensor parallelism)
+    ctx: bool = False  # can decode xor_ctx (as ``xor``; an engine that predates xor_ctx says nothing: False)
     dense: List[str] = dataclasses.field(default_factory=list)  # names that must travel dense (see nan_sentinel)
     applied: Dict[str, int] = dataclasses.field(default_factory=dict)  # versions committed by kind: {"full", "delta"}
     wire_format: int = 1  # the spec layout this rank reads (:data:`WIRE_FORMAT`; an engine that does not say reads 1)
