@@ -38,6 +38,7 @@ from statistics import mean
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from md_pages import write_page  # noqa: E402  (beside this script)
 
 SHAPES = {
     # Qwen2.5-0.5B's config.json (hidden 896, 24 layers, 14 heads / 2 KV heads, intermediate 4864, vocab 151936, tied)
@@ -815,8 +816,7 @@ def sharded(args, workdir: str) -> int:
                           os.path.join(workdir, f"sharded-tp{args.engine_tp}-ep{args.engine_ep}.json"))
     text = bench_sharded.report(args.workdir, environment())
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "benchmarks-sharded.md"), "w") as f:
-        f.write(text)
+    write_page(os.path.join(args.out, "benchmarks-sharded.md"), text)
     print(text)
     return 0
 

@@ -21,6 +21,7 @@ import textwrap
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from md_pages import write_page  # noqa: E402  (beside this script)
 
 GROWTH = 1.25  # the most a flush-bounded peak may grow from one model depth to twice it
 MARK = ("<!-- bench-memory:begin -->", "<!-- bench-memory:end -->")
@@ -241,8 +242,7 @@ def _report(a, rows, eng, depths) -> None:
     doc = open(a.doc).read() if os.path.exists(a.doc) else ""
     pattern = re.compile(re.escape(MARK[0]) + ".*?" + re.escape(MARK[1]), re.S)
     doc = pattern.sub(lambda _: text, doc) if pattern.search(doc) else doc.rstrip("\n") + "\n\n" + text + "\n"
-    with open(a.doc, "w") as f:
-        f.write(doc)
+    write_page(a.doc, doc)
 
 
 if __name__ == "__main__":

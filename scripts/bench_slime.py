@@ -25,6 +25,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from md_pages import write_page  # noqa: E402  (beside this script)
 
 SIZE = dict(hidden=512, layers=4, heads=8, groups=2, ffn=1536, vocab=8192)
 METHODS = (("slime", "xor"), ("slime", "overwrite"), ("ours", "deltas_zstd"), ("ours", "planes_zstd"),
@@ -148,8 +149,7 @@ def with_section(path: str, doc: str, section) -> None:
     if BEGIN in doc:
         doc = doc[:doc.index(BEGIN)] + doc[doc.index(END) + len(END):]
     doc = doc.rstrip("\n") + "\n"
-    with open(path, "w") as f:
-        f.write(doc + ("\n" + section.strip("\n") + "\n" if section else ""))
+    write_page(path, doc + ("\n" + section.strip("\n") + "\n" if section else ""))
 
 
 def section_of(doc: str):

@@ -199,7 +199,8 @@ def main(args) -> int:
         json.dump(res, open(result, "w"), indent=1)
     env = f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
     text = report(res, env) + "\n" + on_paper()
-    with open(os.path.join(args.out, "benchmarks-sharded-sender.md"), "w") as f:
-        f.write(text)
+    from md_pages import write_page
+
+    write_page(os.path.join(args.out, "benchmarks-sharded-sender.md"), text)
     print(text)
     return 0

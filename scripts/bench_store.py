@@ -16,6 +16,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from md_pages import write_page  # noqa: E402  (beside this script)
 
 BEGIN, END = "<!-- bench-store:begin -->", "<!-- bench-store:end -->"
 
@@ -135,8 +136,7 @@ def with_section(path: str, text: str, begin: str = BEGIN, end: str = END) -> No
         doc = doc[:doc.index(begin)] + text + doc[doc.index(end) + len(end):]
     else:
         doc = doc.rstrip("\n") + "\n\n" + text + "\n"
-    with open(path, "w") as f:
-        f.write(doc)
+    write_page(path, doc)
 
 
 def main():
