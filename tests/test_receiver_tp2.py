@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cpu_harness import delta_flushes, free_port, full_flushes, hf_config, rl_states
-from sglang.srt.weight_sync.delta.ctx import SEG_LOG2
+from sglang.srt.weight_sync.delta.ctx import SEG_LOG2_MIN
 from sglang.srt.weight_sync.delta.files import as_parts, flush_file
 
 TP = 2
@@ -23,6 +23,16 @@ def _rank_main(rank, init_method, root, n_syncs, encoding, arch, raw, run, error
 
         if run:  # flushes larger than a decode run: each run selects its own shard's entries (one host read each)
             positions._DECODE_RUN = run
+        from sglang.srt.weight_sync.delta import ctx
+
+        passes = []  # xor_ctx: the segments whose base pass this rank ran
+
+        class Counted(ctx._Segment):
+            def __init__(self, *a):
+                passes.append(1)
+                super().__init__(*a)
+
+        ctx._Segment = Counted
 
         init_sglang_inprocess(tp_rank=rank, tp_size=TP, init_method=init_method)
         cfg = hf_config(arch, hidden=128)
@@ -59,6 +69,10 @@ def _rank_main(rank, init_method, root, n_syncs, encoding, arch, raw, run, error
                 (len(files), syncs.ops)
             if v > 1:
                 assert delta_status(host.model).ctx  # the sender reads this and may send xor_ctx
+            if segs:  # the ranks split the base passes: each ran its share (every other segment of a flush)
+                with open(os.path.join(root, f"passes-v{v}-rank{rank}"), "w") as f:
+                    f.write(str(len(passes)))
+                passes.clear()
             holds(v)
     except BaseException:
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
@@ -82,13 +96,19 @@ def test_tp2_each_rank_narrows_the_global_delta(tmp_path, arch, encoding, run):
         vdir.mkdir()
         for pl in payloads:  # one publish: every flush file of the sync in one request
             pl.spec.flush, pl.spec.final = 0, True
-        if v > 1 and encoding == "xor_ctx":  # at most this many segments change
-            (vdir / "segments").write_text(str(sum(-(-sum(p.numel for p in pl.spec.params if not p.dense) >> SEG_LOG2)
-                                                   for pl in payloads)))
+        if v > 1 and encoding == "xor_ctx":  # the smallest segments: several per flush; at most this many change
+            for pl in payloads:
+                pl.seg_log2 = SEG_LOG2_MIN
+            (vdir / "segments").write_text(str(sum(
+                -(-sum(p.numel for p in pl.spec.params if not p.dense) >> SEG_LOG2_MIN) for pl in payloads)))
         for k, pl in enumerate(as_parts(payloads)):
             (vdir / f"rank0000_flush{k:06d}.safetensors").write_bytes(
                 flush_file(pl, 1 if v > 1 and encoding.startswith("xor") else None))
     _run_ranks(_rank_main, str(tmp_path), len(states), encoding, arch, raw, run)
+    for v in range(2, len(states) + 1) if encoding == "xor_ctx" else ():
+        files = len([f for f in os.listdir(tmp_path / f"weight_v{v:06d}") if f.endswith(".safetensors")])
+        passes = [int((tmp_path / f"passes-v{v}-rank{r}").read_text()) for r in range(TP)]
+        assert min(passes) > 0 and max(passes) - min(passes) <= files, passes
 
 
 def _wrong_base_rank(rank, init_method, root, errors):

@@ -13,7 +13,7 @@ tensor ops per flush plus one pass over the base of the segments that changed. C
 from __future__ import annotations
 
 import struct
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -234,6 +234,10 @@ def encode(wholes: Sequence[torch.Tensor], counts: Sequence[int], idx: torch.Ten
 
 ReadBase = Callable[[List[Tuple[int, int, int]]], torch.Tensor]
 """``[(param no in the spec, first element, elements)]`` -> the base of those ranges, joined (one flat tensor)."""
+Split = Tuple[int, int, Callable[[List[torch.Tensor]], List[torch.Tensor]]]
+"""Decoders sharing a flush (tensor-parallel ranks): ``(rank, world, merge)``. Segment ``i`` of the table is decoded
+by rank ``i % world`` (every rank still reads every segment's base: the reads may be collectives); ``merge`` sums
+the ranks' outputs, each zero where another rank decoded, so every rank ends with the whole flush."""
 
 
 class _Table:
@@ -314,10 +318,11 @@ class _Table:
 
 
 def decode(blob: torch.Tensor, params: Sequence[DeltaParam], dtype: torch.dtype, read_base: ReadBase,
-           where: str = "") -> Tuple[torch.Tensor, torch.Tensor]:
+           where: str = "", split: Optional[Split] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """A flush's coded streams -> (positions of its sparse params, their new values), both joined in spec order,
     positions ascending per param. Every field is checked against the spec, the table and the base; the caller's
-    checksum over the rebuilt blobs then decides. One host read for the segments' bounds, one for all checks."""
+    checksum over the rebuilt blobs then decides. One host read for the segments' bounds, one for all checks.
+    ``split``: this rank's share of the base pass (see :data:`Split`)."""
     t = _Table(blob, params, dtype, where)
     c, dev = t.cols, blob.device
     if not t.n:
@@ -364,11 +369,18 @@ def decode(blob: torch.Tensor, params: Sequence[DeltaParam], dtype: torch.dtype,
     bad_rank, bad_size, bad_step = [], [], []
     pos_out, val_out = [], []
     half = 1 << (t.bits - 1)
-    for lo_e, hi_e in zip(firsts, firsts[1:]):
+    for i, (lo_e, hi_e) in enumerate(zip(firsts, firsts[1:])):
         ents = np.arange(lo_e, hi_e)
         g = int(segs[lo_e])
-        seg = _Segment(read_base([(t.sparse[j], a, n) for j, a, n in t.space.pieces(g)]).to(dev), t.bits, t.mant,
-                       t.nctx)
+        c0, c1 = int(cstart[lo_e]), int(cstart[hi_e])
+        base = read_base([(t.sparse[j], a, n) for j, a, n in t.space.pieces(g)])
+        if split is not None and i % split[1] != split[0]:  # another rank's: zeros here, its output in the merge
+            for out in (bad_rank, bad_size, bad_step):
+                out.append(torch.zeros(len(ents), dtype=torch.bool, device=dev))
+            pos_out.append(torch.zeros(c1 - c0, dtype=torch.int64, device=dev))
+            val_out.append(torch.zeros(c1 - c0, dtype=torch.int64, device=dev))
+            continue
+        seg = _Segment(base.to(dev), t.bits, t.mant, t.nctx)
         kcls = to_device(c["ctx"][ents], dev)
         size = seg.sizes[kcls]
         bad_rank.append((last_rank[lo_e:hi_e] >= size) & torch.from_numpy(coded[ents] > 0).to(dev))
@@ -380,7 +392,6 @@ def decode(blob: torch.Tensor, params: Sequence[DeltaParam], dtype: torch.dtype,
         rk = torch.clamp(ranks[int(kstart[lo_e]):int(kstart[hi_e])], 0, None)
         at = seg.order[torch.clamp(seg.starts[rep(kcls, coded[ents])] + rk, 0, seg.order.numel() - 1)]
         member[at] = ~rep(comp_t.long(), coded[ents]).bool()
-        c0, c1 = int(cstart[lo_e]), int(cstart[hi_e])
         local = torch.nonzero_static(member, size=c1 - c0, fill_value=0)[:, 0]
         perm = torch.argsort(seg.keys[local], stable=True)  # position order -> table (class) order
         st = torch.empty_like(step[c0:c1])
@@ -391,17 +402,18 @@ def decode(blob: torch.Tensor, params: Sequence[DeltaParam], dtype: torch.dtype,
             0, rep(torch.arange(len(ents), device=dev), count[ents]), out[perm].long()) > 0)
         pos_out.append(local + (g << t.seg_log2))
         val_out.append(_unkey(torch.clamp(newk, -half, half - 1), t.bits))
-    x = torch.cat(pos_out)  # in the joined space, ascending
+    x, vals = torch.cat(pos_out), torch.cat(val_out)  # in the joined space, ascending
+    per_entry = torch.stack([torch.cat(bad_rank), torch.cat(bad_size), torch.cat(bad_step)])
+    if split is not None:
+        x, vals, per_entry = split[2]([x, vals, per_entry])
     offs = to_device(t.space.offs, dev)
     j = torch.searchsorted(offs[1:], x, right=True)
     nnz = [params[k].nnz for k in t.sparse]
     per_param = torch.bincount(j, minlength=len(nnz)) != to_device(nnz, dev)
-    per_entry = torch.stack([torch.cat(bad_rank), torch.cat(bad_size), torch.cat(bad_step)])
     flat = torch.cat([torch.stack(list(checks.values())).reshape(-1), per_entry.reshape(-1), per_param])
     if any(host_values(flat.any().reshape(1))):
         _refuse(t, list(checks), host_values(flat), where)
     iv = INT_VIEW[t.bits // 8]
-    vals = torch.cat(val_out)
     vals = torch.where(vals >= half, vals - (1 << t.bits), vals).to(iv).view(dtype)
     return x - offs[j], vals
 

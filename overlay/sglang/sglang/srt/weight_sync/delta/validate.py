@@ -217,11 +217,11 @@ def unxor(payload: DeltaPayload, manifest, read_base) -> DeltaPayload:
                                decoded=(manifest, positions, flags))
 
 
-def uncode(payload: DeltaPayload, manifest, read_base) -> DeltaPayload:
+def uncode(payload: DeltaPayload, manifest, read_base, split=None) -> DeltaPayload:
     """An ``xor_ctx`` flush with its logical blobs rebuilt from the coded streams and the base, before anything is
     trusted: the spec's own rules first (it names the params and their sizes), then :func:`ctx.decode`, whose every
     field is checked; the checksum over the rebuilt blobs, in :func:`validate_payload`, then decides.
-    ``read_base``: see :data:`ctx.ReadBase` (spec numbers of params, element ranges)."""
+    ``read_base``: see :data:`ctx.ReadBase` (spec numbers of params, element ranges); ``split``: :data:`ctx.Split`."""
     spec, val = payload.spec, payload.values
     where = f" in {payload.source}" if payload.source else ""
     if DeltaEncoding(spec.encoding) is not DeltaEncoding.XOR_CTX or not payload.coded:
@@ -234,7 +234,7 @@ def uncode(payload: DeltaPayload, manifest, read_base) -> DeltaPayload:
     iv = INT_VIEW[val.element_size()]
     out = torch.empty(nval, dtype=iv, device=dev)
     if sparse:
-        pos, new = ctx.decode(payload.positions.to(dev), params, val.dtype, read_base, where)
+        pos, new = ctx.decode(payload.positions.to(dev), params, val.dtype, read_base, where, split)
         out[_value_slots(sparse, dev)] = new.view(iv)
         blob, ranges = encode_positions_many([pos], DeltaEncoding.DELTAS.value, dev, [[p.nnz for p in sparse]])
         for p, got in zip(sparse, ranges):

@@ -411,14 +411,18 @@ def rebuild_ctx(plan: Optional[WritePlan], manifest, payloads: Sequence[DeltaPay
     """``xor_ctx``: every flush's logical blobs rebuilt from its coded streams and the committed bytes (see
     ``validate.uncode``). Its contexts need every element of a changed segment's base: with tensor parallelism a
     rank holds only its shard, so the ranks share each segment's base as it is read (:func:`_share_owned`, two
-    collectives per segment: engine-internal traffic of the changed segments' bytes) and decode the same flush.
-    Called on every rank after the ranks agreed to rebuild; every rank reads the same file, so the collectives
-    match. A param read in part is refused after the decode, with one host read."""
+    collectives per segment: engine-internal traffic of the changed segments' bytes). The base pass, the costly
+    part, is split: a rank decodes every ``world``-th segment, and one more collective per flush gives every rank
+    the whole flush's positions and values (O(changed)). Called on every rank after the ranks agreed to rebuild;
+    every rank reads the same file, so the collectives match. A param read in part is refused after the decode,
+    with one host read."""
+    group = tp_group()
+    split = None if group is None else (group.rank_in_group, group.world_size, functools.partial(_merge, group))
     out, tallies = [], []
     for pl in payloads:
         tally: list = []
         out.append(uncode(pl, manifest, functools.partial(read_ranges, plan, pl.spec.params, pl.values.dtype, device,
-                                                          tally)))
+                                                          tally), split))
         tallies.append((pl.spec.params, tally))
     flags, names = [], []
     for params, tally in tallies:
@@ -433,6 +437,20 @@ def rebuild_ctx(plan: Optional[WritePlan], manifest, payloads: Sequence[DeltaPay
         if bad >= 0:
             raise DeltaError(f"param {names[bad]!r}: xor_ctx needs its committed bytes, which this engine holds only in "
                              "part (send it xor_zstd)", Refusal.NO_BASE)
+    return out
+
+
+def _merge(group, parts: List[torch.Tensor]) -> List[torch.Tensor]:
+    """The ranks' shares of a split decode, each zero where another rank decoded, summed as bytes in one collective
+    (every byte has one contributor), back in their dtypes and shapes (widest first, so each starts aligned)."""
+    widest = sorted(range(len(parts)), key=lambda k: -parts[k].element_size())
+    raw = torch.cat([parts[k].contiguous().view(torch.uint8).reshape(-1) for k in widest])
+    torch.distributed.all_reduce(raw, op=torch.distributed.ReduceOp.SUM, group=group.device_group)
+    out, at = [None] * len(parts), 0
+    for k in widest:
+        n = parts[k].numel() * parts[k].element_size()
+        out[k] = raw[at:at + n].view(parts[k].dtype).view(parts[k].shape)
+        at += n
     return out
 
 
