@@ -20,7 +20,7 @@ Three phases, so the numbers share one process and the memory run repeats them e
     python scripts/bench.py [--shape qwen2.5-0.5b|qwen3-30b-a3b-topology|qwen3-235b-a22b-topology|tiny] [--steps 4]
         [--workdir build/bench] [--out docs]
 
-A ``*-topology`` shape writes ``docs/benchmarks-<shape>.md`` and its plot instead.
+A ``*-topology`` shape writes its plot and its rows of ``docs/benchmarks-topology.md`` (``bench_topology.py``) instead.
 """
 from __future__ import annotations
 
@@ -84,8 +84,10 @@ def model_config(shape: str):
 
 
 def doc_name(shape: str, ext: str) -> str:
-    """benchmarks.md / .png; a topology shape writes its own pair beside them."""
-    return f"benchmarks-{shape}.{ext}" if shape.endswith("-topology") else f"benchmarks.{ext}"
+    """benchmarks.md / .png; the topology shapes share one page (``bench_topology``), each with its own plot."""
+    if shape.endswith("-topology"):
+        return "benchmarks-topology.md" if ext == "md" else f"benchmarks-{shape}.{ext}"
+    return f"benchmarks.{ext}"
 
 
 # ---------------------------------------------------------------- phase 1: states
@@ -855,6 +857,13 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     summ = summarize(results["timing"], results["memory"])
     plot(results["timing"], summ, os.path.join(args.out, doc_name(args.shape, "png")))
+    if args.shape.endswith("-topology"):
+        with open(os.path.join(workdir, "env.txt"), "w") as f:
+            f.write(env)
+        import bench_topology
+
+        print(bench_topology.write(args.workdir, args.out))
+        return 0
     text = report(results["timing"], results["memory"], args, env)
     path = os.path.join(args.out, doc_name(args.shape, "md"))
     from bench_slime import section_of, with_section

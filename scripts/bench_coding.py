@@ -17,8 +17,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from md_pages import section_heading, section_marks  # noqa: E402  (beside this script)
 
-BEGIN, END = "<!-- bench-coding:begin -->", "<!-- bench-coding:end -->"
 LINKS = {"1 Gbit/s": 1e9 / 8, "10 Gbit/s": 10e9 / 8}
 
 
@@ -211,7 +211,7 @@ def measure(paths) -> dict:
     return out
 
 
-def report(m: dict) -> str:
+def report(m: dict, shape: str) -> str:
     steps = m["steps"]
     changed = sum(s["changed"] for s in steps)
     density = changed / sum(s["elements"] for s in steps)
@@ -220,7 +220,8 @@ def report(m: dict) -> str:
         return sum(s[key] * s["changed"] for s in steps) / changed
 
     ref = sum(r["bytes"] for r in m["formats"]["`xor_zstd` (ours)"])
-    lines = [BEGIN, "## The encodings side by side", "", textwrap.fill(
+    begin, end = section_marks("bench-coding", shape)
+    lines = [begin, section_heading("The encodings side by side", shape), "", textwrap.fill(
              f"Written by `make bench` (`scripts/bench_coding.py`) on the same {len(steps) + 1} states: {len(steps)} "
              f"AdamW steps at lr 1e-6, {100 * density:.2f}% of the bf16 elements changed on average. Ours run "
              "through the code the CLI and the engines run (the decode includes every check and the checksum); "
@@ -251,7 +252,7 @@ def report(m: dict) -> str:
         "the time it adds). Its encode and decode include a pass over the base of every changed segment (its "
         "classes, a stable sort by class): O(model) work, here on this CPU's two cores; on a GPU it is a few "
         "elementwise kernels and a radix sort per segment (`make gpu-check` times it; not run yet). Its bytes do not "
-        "depend on the device.", 120), END]
+        "depend on the device.", 120), end]
     return "\n".join(lines)
 
 
@@ -268,8 +269,8 @@ def main():
     workdir = os.path.join(args.workdir, args.shape)
     m = measure(train_states(args.shape, args.steps, workdir))
     json.dump(m, open(os.path.join(workdir, "coding.json"), "w"), indent=1)
-    text = report(m)
-    with_section(os.path.join(args.out, doc_name(args.shape, "md")), text, BEGIN, END)
+    text = report(m, args.shape)
+    with_section(os.path.join(args.out, doc_name(args.shape, "md")), text, *section_marks("bench-coding", args.shape))
     print(text)
     return 0
 

@@ -16,9 +16,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from md_pages import write_page  # noqa: E402  (beside this script)
+from md_pages import section_heading, section_marks, write_page  # noqa: E402  (beside this script)
 
-BEGIN, END = "<!-- bench-store:begin -->", "<!-- bench-store:end -->"
 
 
 def run(paths, shape: str, workdir: str) -> dict:
@@ -103,9 +102,10 @@ def run(paths, shape: str, workdir: str) -> dict:
     return out
 
 
-def report(m: dict) -> str:
+def report(m: dict, shape: str) -> str:
     mb = 1e6
-    lines = [BEGIN, "## The version store", "",
+    begin, end = section_marks("bench-store", shape)
+    lines = [begin, section_heading("The version store", shape), "",
              f"Written by `make bench` (`scripts/bench_store.py`) on the same {m['versions']} states (the first a full "
              f"sync of {m['full_bytes'] / mb:.1f} MB, then AdamW steps), `xor_zstd`, in-process SGLang model classes on "
              "CPU, one run. A late joiner catches up to the last version (the anchor, then the chain); without a store "
@@ -126,11 +126,11 @@ def report(m: dict) -> str:
               f"catch up from the store, {sum(four) / len(four) / mb:.2f} MB: **{ratio:.2f}x**. The trainer writes each "
               "version once; engines read it. The catch-up time is the engine reading the anchor (the whole model) and "
               "applying the chain: it does not touch the trainer, and on a GPU host it is bounded by the store's read "
-              "bandwidth to that host.", END]
+              "bandwidth to that host.", end]
     return "\n".join(lines)
 
 
-def with_section(path: str, text: str, begin: str = BEGIN, end: str = END) -> None:
+def with_section(path: str, text: str, begin: str, end: str) -> None:
     doc = open(path).read() if os.path.exists(path) else ""
     if begin in doc:
         doc = doc[:doc.index(begin)] + text + doc[doc.index(end) + len(end):]
@@ -140,7 +140,7 @@ def with_section(path: str, text: str, begin: str = BEGIN, end: str = END) -> No
 
 
 def main():
-    from bench import train_states
+    from bench import doc_name, train_states
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="qwen2.5-0.5b")
@@ -151,8 +151,8 @@ def main():
     workdir = os.path.join(args.workdir, args.shape)
     m = run(train_states(args.shape, args.steps, workdir), args.shape, os.path.join(workdir, "store-bench"))
     json.dump(m, open(os.path.join(workdir, "store.json"), "w"), indent=1)
-    text = report(m)
-    with_section(os.path.join(args.out, "benchmarks.md"), text)
+    text = report(m, args.shape)
+    with_section(os.path.join(args.out, doc_name(args.shape, "md")), text, *section_marks("bench-store", args.shape))
     print(text)
     return 0
 

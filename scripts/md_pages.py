@@ -25,3 +25,13 @@ def wrap_prose(doc: str) -> str:
 def write_page(path: str, doc: str) -> None:
     with open(path, "w") as f:
         f.write(wrap_prose(doc))
+
+
+def section_marks(name: str, shape: str):
+    """A script's section markers on its shape's page; on the shared topology page, one section per shape."""
+    tag = f"{name}:{shape}" if shape.endswith("-topology") else name
+    return f"<!-- {tag}:begin -->", f"<!-- {tag}:end -->"
+
+
+def section_heading(title: str, shape: str) -> str:
+    return f"## {title}: {shape}" if shape.endswith("-topology") else f"## {title}"

@@ -28,6 +28,32 @@ def test_bench_writes_its_report(tmp_path):
     assert overhead["pieces"] < overhead["tensors"] and overhead["engine_s"] > 0
     assert overhead["sender_s"] > 0 and overhead["sender_pieces_s"] > 0
     assert (out / "benchmarks.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    _the_topology_page_holds_every_measured_shape(tmp_path / "work", out)
+
+
+def _the_topology_page_holds_every_measured_shape(work, out):
+    """The tiny run's measurements standing in for both topology shapes: the shared page gets a row group per shape
+    and keeps the other scripts' sections of either shape."""
+    import shutil
+
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import bench_topology
+
+    shapes = ("qwen3-30b-a3b-topology", "qwen3-235b-a22b-topology")
+    section = "<!-- bench-coding:qwen3-30b-a3b-topology:begin -->\nkept\n<!-- bench-coding:qwen3-30b-a3b-topology:end -->"
+    (out / bench_topology.PAGE).write_text("# old\n\n" + section + "\n")
+    shutil.copytree(work / "tiny", work / shapes[0], ignore=shutil.ignore_patterns("*.safetensors", "wire"))
+    bench_topology.write(str(work), str(out))
+    text = (out / bench_topology.PAGE).read_text()
+    assert "# old" not in text and text.count(section) == 1
+    assert len(re.findall(r"^\| qwen3-30b-a3b-topology \| `\w+` \| (?:nccl|disk) \|", text, re.M)) == 6
+    shutil.copytree(work / "tiny", work / shapes[1], ignore=shutil.ignore_patterns("*.safetensors", "wire"))
+    bench_topology.write(str(work), str(out))
+    text = (out / bench_topology.PAGE).read_text()
+    for shape in shapes:
+        assert len(re.findall(rf"^\| {shape} \| `\w+` \| (?:nccl|disk) \|", text, re.M)) == 6
+        assert f"- **{shape}**:" in text and f"--shape {shape}" in text
+    assert text.count(section) == 1 and max(len(x) for x in text.splitlines() if not x.startswith("|")) <= 120
 
 
 def test_the_encodings_side_by_side(tmp_path):
