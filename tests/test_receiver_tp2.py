@@ -58,15 +58,14 @@ def _rank_main(rank, init_method, root, n_syncs, encoding, arch, raw, run, error
                 ok, msg = host.call("_apply_delta", vdir, files, str(v))
             assert ok, f"rank {rank} v{v}: {msg}"
             assert receiver_state(host.model).xor_raw == raw  # what the status tells the sender to send raw
-            # per file: checksum + checks, and how many of its entries each storage of the shard holds (xor_zstd:
-            # for its base read too); per request: two TP agreements (xor_zstd: one more agreement, and the check
-            # that every element was rebuilt)
+            # per file: checksum + checks, and how many of its entries each storage of the shard holds; per request:
+            # two TP agreements; xor_zstd: the check that every element was rebuilt (its base reads hold no host
+            # read); xor_ctx: the decode's three per file (none per segment), and the check of the ranges some rank
+            # holds
             xor = encoding == "xor_zstd" and v > 1
-            # xor_ctx: the decode's three per file, one per changed segment for the views that hold it in part, and
-            # one per request for the ranges some rank holds
             segs = int(open(os.path.join(vdir, "segments")).read()) if encoding == "xor_ctx" and v > 1 else 0
-            assert run or len(syncs.ops) <= (3 + xor + 3 * bool(segs)) * len(files) + segs + 2 + 3 * xor + 2 * bool(segs), \
-                (len(files), syncs.ops)
+            assert run or len(syncs.ops) <= (3 + 3 * bool(segs)) * len(files) + 2 + xor + bool(segs), \
+                (len(files), segs, syncs.ops)
             if v > 1:
                 assert delta_status(host.model).ctx  # the sender reads this and may send xor_ctx
             if segs:  # the ranks split the base passes: each ran its share (every other segment of a flush)

@@ -169,8 +169,8 @@ def write_run(plan: WritePlan, run: Run, values: torch.Tensor, check: "ReadBack"
 
 @dataclasses.dataclass
 class _Located:
-    """Where a pass's entries land: per entry (kept ones only) its HF position, its item, its offset in its storage's
-    flat tensor and its index in the positions (``src``; None: entry ``k`` is position ``k``); ``segments``: per
+    """Where a pass's entries land: per entry (kept ones, unless uncompacted) its HF position, its item, its offset in
+    its storage's flat tensor and its index in the positions (``src``; None: entry ``k`` is position ``k``); ``segments``: per
     destination storage, ``(storage id, first entry, end)``; per item (in the pass's order) its name and the shift
     from its positions to its values."""
 
@@ -181,14 +181,16 @@ class _Located:
     item: torch.Tensor
     offsets: torch.Tensor
     src: Optional[torch.Tensor]
+    held: Optional[torch.Tensor] = None  # uncompacted part views: the entries they hold
 
 
-def _locate(plan: WritePlan, x: torch.Tensor, items: list) -> _Located:
+def _locate(plan: WritePlan, x: torch.Tensor, items: list, compact: bool = True) -> _Located:
     """One pass over ``items`` (``(row, start in x, start in values, count, name)``; all whole blocks, or all part
     views): positions gathered in storage order and mapped to storage offsets by index arithmetic on the rows (row
     shards by a range check, the other views through their dims), the entries a part view does not hold dropped (one
     host read: how many each storage keeps). The one way positions find their place in model storage, for writes and
-    for the bases ``xor_zstd`` is relative to."""
+    for the bases ``xor_zstd`` and ``xor_ctx`` are relative to. ``compact`` False (reads): nothing dropped and no host
+    read; ``held`` marks the entries a part view holds, the others' offsets are clamped into their storage."""
     device = x.device
     # row shards first, then the rest; grouped by storage within each, flush order within one
     order = sorted(range(len(items)), key=lambda k: (-items[k][0][_KIND], items[k][0][_SID]))
@@ -206,9 +208,10 @@ def _locate(plan: WritePlan, x: torch.Tensor, items: list) -> _Located:
     item = repeat_counts(torch.arange(len(items), device=device), counts)  # each entry's item
     sids = rows[:, _SID]
     cuts = np.r_[0, np.flatnonzero(np.diff(sids) | np.diff(rows[:, _KIND])) + 1, len(items)]
+    ends = np.cumsum([int(n[i:j].sum()) for i, j in zip(cuts[:-1], cuts[1:])]).tolist()
+    held = None
     if rows[0, _KIND] == _WHOLE:
         offsets = idx + repeat_counts(to_device(rows[:, _DOFF].tolist(), device), counts)
-        ends = np.cumsum([int(n[i:j].sum()) for i, j in zip(cuts[:-1], cuts[1:])]).tolist()
     else:
         table = to_device(rows[:, _SOFF:].tolist(), device)  # (items, 2 + 3 * dims): one copy to the device
         rem = idx - take(table[:, 0], item)
@@ -227,12 +230,16 @@ def _locate(plan: WritePlan, x: torch.Tensor, items: list) -> _Located:
                 rem -= i * sstride
                 offsets[runs:] += i * dstride
             held[runs:] &= rem == 0
-        ends = host_values(take(held.cumsum(0), to_device((np.cumsum(n)[cuts[1:] - 1] - 1).tolist(), device)))
-        hits = torch.nonzero_static(held, size=ends[-1]).squeeze(1)
-        src = hits if src is None else take(src, hits)
-        offsets, idx, item = take(offsets, hits), take(idx, hits), take(item, hits)
+        if compact:
+            ends = host_values(take(held.cumsum(0), to_device((np.cumsum(n)[cuts[1:] - 1] - 1).tolist(), device)))
+            hits = torch.nonzero_static(held, size=ends[-1]).squeeze(1)
+            src = hits if src is None else take(src, hits)
+            offsets, idx, item, held = take(offsets, hits), take(idx, hits), take(item, hits), None
     segments = [(s, a, b) for s, a, b in zip(sids[cuts[:-1]].tolist(), [0] + ends[:-1], ends) if b > a]
-    return _Located([it[4] for it in items], va - xa, segments, idx, item, offsets, src)
+    if held is not None:
+        for s, a, b in segments:
+            offsets[a:b].clamp_(0, plan.flats[s].numel() - 1)
+    return _Located([it[4] for it in items], va - xa, segments, idx, item, offsets, src, held)
 
 
 def _write_items(plan: WritePlan, x: torch.Tensor, values: torch.Tensor, items: list, check: "ReadBack") -> None:
@@ -302,12 +309,13 @@ def _bits(flat: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
 def read_base(plan: Optional[WritePlan], params, idxs, dtype, device, helds: list) -> torch.Tensor:
     """The committed values at ``idxs`` through each param's recorded views of ``dtype`` (others hold other bytes than
     the trainer's: no base), aligned with these consecutive params' values (a run of the flush), located as writes
-    are (:func:`_locate`: one pass for whole blocks, one for part views, one gather per storage). Appends to
-    ``helds`` the run's mask of the entries this rank holds, and whether any param is held through part views only. Entries no view holds read as zero (a
-    param no rank stores travels raw) or as anything (the caller refuses a param that is held only in part)."""
+    are (:func:`_locate`: one pass for whole blocks, one for part views, one gather per storage; no host read: the
+    entries a part view does not hold are read, then sent to a spare slot). Appends to ``helds`` the run's mask of the
+    entries this rank holds, and whether any param is held through part views only. Entries no view holds read as zero
+    (a param no rank stores travels raw) or as anything (the caller refuses a param that is held only in part)."""
     counts = [p.nnz if i is None else i.numel() for p, i in zip(params, idxs)]
     total = sum(counts)
-    out = torch.zeros(total, dtype=INT_VIEW[dtype.itemsize], device=device)
+    out = torch.zeros(total + 1, dtype=INT_VIEW[dtype.itemsize], device=device)  # [total]: the spare slot
     x = torch.cat([torch.arange(p.numel, device=device) if i is None else i.to(device) for p, i in zip(params, idxs)]) \
         if params else out.new_zeros(0, dtype=torch.int64)
     groups: Tuple[list, list] = ([], [])  # (part views, whole blocks)
@@ -318,18 +326,20 @@ def read_base(plan: Optional[WritePlan], params, idxs, dtype, device, helds: lis
             groups[r[_KIND] == _WHOLE].append((r, at, at, n, p.name))
         whole.append(any(r[_KIND] == _WHOLE for r in rows))
         at += n
-    held = repeat_counts(to_device(whole, device), counts).bool() if total else out.new_zeros(0, dtype=torch.bool)
-    for is_whole, items in enumerate(groups):
+    held = torch.cat([repeat_counts(to_device(whole, device), counts).bool() if total else
+                      out.new_zeros(0, dtype=torch.bool), out.new_zeros(1, dtype=torch.bool)])
+    for items in groups:
         if not items or not total:
             continue
-        loc = _locate(plan, x, items)
+        loc = _locate(plan, x, items, compact=False)
         for s, a, b in loc.segments:
             dst = torch.arange(a, b, device=device) if loc.src is None else loc.src[a:b]
+            if loc.held is not None:  # a part view: what it does not hold goes to the spare slot
+                dst = torch.where(loc.held[a:b], dst, total)
+                held.index_fill_(0, dst, True)
             out.index_copy_(0, dst, _bits(plan.flats[s], loc.offsets[a:b]))
-        if not is_whole:
-            held.index_fill_(0, loc.src, True)
-    helds.append((held, bool(groups[0])))
-    return out.view(dtype)
+    helds.append((held[:total], bool(groups[0])))
+    return out[:total].view(dtype)
 
 
 def rebuild_xor(plan: Optional[WritePlan], manifest, payloads: Sequence[DeltaPayload], device) -> List[DeltaPayload]:
