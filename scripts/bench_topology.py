@@ -73,7 +73,8 @@ def report(runs: list) -> str:
           "and the host synchronizations of one apply (counted in the memory run). The second table takes the "
           "per-element work out (last step, `deltas`; medians): the sender on the model's tensors against the same "
           "bytes in few tensors, and the engine applying a sync that changes one element of every tensor.", "",
-          "| shape | encoding | tensors named per sync | sender µs / tensor | engine µs / tensor | host syncs per apply |",
+          "| shape | encoding | tensors named per sync | sender µs / tensor | engine µs / tensor | "
+          "host syncs per apply |",
           "|---|---|---:|---:|---:|---:|"]
     for shape, t, _ in runs:
         for e in ENCODINGS:
@@ -95,7 +96,8 @@ def report(runs: list) -> str:
           "| sender | snapshot of the last acknowledged version | "
           + " | ".join(mib(t["full_bytes"]) for _, t, _ in runs) + " |"]
     for e in ENCODINGS:
-        L.append(f"| sender | one sync, `{e}` | " + " | ".join(mib(summ[s][e]["encode_mem"]) for s, _, _ in runs) + " |")
+        L.append(f"| sender | one sync, `{e}` | " + " | ".join(mib(summ[s][e]["encode_mem"]) for s, _, _ in runs)
+                 + " |")
     L.append("| engine | full `load_weights` (upstream) | " + " | ".join(mib(m["full_load_mem"]) for _, _, m in runs)
              + " |")
     for e in ENCODINGS:

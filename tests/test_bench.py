@@ -40,7 +40,8 @@ def _the_topology_page_holds_every_measured_shape(work, out):
     import bench_topology
 
     shapes = ("qwen3-30b-a3b-topology", "qwen3-235b-a22b-topology")
-    section = "<!-- bench-coding:qwen3-30b-a3b-topology:begin -->\nkept\n<!-- bench-coding:qwen3-30b-a3b-topology:end -->"
+    tag = "bench-coding:qwen3-30b-a3b-topology"
+    section = f"<!-- {tag}:begin -->\nkept\n<!-- {tag}:end -->"
     (out / bench_topology.PAGE).write_text("# old\n\n" + section + "\n")
     shutil.copytree(work / "tiny", work / shapes[0], ignore=shutil.ignore_patterns("*.safetensors", "wire"))
     bench_topology.write(str(work), str(out))

@@ -1,9 +1,10 @@
 """Sharded engines: real SGLang MoE classes (Qwen3-MoE, DeepSeek-V3's MLA) on gloo ranks at TP=2, EP=2 and TP=4 with
 EP=2, bf16 and block FP8. A full sync, then a delta per encoding (``deltas`` over a gloo broadcast from a sender
-process, ``deltas_zstd``, ``xor_zstd`` and ``xor_ctx`` over disk): after each, every rank bit-identical to a plain load of the same
-state on that rank. Names a rank does not hold (another rank's experts) cost nothing: no loader call at all in a delta.
-A file one rank cannot read, and a request naming an expert no rank has, are refused alike on every rank, untouched.
-And a real ``launch_server --tp 2`` (SGLang's CPU backend runs no expert parallelism) through a training loop."""
+process, ``deltas_zstd``, ``xor_zstd`` and ``xor_ctx`` over disk): after each, every rank bit-identical to a plain
+load of the same state on that rank. Names a rank does not hold (another rank's experts) cost nothing: no loader call
+at all in a delta. A file one rank cannot read, and a request naming an expert no rank has, are refused alike on
+every rank, untouched. And a real ``launch_server --tp 2`` (SGLang's CPU backend runs no expert parallelism) through
+a training loop."""
 import multiprocessing as mp
 import os
 import traceback
@@ -140,7 +141,8 @@ def test_every_rank_of_a_sharded_engine_takes_each_delta_bit_identically(tmp_pat
 def test_a_tp2_server_takes_a_training_loop_over_disk_then_gloo(tmp_path):
     """A real server with ``--tp 2`` (a Qwen3-MoE, every expert sharded over both ranks): the sender's own loop, its
     fingerprint checked against every rank's share after every sync; ``xor_zstd`` files (the first rank reads them
-    once, the ranks rebuild together), ``xor_ctx`` files (the ranks share each changed segment's base), then a gloo group the server's two ranks join (a full sync, then ``deltas``)."""
+    once, the ranks rebuild together), ``xor_ctx`` files (the ranks share each changed segment's base), then a gloo
+    group the server's two ranks join (a full sync, then ``deltas``)."""
     cfg = config("qwen3-moe", None)
     boot = write_hf_checkpoint(str(tmp_path / "boot"), cfg, bf16_state(hf_model(cfg, seed=2)))
     srv = Server(boot, str(tmp_path / "server.log"), extra=["--tp", "2"],

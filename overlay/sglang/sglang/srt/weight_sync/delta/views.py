@@ -170,9 +170,9 @@ def write_run(plan: WritePlan, run: Run, values: torch.Tensor, check: "ReadBack"
 @dataclasses.dataclass
 class _Located:
     """Where a pass's entries land: per entry (kept ones, unless uncompacted) its HF position, its item, its offset in
-    its storage's flat tensor and its index in the positions (``src``; None: entry ``k`` is position ``k``); ``segments``: per
-    destination storage, ``(storage id, first entry, end)``; per item (in the pass's order) its name and the shift
-    from its positions to its values."""
+    its storage's flat tensor and its index in the positions (``src``; None: entry ``k`` is position ``k``);
+    ``segments``: per destination storage, ``(storage id, first entry, end)``; per item (in the pass's order) its
+    name and the shift from its positions to its values."""
 
     names: List[str]
     shifts: np.ndarray
@@ -407,7 +407,8 @@ def _held_counts(held: torch.Tensor, counts) -> torch.Tensor:
     """How many entries of each consecutive run of ``counts`` entries ``held`` marks (on the device)."""
     ends = np.cumsum(np.asarray(counts, dtype=np.int64))
     sums = torch.cat([held.new_zeros(1, dtype=torch.int64), held.cumsum(0)])
-    return take(sums, to_device(ends.tolist(), held.device)) - take(sums, to_device((ends - counts).tolist(), held.device))
+    dev = held.device
+    return take(sums, to_device(ends.tolist(), dev)) - take(sums, to_device((ends - counts).tolist(), dev))
 
 
 def _held_in_part(held: torch.Tensor, counts, device) -> Optional[int]:
@@ -438,15 +439,16 @@ def rebuild_ctx(plan: Optional[WritePlan], manifest, payloads: Sequence[DeltaPay
     for params, tally in tallies:
         if tally:  # per param: entries read, and how many some rank holds
             k = torch.cat([t[0] for t in tally])
-            got = torch.zeros(len(params), dtype=torch.int64, device=device).index_add_(0, k, torch.cat([t[1] for t in tally]))
+            got = torch.zeros(len(params), dtype=torch.int64, device=device)
+            got.index_add_(0, k, torch.cat([t[1] for t in tally]))
             read = torch.zeros_like(got).index_add_(0, k, torch.cat([t[2] for t in tally]))
             flags.append((got > 0) & (got < read))
             names += [p.name for p in params]
     if flags:
         bad = host_values(torch.cat(flags).nonzero_static(size=1, fill_value=-1))[0][0]
         if bad >= 0:
-            raise DeltaError(f"param {names[bad]!r}: xor_ctx needs its committed bytes, which this engine holds only in "
-                             "part (send it xor_zstd)", Refusal.NO_BASE)
+            raise DeltaError(f"param {names[bad]!r}: xor_ctx needs its committed bytes, which this engine holds only "
+                             "in part (send it xor_zstd)", Refusal.NO_BASE)
     return out
 
 
@@ -481,5 +483,6 @@ def read_ranges(plan: Optional[WritePlan], params, dtype, device, tally: list, p
         (raw,), held = _share_owned(group, held, [out.view(torch.uint8).view(out.numel(), out.element_size())])
         out, part = raw.view(dtype), True
     if part and counts:
-        tally.append((to_device([k for k, _, _ in pieces], device), _held_counts(held, counts), to_device(counts, device)))
+        tally.append((to_device([k for k, _, _ in pieces], device), _held_counts(held, counts),
+                      to_device(counts, device)))
     return out
