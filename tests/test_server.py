@@ -114,7 +114,7 @@ def test_generate_equals_a_server_fully_loaded(world):
 
 def test_a_delta_sender_sends_xor_ctx_that_the_server_applies_bit_identically(world):
     """``DeltaSender(encoding="xor_ctx")`` over disk: a full sync, then deltas the server decodes against its committed
-    bytes (its status says it can: no tensor parallelism), each bit-identical."""
+    bytes (its status says it can), each bit-identical."""
     from sglang.srt.weight_sync.delta.sender import DeltaSender
     from sglang.srt.weight_sync.delta.transport import DiskTransport, HttpEngine
     from cpu_harness import segments
