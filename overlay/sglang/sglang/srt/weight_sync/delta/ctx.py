@@ -236,8 +236,9 @@ ReadBase = Callable[[List[Tuple[int, int, int]]], torch.Tensor]
 """``[(param no in the spec, first element, elements)]`` -> the base of those ranges, joined (one flat tensor)."""
 Split = Tuple[int, int, Callable[[List[torch.Tensor]], List[torch.Tensor]]]
 """Decoders sharing a flush (tensor-parallel ranks): ``(rank, world, merge)``. Segment ``i`` of the table is decoded
-by rank ``i % world`` (every rank still reads every segment's base: the reads may be collectives); ``merge`` sums
-the ranks' outputs, each zero where another rank decoded, so every rank ends with the whole flush."""
+by rank ``i % world``; every rank still reads every segment's base, as ``read_base(pieces, i % world)`` (the reads
+may be collectives that give the base to that rank only); ``merge`` sums the ranks' outputs, each zero where another
+rank decoded, so every rank ends with the whole flush."""
 
 
 class _Table:
@@ -373,7 +374,8 @@ def decode(blob: torch.Tensor, params: Sequence[DeltaParam], dtype: torch.dtype,
         ents = np.arange(lo_e, hi_e)
         g = int(segs[lo_e])
         c0, c1 = int(cstart[lo_e]), int(cstart[hi_e])
-        base = read_base([(t.sparse[j], a, n) for j, a, n in t.space.pieces(g)])
+        pieces = [(t.sparse[j], a, n) for j, a, n in t.space.pieces(g)]
+        base = read_base(pieces) if split is None else read_base(pieces, i % split[1])
         if split is not None and i % split[1] != split[0]:  # another rank's: zeros here, its output in the merge
             for out in (bad_rank, bad_size, bad_step):
                 out.append(torch.zeros(len(ents), dtype=torch.bool, device=dev))

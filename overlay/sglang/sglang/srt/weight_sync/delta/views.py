@@ -380,11 +380,13 @@ def rebuild_xor(plan: Optional[WritePlan], manifest, payloads: Sequence[DeltaPay
     return rebuilt
 
 
-def _share_owned(group, held: torch.Tensor, parts: List[torch.Tensor]) -> Tuple[List[torch.Tensor], torch.Tensor]:
-    """Each element's bytes from the lowest tensor-parallel rank that holds it, on every rank, with two collectives:
-    ``parts`` are byte rows ``[n, width]`` whose elements ``held`` marks, joined. An element no rank holds is a raw
-    param's (read as zero): every rank has the same bytes, rank 0 gives them. Returns the parts as flat bytes and
-    which elements some rank holds."""
+def _share_owned(group, held: torch.Tensor, parts: List[torch.Tensor],
+                 to: Optional[int] = None) -> Tuple[List[torch.Tensor], torch.Tensor]:
+    """Each element's bytes from the lowest tensor-parallel rank that holds it, on every rank (or on rank ``to`` of
+    the group only: the bytes are reduced to it, half an all-reduce's traffic), with two collectives: ``parts`` are
+    byte rows ``[n, width]`` whose elements ``held`` marks, joined. An element no rank holds is a raw param's (read
+    as zero): every rank has the same bytes, rank 0 gives them. Returns the parts as flat bytes (meaningful on ``to``
+    only, when given) and which elements some rank holds (on every rank)."""
     world, rank = group.world_size, group.rank_in_group
     owner = torch.where(held, rank, world).to(torch.uint8 if world < 255 else torch.int32)  # a byte per element
     torch.distributed.all_reduce(owner, op=torch.distributed.ReduceOp.MIN, group=group.device_group)
@@ -394,7 +396,11 @@ def _share_owned(group, held: torch.Tensor, parts: List[torch.Tensor]) -> Tuple[
     widest = sorted(range(len(parts)), key=lambda k: -parts[k].shape[1])
     masks = mine.split([p.shape[0] for p in parts])
     raw = torch.cat([torch.where(masks[k][:, None], parts[k], 0).reshape(-1) for k in widest])
-    torch.distributed.all_reduce(raw, op=torch.distributed.ReduceOp.SUM, group=group.device_group)  # disjoint bytes
+    if to is None:  # disjoint bytes: each has one contributor
+        torch.distributed.all_reduce(raw, op=torch.distributed.ReduceOp.SUM, group=group.device_group)
+    else:
+        torch.distributed.reduce(raw, torch.distributed.get_global_rank(group.device_group, to),
+                                 op=torch.distributed.ReduceOp.SUM, group=group.device_group)
     out, at = [None] * len(parts), 0
     for k in widest:
         n = parts[k].numel()
@@ -421,10 +427,10 @@ def _held_in_part(held: torch.Tensor, counts, device) -> Optional[int]:
 def rebuild_ctx(plan: Optional[WritePlan], manifest, payloads: Sequence[DeltaPayload], device) -> List[DeltaPayload]:
     """``xor_ctx``: every flush's logical blobs rebuilt from its coded streams and the committed bytes (see
     ``validate.uncode``). Its contexts need every element of a changed segment's base: with tensor parallelism a
-    rank holds only its shard, so the ranks share each segment's base as it is read (:func:`_share_owned`, two
-    collectives per segment: engine-internal traffic of the changed segments' bytes). The base pass, the costly
-    part, is split: a rank decodes every ``world``-th segment, and one more collective per flush gives every rank
-    the whole flush's positions and values (O(changed)). Called on every rank after the ranks agreed to rebuild;
+    rank holds only its shard, so the base pass, the costly part, is split: a rank decodes every ``world``-th
+    segment, whose base the ranks give it as it is read (:func:`_share_owned`, two collectives per segment:
+    engine-internal traffic of the changed segments' bytes), and one more collective per flush gives every rank the
+    whole flush's positions and values (O(changed)). Called on every rank after the ranks agreed to rebuild;
     every rank reads the same file, so the collectives match. A param read in part is refused after the decode,
     with one host read."""
     group = tp_group()
@@ -466,11 +472,13 @@ def _merge(group, parts: List[torch.Tensor]) -> List[torch.Tensor]:
     return out
 
 
-def read_ranges(plan: Optional[WritePlan], params, dtype, device, tally: list, pieces) -> torch.Tensor:
+def read_ranges(plan: Optional[WritePlan], params, dtype, device, tally: list, pieces,
+                decoder: Optional[int] = None) -> torch.Tensor:
     """The committed values of element ranges ``[(param number, first, count)]`` of ``params``, joined, through the
-    recorded views (:func:`read_base`); with tensor parallelism, every rank's (:func:`_share_owned`). A param no
-    view holds reads as zero (the sender codes it against zero: its ``xor_raw``). Where some param may be held in
-    part, appends to ``tally`` (param numbers, entries held, entries read) per range, for the caller to judge."""
+    recorded views (:func:`read_base`); with tensor parallelism, every rank's (:func:`_share_owned`), on every rank
+    or only on the ``decoder`` rank of a split decode (the others get bytes they do not use). A param no view holds
+    reads as zero (the sender codes it against zero: its ``xor_raw``). Where some param may be held in part, appends
+    to ``tally`` (param numbers, entries held, entries read) per range, for the caller to judge."""
     counts = [n for _, _, n in pieces]
     firsts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
     idx = torch.arange(sum(counts), device=device) + repeat_counts(
@@ -480,7 +488,8 @@ def read_ranges(plan: Optional[WritePlan], params, dtype, device, tally: list, p
     held, part = helds[0]
     group = tp_group()
     if group is not None:
-        (raw,), held = _share_owned(group, held, [out.view(torch.uint8).view(out.numel(), out.element_size())])
+        (raw,), held = _share_owned(group, held, [out.view(torch.uint8).view(out.numel(), out.element_size())],
+                                    decoder)
         out, part = raw.view(dtype), True
     if part and counts:
         tally.append((to_device([k for k, _, _ in pieces], device), _held_counts(held, counts),
