@@ -366,7 +366,7 @@ def rebuild_xor(plan: Optional[WritePlan], manifest, payloads: Sequence[DeltaPay
         return rebuilt
     held = torch.cat([h for h, _ in helds]) if len(helds) > 1 else helds[0][0]
     if group is not None:
-        parts = [pl.values.view(torch.uint8).view(pl.values.numel(), pl.values.element_size()) for pl in rebuilt]
+        parts = [pl.values.view(INT_VIEW[pl.values.element_size()]) for pl in rebuilt]
         raws, held = _share_owned(group, held, parts)
         rebuilt = [dataclasses.replace(r, values=raw.view(r.values.dtype)) for r, raw in zip(rebuilt, raws)]
     elif not any(some for _, some in helds):
@@ -384,29 +384,15 @@ def _share_owned(group, held: torch.Tensor, parts: List[torch.Tensor],
                  to: Optional[int] = None) -> Tuple[List[torch.Tensor], torch.Tensor]:
     """Each element's bytes from the lowest tensor-parallel rank that holds it, on every rank (or on rank ``to`` of
     the group only: the bytes are reduced to it, half an all-reduce's traffic), with two collectives: ``parts`` are
-    byte rows ``[n, width]`` whose elements ``held`` marks, joined. An element no rank holds is a raw param's (read
-    as zero): every rank has the same bytes, rank 0 gives them. Returns the parts as flat bytes (meaningful on ``to``
-    only, when given) and which elements some rank holds (on every rank)."""
+    flat integer views of values whose elements ``held`` marks, joined. An element no rank holds is a raw param's
+    (read as zero): every rank has the same bytes, rank 0 gives them. Returns the parts (meaningful on ``to`` only,
+    when given) and which elements some rank holds (on every rank)."""
     world, rank = group.world_size, group.rank_in_group
     owner = torch.where(held, rank, world).to(torch.uint8 if world < 255 else torch.int32)  # a byte per element
     torch.distributed.all_reduce(owner, op=torch.distributed.ReduceOp.MIN, group=group.device_group)
     mine = (owner == rank) | ((owner == world) & (rank == 0))
-    # one run of bytes, though a request's flushes differ in value width (bf16 weights, fp8 experts, fp32 scales):
-    # widest first, so every part's values start aligned for their dtype
-    widest = sorted(range(len(parts)), key=lambda k: -parts[k].shape[1])
-    masks = mine.split([p.shape[0] for p in parts])
-    raw = torch.cat([torch.where(masks[k][:, None], parts[k], 0).reshape(-1) for k in widest])
-    if to is None:  # disjoint bytes: each has one contributor
-        torch.distributed.all_reduce(raw, op=torch.distributed.ReduceOp.SUM, group=group.device_group)
-    else:
-        torch.distributed.reduce(raw, torch.distributed.get_global_rank(group.device_group, to),
-                                 op=torch.distributed.ReduceOp.SUM, group=group.device_group)
-    out, at = [None] * len(parts), 0
-    for k in widest:
-        n = parts[k].numel()
-        out[k] = raw[at:at + n]
-        at += n
-    return out, owner < world
+    masks = mine.split([p.numel() for p in parts])
+    return _sum_bytes(group, [torch.where(m, p, 0) for m, p in zip(masks, parts)], to), owner < world
 
 
 def _held_counts(held: torch.Tensor, counts) -> torch.Tensor:
@@ -434,7 +420,7 @@ def rebuild_ctx(plan: Optional[WritePlan], manifest, payloads: Sequence[DeltaPay
     every rank reads the same file, so the collectives match. A param read in part is refused after the decode,
     with one host read."""
     group = tp_group()
-    split = None if group is None else (group.rank_in_group, group.world_size, functools.partial(_merge, group))
+    split = None if group is None else (group.rank_in_group, group.world_size, functools.partial(_sum_bytes, group))
     out, tallies = [], []
     for pl in payloads:
         tally: list = []
@@ -458,12 +444,18 @@ def rebuild_ctx(plan: Optional[WritePlan], manifest, payloads: Sequence[DeltaPay
     return out
 
 
-def _merge(group, parts: List[torch.Tensor]) -> List[torch.Tensor]:
-    """The ranks' shares of a split decode, each zero where another rank decoded, summed as bytes in one collective
-    (every byte has one contributor), back in their dtypes and shapes (widest first, so each starts aligned)."""
+def _sum_bytes(group, parts: List[torch.Tensor], to: Optional[int] = None) -> List[torch.Tensor]:
+    """``parts`` summed over the group's ranks as bytes, in one collective (every byte has one contributor: the
+    others hold zero), back in their dtypes and shapes; on every rank, or reduced to group rank ``to`` only. One
+    run of bytes though the parts differ in width (bf16 weights, fp8 experts, fp32 scales, int64 positions): widest
+    first, so each starts aligned for its dtype."""
     widest = sorted(range(len(parts)), key=lambda k: -parts[k].element_size())
     raw = torch.cat([parts[k].contiguous().view(torch.uint8).reshape(-1) for k in widest])
-    torch.distributed.all_reduce(raw, op=torch.distributed.ReduceOp.SUM, group=group.device_group)
+    if to is None:
+        torch.distributed.all_reduce(raw, op=torch.distributed.ReduceOp.SUM, group=group.device_group)
+    else:
+        torch.distributed.reduce(raw, torch.distributed.get_global_rank(group.device_group, to),
+                                 op=torch.distributed.ReduceOp.SUM, group=group.device_group)
     out, at = [None] * len(parts), 0
     for k in widest:
         n = parts[k].numel() * parts[k].element_size()
@@ -488,8 +480,7 @@ def read_ranges(plan: Optional[WritePlan], params, dtype, device, tally: list, p
     held, part = helds[0]
     group = tp_group()
     if group is not None:
-        (raw,), held = _share_owned(group, held, [out.view(torch.uint8).view(out.numel(), out.element_size())],
-                                    decoder)
+        (raw,), held = _share_owned(group, held, [out.view(INT_VIEW[out.element_size()])], decoder)
         out, part = raw.view(dtype), True
     if part and counts:
         tally.append((to_device([k for k, _, _ in pieces], device), _held_counts(held, counts),
