@@ -343,6 +343,44 @@ def test_a_sync_aborted_midway_is_counted_and_the_engines_status_decides_what_fo
     assert_params_equal(engine.host.model, reference(cfg, state))
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3-tied"])
+def test_xor_ctx_after_an_aborted_sync_leaves_out_positions_back_at_the_base(tmp_path, arch):
+    """An aborted sync's positions are re-sent by the next; those whose value went back to the base (and, tied, a
+    zero-based param's element that became +0.0) are steps of 0, which xor_ctx cannot code: the sender leaves them
+    out of the flush (an engine at the base needs nothing there), and the engine takes xor_ctx bit-identically."""
+    cfg = hf_config(arch)
+    trainer = hf_model(cfg)
+    engine = LocalEngine(cfg)
+    sender = DeltaSender(DiskTransport(str(tmp_path), [engine], zstd=zstd_level("xor_ctx")), [engine],
+                         encoding="xor_ctx", buffer_bytes=4 << 10)
+    base = bf16_state(trainer)
+    assert sender.update(segments(base))[0][0]
+    v2, v3 = list(rl_steps(trainer, 2))
+    chunks = iter(segments(v2)[0]())
+    first, second = next(chunks), next(chunks)
+
+    def broken():  # v2's first chunk is diffed (its positions staged) as the second comes, then the gather dies
+        yield first
+        yield second
+        raise RuntimeError("gather failed")
+
+    assert not sender.update([broken])[0][0]
+    assert sender.state.staged
+    back = 0
+    for name, _ in first:  # half of what v2 changed there goes back to the base in v3
+        moved = torch.nonzero(v2[name].view(torch.int16) != base[name].view(torch.int16))[::2, 0]
+        v3[name].view(-1)[moved] = base[name].view(-1)[moved]
+        back += moved.numel()
+    assert back
+    raw = sorted(sender.status[0].xor_raw)
+    for name in raw:  # coded against zero: an element at +0.0 is a step of 0 too
+        v3[name].view(-1)[:3] = 0.0
+    assert (arch == "qwen3-tied") == bool(raw)
+    assert sender.update(segments(v3))[0][0]
+    m = sender.pop_metrics()
+    assert m["perf/update_weights_ctx"] == 1 and m["perf/update_weights_full_sync_engines"] == 0
+    assert_params_equal(engine.host.model, reference(cfg, v3))
+
 def test_xor_zstd_goes_to_engines_at_the_base_and_planes_to_the_others(tmp_path):
     """Two engines, one of which misses a sync: while it is behind the snapshot's version, that sync's deltas are
     planes_zstd (right for any engine in range) for both; once both are back at the base, xor_zstd again. An engine

@@ -84,6 +84,21 @@ class ChangeRun:
         a, b = self.starts[j], self.starts[j + 1]
         return self.idx[a:b], self.values[a:b], None if self.olds is None else self.olds[a:b]
 
+    def moved(self, zero: Sequence[bool]) -> "ChangeRun":
+        """The run less the positions whose new bytes equal the base (``olds``; zero for a param flagged in
+        ``zero``): a position an unacknowledged sync sent that is back at the base, which ``xor_ctx`` (a step from
+        the base, never 0) cannot carry and an engine at the base does not need. One host read."""
+        iv = INT_VIEW[self.values.element_size()]
+        dev = self.values.device
+        ids = repeat_counts(torch.arange(len(self.counts), device=dev), self.counts)
+        olds = self.olds.view(iv)
+        if any(zero):
+            olds = torch.where(to_device(list(map(int, zero)), dev).bool()[ids], torch.zeros_like(olds), olds)
+        keep = self.values.view(iv) != olds
+        counts = host_values(torch.zeros(len(self.counts), dtype=torch.int64, device=dev).index_add_(0, ids,
+                                                                                                   keep.long()))
+        return ChangeRun(self.ks, counts, self.idx[keep], self.values[keep], self.olds[keep])
+
 
 @dataclasses.dataclass
 class Prediffed:

@@ -92,13 +92,18 @@ class SyncRun:
         delta, full = self.buckets.get("delta"), self.buckets.get("full")
         if full is None and self.found_elsewhere and any(n in self.found_elsewhere for n, _ in chunk):
             raise DeltaError("a param kept elsewhere came whole in a sync without full targets")
-        found = state.changes(chunk, bases, olds=xor)
+        # xor_ctx codes a step from the base, never 0: re-sent positions back at the base (or a zero-based param
+        # at zero) leave the flush, not the record
+        still = delta is not None and self.encodings.get("delta") == DeltaEncoding.XOR_CTX.value and \
+            bool(state.staged or not self.xor_raw.isdisjoint(n for n, _ in chunk))
+        recorded = state.changes(chunk, bases, olds=xor or still)
+        found = [f.moved([chunk[k][0] in self.xor_raw for k in f.ks]) for f in recorded] if still else recorded
         if full is None and delta is not None and self._whole(chunk, found, xor) and delta.add_chunk(chunk, found):
             self.elements += sum(t.numel() for _, t in chunk)  # the usual chunk of a delta sync: no call per param
             self.nnz += found[0].idx.numel()
         else:
             self._params(chunk, found, bases, xor)
-        state.record(chunk, found)
+        state.record(chunk, recorded)
         if self.fingerprints is not None:  # hashed where the tensors live (on the GPU during training), per chunk
             t0 = time.perf_counter()
             self.fingerprints.update(fingerprint.tensor_shares(chunk))
