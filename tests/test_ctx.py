@@ -173,6 +173,7 @@ LIES = {
     "a sign stream that runs on": (lambda b: b.streams.__setitem__(2, b.streams[2] + b"\x01"),
                                    "the signs stream does not match"),
     "a header whose lengths lie": (lambda b: b.bytes(fix_lengths=False)[:-1], "a stream ends early or runs on"),
+    "unknown header flags": (lambda b: b.head.__setitem__(3, 2), "not an xor_ctx version 1 header"),
     "another magic": (lambda b: torch.frombuffer(bytearray(b"NOPE" + bytes(b.bytes().numpy())[4:]),
                                                  dtype=torch.uint8), "not an xor_ctx version 1 header"),
 }
@@ -228,8 +229,8 @@ def _reference_decode(blob: bytes, params, bases):
     bits) per sparse param; ``bases``: each one's base bits as Python ints."""
     import struct as st
 
-    magic, version, seg_log2, zero, n, lu, lr, ls = st.unpack("<4sBBHIQQQ", blob[:36])
-    assert magic == b"XCTX" and version == 1 and zero == 0
+    magic, version, seg_log2, flags, n, lu, lr, ls = st.unpack("<4sBBHIQQQ", blob[:36])
+    assert magic == b"XCTX" and version == 1 and flags in (0, 1)
     at, cols = 36, {}
     for name, fmt, size in (("seg", "I", 4), ("ctx", "H", 2), ("count", "I", 4), ("coded", "I", 4), ("nz", "I", 4),
                             ("flags", "B", 1), ("kp", "B", 1), ("k1", "B", 1), ("k2", "B", 1)):
@@ -257,8 +258,13 @@ def _reference_decode(blob: bytes, params, bases):
             out.append(prev)
         return out
 
-    # the joined space: every sparse param's elements, in spec order, with its bits and layout
-    space = [(p, i, bases[p][i]) for p in range(len(params)) for i in range(params[p][0])]
+    # the joined space: every sparse param's elements, in spec order, with its bits and layout; aligned (flag 1):
+    # each param starts a segment, the rest of its last segment holds no element
+    space = []
+    for p in range(len(params)):
+        space += [(p, i, bases[p][i]) for i in range(params[p][0])]
+        if flags & 1:
+            space += [None] * (-len(space) % (1 << seg_log2))
     _, bits, mant = params[0]
     half = 1 << (bits - 1)
     entries = list(range(n))
@@ -277,7 +283,7 @@ def _reference_decode(blob: bytes, params, bases):
     for e in entries:
         lo = cols["seg"][e] << seg_log2
         members = [x for x in range(lo, min(len(space), lo + (1 << seg_log2)))
-                   if (space[x][2] & (half - 1)) >> mant == cols["ctx"][e]]
+                   if space[x] is not None and (space[x][2] & (half - 1)) >> mant == cols["ctx"][e]]
         if cols["flags"][e] & 1:
             changed = [m for k, m in enumerate(members) if k not in set(coded[e])]
         else:
@@ -292,8 +298,7 @@ def _reference_decode(blob: bytes, params, bases):
     return {p: sorted(v.items()) for p, v in out.items()}
 
 
-def test_the_documented_contract_decodes_what_the_coder_writes():
-    """A decoder written from docs/wire-format.md alone agrees with ctx.py on a flush with every kind of class."""
+def _contract_states():
     g = torch.Generator().manual_seed(5)
     olds, news = {}, {}
     for k, n in enumerate((70_000, 3_000, 500)):  # two segments of 2**16; the small params share the second
@@ -304,7 +309,58 @@ def test_the_documented_contract_decodes_what_the_coder_writes():
         pick = torch.randperm(n, generator=g)[:n // 30]
         new[pick] = (base[pick].float() * 1.004).to(torch.bfloat16)
         olds[f"p{k}.weight"], news[f"p{k}.weight"] = base, new
+    return olds, news
+
+
+def _holders_facts(olds, news, seg_log2, holders=3):
+    """The flush of ``news`` against ``olds`` coded in an aligned space from the facts that ``holders`` ranks, each
+    holding a random part of every base, find with :func:`ctx.held_counts` and add up: the payload, its blob."""
+    names = list(news)
+    pl = encode_flush([(n, news[n], torch.nonzero(olds[n].view(torch.int16) != news[n].view(torch.int16))[:, 0])
+                       for n in names], "xor_ctx", bases=[olds[n] for n in names], version=1, base_version=0)
+    space = ctx._Space([olds[n].numel() for n in names], seg_log2, aligned=True)
+    x = torch.cat([torch.arange(olds[n].numel()) + int(space.offs[k]) for k, n in enumerate(names)])
+    base = torch.cat([olds[n].reshape(-1) for n in names])
+    qx = torch.cat([pl.idx[p.val_start:p.val_end] + int(space.offs[k]) for k, p in enumerate(pl.spec.params)])
+    qbase = torch.cat([olds[n].reshape(-1)[pl.idx[p.val_start:p.val_end]] for n, p in zip(names, pl.spec.params)])
+    owner = torch.randint(0, holders, (x.numel(),), generator=torch.Generator().manual_seed(1))
+    rows = sum(ctx.held_counts(x[owner == h], base[owner == h], qx, qbase, seg_log2) for h in range(holders))
+    seg_len = torch.clamp(torch.tensor([olds[n].numel() for n in names])[
+        torch.searchsorted(torch.from_numpy(space.offs[1:]), qx, right=True)] - (qx - torch.from_numpy(
+            space.offs)[torch.searchsorted(torch.from_numpy(space.offs[1:]), qx, right=True)]) // (1 << seg_log2)
+        * (1 << seg_log2), max=1 << seg_log2)
+    assert torch.equal(rows[2], seg_len)  # the holders cover every element of each change's segment once
+    counts = [p.nnz for p in pl.spec.params]
+    by_facts = ctx.encode([None] * len(names), counts, pl.idx, pl.values, seg_log2, [olds[n].numel() for n in names],
+                          (rows[0], rows[1], qbase))
+    by_bases = ctx.encode([olds[n].reshape(-1) for n in names], counts, pl.idx, pl.values, seg_log2,
+                          [olds[n].numel() for n in names], (rows[0], rows[1], qbase))
+    return pl, by_facts, by_bases
+
+
+def test_ranks_holding_parts_of_the_base_code_what_the_whole_bases_do():
+    """An aligned space lets ranks that each hold part of every base find each change's class rank and size (one
+    sort of what each holds, summed): the blob they code is byte for byte the one the whole bases code, and the
+    engine's decoder (which reads the whole base) rebuilds the flush from it bit for bit."""
+    olds, news = _contract_states()
+    pl, by_facts, by_bases = _holders_facts(olds, news, ctx.SEG_LOG2_MIN)
+    assert by_facts == by_bases and ctx._HEADER.unpack(by_facts[:36])[3] == ctx.ALIGNED
+    names = list(news)
+    read = lambda pieces: torch.cat([olds[names[k]].reshape(-1)[a:a + n] for k, a, n in pieces])  # noqa: E731
+    pos, vals = ctx.decode(torch.frombuffer(bytearray(by_facts), dtype=torch.uint8), pl.spec.params, torch.bfloat16,
+                           read)
+    assert torch.equal(pos, pl.idx) and torch.equal(vals.view(torch.int16), pl.values.view(torch.int16))
+
+
+@pytest.mark.parametrize("aligned", [False, True])
+def test_the_documented_contract_decodes_what_the_coder_writes(aligned):
+    """A decoder written from docs/wire-format.md alone agrees with ctx.py on a flush with every kind of class, in
+    a joined space and in an aligned one."""
+    olds, news = _contract_states()
     sent, got, _ = _roundtrip(olds, news, ctx.SEG_LOG2_MIN)
+    if aligned:
+        _, blob, _ = _holders_facts(olds, news, ctx.SEG_LOG2_MIN)
+        got = dataclasses.replace(got, positions=torch.frombuffer(bytearray(blob), dtype=torch.uint8))
     names = [p.name for p in got.spec.params]
     as_ints = {k: (olds[n].view(torch.int16).to(torch.int32) & 0xFFFF).tolist() for k, n in enumerate(names)}
     ref = _reference_decode(bytes(got.positions.numpy()), [(olds[n].numel(), 16, 7) for n in names], as_ints)

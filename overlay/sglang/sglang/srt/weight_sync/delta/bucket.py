@@ -106,8 +106,9 @@ class DeltaBucket:
             self._close(dtype)
         if self.base_of is not None:
             for dt, entries in self.entries.items():
-                for g in entries:
-                    g.wholes = [self.base_of(n, math.prod(s), dt) for n, s in zip(g.names, g.shapes)]
+                for g in entries:  # changes found elsewhere come with their classes' facts instead
+                    if g.facts is None:
+                        g.wholes = [self.base_of(n, math.prod(s), dt) for n, s in zip(g.names, g.shapes)]
         out = [encode_gathered(self.entries[dt], self.encoding, sealed=False, **spec_fields)
                for dt in sorted(self.entries, key=str)]
         for p in out:
@@ -133,7 +134,7 @@ class _Span:
         f = self.found
         a, b = f.starts[self.start], f.starts[self.end]
         return FlushEntry(self.names, self.shapes, self.counts, f.values[a:b], f.idx[a:b],
-                        None if f.olds is None else f.olds[a:b])
+                          None if f.olds is None else f.olds[a:b], facts=None if f.facts is None else f.facts[:, a:b])
 
 
 def _module(name: str) -> str:

@@ -45,7 +45,8 @@ COMPLEMENT, SPARSE_STEPS = 1, 2  # flag bits of a table entry
 # what the coder holds per change beyond the flush's own bytes, counted against the sender's buffer so that a flush's
 # coding and decoding stay within a few buffers (make bench measures both sides per change)
 CODER_BYTES = 32
-_HEADER = struct.Struct("<4sBBHIQQQ")  # magic, version, seg_log2, 0, entries, U bytes, R bytes, S bytes
+_HEADER = struct.Struct("<4sBBHIQQQ")  # magic, version, seg_log2, flags, entries, U bytes, R bytes, S bytes
+ALIGNED = 1  # header flag: every sparse param starts a segment (a sender whose ranks each hold part of a base)
 _COLUMNS = (("seg", np.uint32), ("ctx", np.uint16), ("count", np.uint32),
             ("coded", np.uint32), ("nz", np.uint32), ("flags", np.uint8), ("kp", np.uint8), ("k1", np.uint8),
             ("k2", np.uint8))
@@ -94,12 +95,16 @@ def _unkey(k: torch.Tensor, bits: int) -> torch.Tensor:
 
 class _Space:
     """The flush's sparse params joined in spec order: one element space, cut into segments of ``2**seg_log2``.
-    Small params share a segment (and its classes), so their table costs what one large param's does."""
+    Small params share a segment (and its classes), so their table costs what one large param's does. ``aligned``:
+    each param starts a segment (its last one ends with it), so a param's classes do not depend on its
+    neighbours: what lets ranks that each hold part of a base find a change's class rank before the flush exists."""
 
-    def __init__(self, numels: Sequence[int], seg_log2: int):
-        self.numels = list(numels)
-        self.offs = np.concatenate([[0], np.cumsum(self.numels)]).astype(np.int64)
-        self.total, self.seg_log2 = int(self.offs[-1]), seg_log2
+    def __init__(self, numels: Sequence[int], seg_log2: int, aligned: bool = False):
+        self.numels = np.array(list(numels), np.int64)
+        unit = (1 << seg_log2) if aligned else 1
+        self.offs = np.concatenate([[0], np.cumsum(-(-self.numels // unit) * unit)]).astype(np.int64)
+        self.total = int(self.offs[-2] + self.numels[-1]) if len(self.numels) else 0
+        self.seg_log2 = seg_log2
         self.segments = -(-self.total >> seg_log2) if self.total else 0
 
     def span(self, seg: int) -> Tuple[int, int]:
@@ -112,7 +117,7 @@ class _Space:
         j = int(np.searchsorted(self.offs, lo, side="right")) - 1
         out = []
         while j < len(self.numels) and self.offs[j] < hi:
-            a, b = max(lo, self.offs[j]), min(hi, self.offs[j + 1])
+            a, b = max(lo, self.offs[j]), min(hi, self.offs[j] + self.numels[j])
             if b > a:
                 out.append((j, int(a - self.offs[j]), int(b - a)))
             j += 1
@@ -135,27 +140,68 @@ class _Segment:
         return _key(_bits(self.base[local], self.bits), self.bits)
 
 
+def held_counts(held: torch.Tensor, base: torch.Tensor, qx: torch.Tensor, qbase: torch.Tensor,
+                seg_log2: int) -> torch.Tensor:
+    """One holder's share of the facts of changes in an aligned space: ``held`` the elements it holds there (each
+    held by one holder only) and ``base`` their base; ``qx``/``qbase`` the changes and their base values. Per change
+    (rows): the held elements of its class before it, of its class, and of its segment; summed over the holders,
+    the first two are the change's :data:`Facts` and the third its segment's length (a check that the holders
+    cover every element once). One sort of the held elements' class keys, then searches."""
+    bits, mant, nctx = _layout(base.dtype)
+    low = (1 << seg_log2) - 1
+
+    def cls(x, b):
+        return (x >> seg_log2) * nctx + ((_bits(b, bits) & ((1 << (bits - 1)) - 1)) >> mant)
+
+    keys = torch.sort((cls(held, base) << seg_log2) | (held & low)).values
+    c = cls(qx, qbase)
+    s0 = ((qx >> seg_log2) * nctx) << seg_log2
+    edges = torch.stack([c << seg_log2, (c << seg_log2) | (qx & low), (c + 1) << seg_log2, s0,
+                         s0 + (nctx << seg_log2)])
+    at = torch.searchsorted(keys, edges)
+    return torch.stack([at[1] - at[0], at[2] - at[0], at[4] - at[3]])
+
+
 # ---------------------------------------------------------------- encode
 
 
-def encode(wholes: Sequence[torch.Tensor], counts: Sequence[int], idx: torch.Tensor, new: torch.Tensor,
-           seg_log2: int = SEG_LOG2) -> bytes:
+Facts = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""Per changed element, joined like the flush's positions: its rank in its class, its class's size and its base
+value: what the ranks that hold a param's base in parts found for it together (``aligned`` spaces only)."""
+
+
+def encode(wholes: Sequence[Optional[torch.Tensor]], counts: Sequence[int], idx: torch.Tensor, new: torch.Tensor,
+           seg_log2: int = SEG_LOG2, numels: Optional[Sequence[int]] = None, facts: Optional[Facts] = None) -> bytes:
     """The coded streams of a flush's sparse params (one values dtype), as the file's positions blob.
 
     ``wholes``: every sparse param's whole base in spec order (flat; zeros for a base the engine does not store),
     ``counts`` their changes; ``idx`` and ``new``: their positions (ascending per param) and new values, joined in
-    that order."""
+    that order. ``facts``: an aligned space (``numels`` gives every param's size), whose params without a whole
+    (None) take their classes from the facts instead of a pass over their base."""
+    aligned = facts is not None
+    head_flags = ALIGNED if aligned else 0
     if not idx.numel():
-        return _HEADER.pack(MAGIC, VERSION, seg_log2, 0, 0, 0, 0, 0)
+        return _HEADER.pack(MAGIC, VERSION, seg_log2, head_flags, 0, 0, 0, 0)
     bits, mant, nctx = _layout(new.dtype)
     dev = new.device
-    space = _Space([w.numel() for w in wholes], seg_log2)
+    space = _Space([w.numel() for w in wholes] if numels is None else numels, seg_log2, aligned)
     x = idx + rep(to_device(space.offs[:-1], dev), counts)  # positions in the joined space
     segs = host_values(torch.unique_consecutive(x >> seg_log2))
     bounds = host_values(torch.searchsorted(x, to_device([g << seg_log2 for g in segs] + [space.total], dev)))
     ent_keys, ranks, sizes, steps = [], [], [], []
     for i, (g, lo, hi) in enumerate(zip(segs, bounds, bounds[1:])):
-        seg = _Segment(torch.cat([wholes[j][a:a + n] for j, a, n in space.pieces(g)]).to(dev), bits, mant, nctx)
+        pieces = space.pieces(g)
+        if aligned and wholes[pieces[0][0]] is None:  # the ranks' facts: no base pass here
+            rank, size, base = (f[lo:hi] for f in facts)
+            b = _bits(base, bits)
+            k = (b & ((1 << (bits - 1)) - 1)) >> mant
+            perm = torch.argsort(k, stable=True)
+            ent_keys.append(k[perm] + i * nctx)
+            ranks.append(rank[perm])
+            sizes.append(size[perm])
+            steps.append(_key(_bits(new[lo:hi][perm], bits), bits) - _key(b[perm], bits))
+            continue
+        seg = _Segment(torch.cat([wholes[j][a:a + n] for j, a, n in pieces]).to(dev), bits, mant, nctx)
         k = seg.keys[x[lo:hi] - (g << seg_log2)].long()
         perm = torch.argsort(k, stable=True)  # class order; within a class, rank (position) order
         k, local = k[perm], (x[lo:hi] - (g << seg_log2))[perm]
@@ -223,7 +269,7 @@ def encode(wholes: Sequence[torch.Tensor], counts: Sequence[int], idx: torch.Ten
     table = dict(seg=np.array(segs, np.int64)[ukeys // nctx], ctx=ukeys % nctx,
                  count=counts, coded=coded, nz=np.where(sparse, nz, 0), flags=flags, kp=kp,
                  k1=np.where(sparse, kg, k1a), k2=np.where(sparse, kb, 0))
-    head = _HEADER.pack(MAGIC, VERSION, seg_log2, 0, len(counts), u.numel(), r.numel(), s.numel())
+    head = _HEADER.pack(MAGIC, VERSION, seg_log2, head_flags, len(counts), u.numel(), r.numel(), s.numel())
     cols = b"".join(np.ascontiguousarray(table[name], dtype=t).astype(np.dtype(t).newbyteorder("<")).tobytes()
                     for name, t in _COLUMNS)
     return head + cols + b"".join(x.cpu().numpy().tobytes() for x in (u, r, s))
@@ -249,8 +295,8 @@ class _Table:
         if blob.numel() < _HEADER.size:
             raise DeltaError(f"xor_ctx streams{where}: {blob.numel()} bytes, shorter than their header")
         head = bytes(blob[:_HEADER.size].cpu().numpy())
-        magic, version, self.seg_log2, zero, n, *lens = _HEADER.unpack(head)
-        if magic != MAGIC or version != VERSION or zero:
+        magic, version, self.seg_log2, flags, n, *lens = _HEADER.unpack(head)
+        if magic != MAGIC or version != VERSION or flags & ~ALIGNED:
             raise DeltaError(f"xor_ctx streams{where}: not an xor_ctx version {VERSION} header")
         if not SEG_LOG2_MIN <= self.seg_log2 <= SEG_LOG2_MAX:
             raise DeltaError(f"xor_ctx streams{where}: segments of 2**{self.seg_log2} elements (allowed "
@@ -273,7 +319,7 @@ class _Table:
         self.n = n
         self.bits, self.mant, self.nctx = _layout(dtype)
         self.sparse = [k for k, q in enumerate(params) if not q.dense]
-        self.space = _Space([params[k].numel for k in self.sparse], self.seg_log2)
+        self.space = _Space([params[k].numel for k in self.sparse], self.seg_log2, bool(flags & ALIGNED))
         self.params = params
         self._check()
 

@@ -73,6 +73,7 @@ class ChangeRun:
     idx: torch.Tensor
     values: torch.Tensor
     olds: Optional[torch.Tensor] = None
+    facts: Optional[torch.Tensor] = None  # xor_ctx found elsewhere: per change its class rank and size (2 rows)
 
     @functools.cached_property
     def starts(self) -> List[int]:
@@ -238,8 +239,9 @@ class FlushEntry:
     counts: List[int]  # values per param
     values: torch.Tensor  # flat, joined, in the params' dtype
     idx: Optional[torch.Tensor]  # joined, each param's own positions (from 0)
-    base: Optional[torch.Tensor] = None  # xor_zstd: base_version's values beside ``values``
+    base: Optional[torch.Tensor] = None  # xor_zstd: base_version's values beside ``values`` (xor_ctx: with facts)
     wholes: Optional[List[torch.Tensor]] = None  # xor_ctx: each param's whole base (references, not copies)
+    facts: Optional[torch.Tensor] = None  # xor_ctx found elsewhere: class rank and size beside ``values`` (2 rows)
 
     @classmethod
     def of(cls, name: str, tensor: torch.Tensor, idx: Optional[torch.Tensor],
@@ -276,8 +278,10 @@ def encode_gathered(items: Sequence[FlushEntry], encoding: str, sealed: bool = T
     if xor and any(g.base is None for g in items):
         raise DeltaError("xor_zstd needs base_version's values of every param (bases)")
     ctx = DeltaEncoding(encoding) is DeltaEncoding.XOR_CTX
-    if ctx and any(g.wholes is None or len(g.wholes) != len(g.names) for g in items):
+    if ctx and any(g.facts is None and (g.wholes is None or len(g.wholes) != len(g.names)) for g in items):
         raise DeltaError("xor_ctx needs base_version's whole tensor of every param (wholes)")
+    if ctx and any(g.facts is not None and (g.idx is None or g.base is None) for g in items):
+        raise DeltaError("xor_ctx facts come with the changes' positions and base values")
     for g in items:  # the spec is made from counts the checksum then signs: a count off its blobs is caught here
         n = g.values.numel()
         if not len(g.names) == len(g.shapes) == len(g.counts):
@@ -320,8 +324,12 @@ def encode_gathered(items: Sequence[FlushEntry], encoding: str, sealed: bool = T
     spec = DeltaSpec(encoding=DeltaEncoding(encoding).value, params=params, **spec_fields)
     payload = DeltaPayload(spec, positions, values, base=base)
     if ctx:
-        payload.wholes = list(itertools.chain.from_iterable(g.wholes for g in items))
+        payload.wholes = list(itertools.chain.from_iterable(g.wholes or [None] * len(g.names) for g in items))
         payload.idx = torch.cat([g.idx for g in sparse]) if sparse else torch.zeros(0, dtype=torch.int64)
+        if any(g.facts is not None for g in sparse):  # an aligned space: facts where the ranks found them
+            payload.facts = (torch.cat([g.facts if g.facts is not None else g.idx.new_zeros(2, g.idx.numel())
+                                        for g in sparse], dim=1),
+                             torch.cat([g.base if g.facts is not None else g.values for g in sparse]))
     if not sealed:
         payload.sums = blob_sums(positions, values)
         return payload

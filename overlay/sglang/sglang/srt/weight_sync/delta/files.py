@@ -198,10 +198,12 @@ def _ctx_file(payload: DeltaPayload) -> bytes:
     """An ``xor_ctx`` flush: the sparse params' coded streams as ``__positions__``, the dense params' values XOR their
     base as ``__values__``; the spec, as always, describes (and its checksum covers) the logical blobs."""
     spec, values, wholes = payload.spec, payload.values, payload.wholes
-    if wholes is None or len(wholes) != len(spec.params) or payload.idx is None:
-        raise DeltaError("an xor_ctx flush needs the whole base of every param and its joined positions")
     sparse = [k for k, p in enumerate(spec.params) if not p.dense]
     dense = [k for k, p in enumerate(spec.params) if p.dense]
+    if wholes is None or len(wholes) != len(spec.params) or payload.idx is None or \
+            any(wholes[k] is None for k in dense) or (payload.facts is None and None in wholes):
+        raise DeltaError("an xor_ctx flush needs the whole base of every param (or its changes' facts) and its "
+                         "joined positions")
     if dense:
         iv = INT_VIEW[values.element_size()]
         spans = [spec.params[k] for k in sparse]
@@ -211,8 +213,12 @@ def _ctx_file(payload: DeltaPayload) -> bytes:
         dense_values = torch.bitwise_xor(news.view(iv), bases.view(iv)).view(values.dtype)
     else:
         sparse_values, dense_values = values, values[:0]
+    facts = None
+    if payload.facts is not None:
+        rows, base = payload.facts
+        facts = (rows[0], rows[1], base)
     coded = ctx.encode([wholes[k] for k in sparse], [spec.params[k].nnz for k in sparse], payload.idx, sparse_values,
-                       payload.seg_log2 or ctx.SEG_LOG2)
+                       payload.seg_log2 or ctx.SEG_LOG2, [spec.params[k].numel for k in sparse], facts)
     blob = torch.frombuffer(bytearray(coded), dtype=torch.uint8)
     return safetensors.torch.save({POSITIONS: blob, VALUES: dense_values.detach().to("cpu").contiguous()},
                                   metadata=payload.spec.to_metadata(payload.sealed_params))

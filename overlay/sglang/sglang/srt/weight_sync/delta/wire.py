@@ -481,6 +481,7 @@ class DeltaPayload:
     wholes: Optional[list] = None  # sender, xor_ctx: every param's whole base (flat), in spec order
     idx: Optional[torch.Tensor] = None  # sender, xor_ctx: the sparse params' positions, joined in spec order
     seg_log2: Optional[int] = None  # sender, xor_ctx: its segments' size, from the flush buffer (ctx.seg_log2_for)
+    facts: Optional[tuple] = None  # sender, xor_ctx found elsewhere: (class ranks and sizes, base values), joined
     coded: bool = False  # receiver, xor_ctx: ``positions`` hold the coded streams, ``values`` the dense XOR base
 
     def seal(self, spec_only: bool = False) -> "DeltaPayload":
