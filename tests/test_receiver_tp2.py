@@ -82,8 +82,8 @@ def _rank_main(rank, init_method, root, n_syncs, encoding, arch, raw, run, error
                                                ("qwen2", "xor_ctx", 0), ("qwen3-tied", "xor_ctx", 0)])
 def test_tp2_each_rank_narrows_the_global_delta(tmp_path, arch, encoding, run):
     """xor_zstd: each rank holds only its shard of the base, so the ranks rebuild the new values together; xor_ctx:
-    they share each changed segment's base and decode together; the tied lm_head, which no rank stores, travels raw
-    (coded against zero)."""
+    they share each changed segment's base and decode together (tied: in aligned flushes, as the sharded sender
+    codes them); the tied lm_head, which no rank stores, travels raw (coded against zero)."""
     cfg = hf_config(arch, hidden=128)
     raw = ["lm_head.weight"] if cfg.tie_word_embeddings else []  # the loader skips the tied head on every rank
     states = rl_states(cfg, 3, seed=0)
@@ -96,9 +96,14 @@ def test_tp2_each_rank_narrows_the_global_delta(tmp_path, arch, encoding, run):
         for pl in payloads:  # one publish: every flush file of the sync in one request
             pl.spec.flush, pl.spec.final = 0, True
         if v > 1 and encoding == "xor_ctx":  # the smallest segments: several per flush; at most this many change
+            aligned = arch == "qwen3-tied"  # each param starts a segment, as the sharded sender's flushes
             for pl in payloads:
                 pl.seg_log2 = SEG_LOG2_MIN
+                if aligned:  # facts beside whole bases: the bases code (the same bytes), in an aligned space
+                    n = sum(p.nnz for p in pl.spec.params if not p.dense)
+                    pl.facts = (torch.zeros(2, n, dtype=torch.int64), torch.zeros(n, dtype=pl.values.dtype))
             (vdir / "segments").write_text(str(sum(
+                sum(-(-p.numel >> SEG_LOG2_MIN) for p in pl.spec.params if not p.dense) if aligned else
                 -(-sum(p.numel for p in pl.spec.params if not p.dense) >> SEG_LOG2_MIN) for pl in payloads)))
         for k, pl in enumerate(as_parts(payloads)):
             (vdir / f"rank0000_flush{k:06d}.safetensors").write_bytes(

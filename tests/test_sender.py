@@ -772,6 +772,61 @@ def test_changes_found_elsewhere_land_and_their_shares_must_cover_each_name_whol
     sender.transport.close()
 
 
+def with_facts(found, old, seg_log2, holders=3):
+    """``found`` with its base values and its ``xor_ctx`` facts as a trainer's ranks find them: ``holders`` ranks
+    each hold a random part of every base, count what they hold of each change's class (``ctx.held_counts``) in an
+    aligned space, and the counts are summed."""
+    from sglang.srt.weight_sync.delta import ctx
+
+    run, names = found.run, found.names
+    space = ctx._Space([old[n].numel() for n in names], seg_log2, aligned=True)
+    x = torch.cat([torch.arange(old[n].numel()) + int(space.offs[k]) for k, n in enumerate(names)])
+    base = torch.cat([old[n].reshape(-1) for n in names])
+    qx = run.idx + torch.repeat_interleave(torch.from_numpy(space.offs[:-1]), torch.tensor(run.counts))
+    run.olds = base[torch.searchsorted(x, qx)]
+    owner = torch.randint(0, holders, (x.numel(),), generator=torch.Generator().manual_seed(7))
+    rows = sum(ctx.held_counts(x[owner == h], base[owner == h], qx, run.olds, seg_log2) for h in range(holders))
+    run.facts = rows[:2]
+    return found
+
+
+def test_xor_ctx_codes_changes_found_elsewhere_from_the_ranks_facts(tmp_path):
+    """The sharded sender's xor_ctx on the sender's side: changes found elsewhere come with their base values and
+    the facts the ranks found (no base); with the sender's own params they share aligned flushes, which the
+    engine decodes against its whole base, bit-identically. One lying count (a rank's wrong share) is refused by
+    the engine before a write: it keeps the last version exactly."""
+    from sglang.srt.weight_sync.delta import ctx
+
+    cfg = hf_config("qwen2")
+    engine = LocalEngine(cfg)
+    sender = DeltaSender(DiskTransport(str(tmp_path), [engine], zstd=1), [engine], encoding="xor_ctx",
+                         buffer_bytes=64 << 10)
+    seg_log2 = ctx.seg_log2_for(64 << 10)
+    states = rl_states(cfg, 3, seed=0)
+    away = sorted(n for n in states[0] if ".mlp." in n or "embed" in n)
+
+    def segment(old, new, lie=False):
+        def chunks():
+            if sender.run.gathers:
+                return [list(new.items())]
+            found = with_facts(found_elsewhere(old, new, away), old, seg_log2)
+            if lie:
+                found.run.facts[0, 5] += 1
+            return [[(n, t) for n, t in new.items() if n not in away], found]
+        return chunks
+
+    assert sender.update([segment(None, states[0])])[0][0]
+    sender.state.keep_elsewhere(away)
+    assert sender.update([segment(states[0], states[1])])[0][0]
+    m = sender.pop_metrics()
+    assert m["perf/update_weights_ctx"] == 1, m
+    assert_params_equal(engine.host.model, reference(cfg, states[1]))
+    ok, why = sender.update([segment(states[1], states[2], lie=True)])[0]
+    assert not ok and ("xor_ctx streams" in why or "checksum mismatch" in why), why
+    assert_params_equal(engine.host.model, reference(cfg, states[1]))
+    sender.transport.close()
+
+
 def test_a_full_sync_for_one_engine_keeps_the_changes_found_elsewhere_for_the_others(tmp_path):
     """One engine needs a full sync (it missed one) while the other is at the base: as slime's sharded sender gives
     them, the params whole go to the first only and the changes found elsewhere to the second — the sync's wire

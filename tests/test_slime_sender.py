@@ -649,12 +649,21 @@ def _sharded_rank(rank, layout, port, ray_address, url, args, out):
         rows, held, old = [], None, None
         for k in range(5):
             mine = H.hf_state(args, model, model_name)  # collective over the stage's TP (and EP) groups
-            if k == 3 and rank == 1:  # this rank's diff fails once: no engine may get a byte of that sync
-                real = up._sharded.differ.changes
-                up._sharded.differ.changes = lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("injected"))
+            ctx = args.update_weight_delta_encoding == "xor_ctx"
+            what = "held_counts" if ctx else "changes"
+            if k == 3 and rank == 1:  # this rank's diff fails once (xor_ctx: its map holds an element twice, as
+                real = getattr(up._sharded.differ, what)  # its counts say): no engine may get a byte of that sync
+
+                def twice(*a, **kw):
+                    rows = real(*a, **kw)
+                    rows[2, :1] += 1
+                    return rows
+
+                setattr(up._sharded.differ, what, twice if ctx else
+                        lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("injected")))
             up.update_weights()
             if k == 3 and rank == 1:
-                up._sharded.differ.changes = real
+                setattr(up._sharded.differ, what, real)
             m = up.pop_metrics()
             snap = torch.tensor([up._sharded.differ.snapshot_bytes])
             dist.all_reduce(snap, group=up._sharded.group)
@@ -670,7 +679,7 @@ def _sharded_rank(rank, layout, port, ray_address, url, args, out):
                                  to_source=m["perf/update_weights_sharded_bytes_to_source"],
                                  gather_params=m["perf/update_weights_sharded_gather_params"],
                                  mismatches=m.get("perf/update_weights_fingerprint_mismatches", 0),
-                                 xor=m.get("perf/update_weights_xor", 0),
+                                 xor=m.get("perf/update_weights_xor", 0), ctx=m.get("perf/update_weights_ctx", 0),
                                  snapshot=int(snap), model=sum(t.numel() * t.element_size() for t in mine.values()),
                                  sender_snapshot=len(up._sender.state.snapshot)))
             share = up._sharded.differ.snapshot_bytes
@@ -779,17 +788,19 @@ def test_a_rank_that_dies_mid_sync_leaves_the_engine_untouched_and_a_restarted_t
     world.pop("version", None)
 
 
-@pytest.mark.parametrize("layout, transport", [(dict(tp=2, dp=2, ep=2), "disk"), (dict(tp=2, pp=2), "nccl"),
-                                               (dict(pp=2, dp=2, ep=2), "disk")],
-                         ids=["moe-tp2-ep2-dp2-disk-xor_zstd", "tp2-pp2-nccl-deltas", "moe-pp2-ep2-dp2-disk-xor_zstd"])
-def test_sharded_sender(world, tmp_path, layout, transport):
+@pytest.mark.parametrize("layout, transport, encoding", [(dict(tp=2, dp=2, ep=2), "disk", "xor_ctx"),
+                                                         (dict(tp=2, pp=2), "nccl", "deltas"),
+                                                         (dict(pp=2, dp=2, ep=2), "disk", "xor_zstd")],
+                         ids=["moe-tp2-ep2-dp2-disk-xor_ctx", "tp2-pp2-nccl-deltas", "moe-pp2-ep2-dp2-disk-xor_zstd"])
+def test_sharded_sender(world, tmp_path, layout, transport, encoding):
     """``--update-weight-delta-sharded`` on real Megatron models (one process per rank, gloo) into a real server: a
     Qwen3-MoE-shaped one at TP=2 x EP=2 (its dense params TP=2 x DP=2) and at PP=2 x EP=2 (each stage's experts
     diffed by its own ranks) over disk, a dense one at TP=2 x PP=2 over NCCL. The first sync gathers (full), later
-    ones send only the changes each rank found in its own slice (with ``xor_zstd`` their base values too); the engine equals slime's own full HF conversion
-    after every sync; each rank's snapshot is its share of its stage; the bytes moved to the source follow the
-    changed elements; a rank whose diff fails makes the sync fail with no engine touched, and the next sync recovers
-    as a delta."""
+    ones send only the changes each rank found in its own slice (with ``xor_zstd`` and ``xor_ctx`` their base values
+    too; with ``xor_ctx`` the ranks then find each change's class rank together, no base moving); the engine equals
+    slime's own full HF conversion after every sync; each rank's snapshot is its share of its stage; the bytes moved
+    to the source follow the changed elements; a rank whose diff fails (or, ``xor_ctx``, whose counts say it holds
+    an element twice) makes the sync fail with no engine touched, and the next sync recovers as a delta."""
 
     import ray
 
@@ -807,8 +818,8 @@ def test_sharded_sender(world, tmp_path, layout, transport):
                         str(tmp_path / "moe-server.log")).wait_healthy()
     actors = [H.engine_actor_cls().options(name="sharded-engine", namespace="sharded-test").remote(server.url),
               Lock.options(num_cpus=0, name="sharded-lock", namespace="sharded-test").remote()]
-    xor = transport == "disk"
-    args = H.make_args(update_weight_transport=transport, update_weight_delta_encoding="xor_zstd" if xor else "deltas",
+    xor, ctx = encoding in ("xor_zstd", "xor_ctx"), encoding == "xor_ctx"
+    args = H.make_args(update_weight_transport=transport, update_weight_delta_encoding=encoding,
                        update_weight_disk_dir=str(tmp_path / "shared"), update_weight_delta_sharded=True,
                        update_weight_delta_fingerprint_interval=2, pipeline_model_parallel_size=layout.get("pp", 1),
                        num_experts=H.EXPERTS if "ep" in layout else None)
@@ -832,26 +843,22 @@ def test_sharded_sender(world, tmp_path, layout, transport):
         assert all(row["snapshot"] == row["model"] for row in rows), (r, rows)  # the ranks' slices: the stage once
         assert all(row["sender_snapshot"] == 0 for row in rows), (r, rows)  # the source keeps no stage snapshot
         assert [rows[i]["xor"] for i in (0, 1, 2, 4)] == [0, xor, xor, xor], (r, rows)  # after the full sync
-        for row in rows[1:3]:  # positions and values (and with xor_zstd the base values) of the changed elements
+        assert [rows[i]["ctx"] for i in (0, 1, 2, 4)] == [0, ctx, ctx, ctx], (r, rows)
+        for row in rows[1:3]:  # positions and values (and with xor the base values) of the changed elements
             assert 0 < row["to_source"] <= 1.2 * row["changed"] * (4 + 2 + 2 * xor) + 1024, (r, row)
     world.pop("version", None)  # the engine's chain moved on
 
 
-def test_xor_ctx_runs_with_the_senders_own_snapshot_and_refuses_the_sharded_one():
-    """xor_ctx codes against whole bases: unset, the sharded sender is off for it; asked for, it is refused."""
+def test_xor_ctx_takes_the_sharded_sender_by_default():
+    """xor_ctx with the sharded sender: unset, it is on, as with the other sparse encodings."""
     import types
 
     from slime.utils.delta_sync_args import resolve_delta_args, runs_sparse_delta
 
-    def args(**kw):
-        return types.SimpleNamespace(update_weight_mode="delta", update_weight_transport="disk",
-                                     update_weight_delta_encoding="xor_ctx", **kw)
-
-    ns = args()
+    ns = types.SimpleNamespace(update_weight_mode="delta", update_weight_transport="disk",
+                               update_weight_delta_encoding="xor_ctx")
     resolve_delta_args(ns)
-    assert ns.update_weight_delta_sharded is False and runs_sparse_delta(ns)
-    with pytest.raises(ValueError, match="drop --update-weight-delta-sharded"):
-        resolve_delta_args(args(update_weight_delta_sharded=True))
+    assert ns.update_weight_delta_sharded is True and runs_sparse_delta(ns)
 
 
 def test_slimes_own_full_mode_on_a_patched_tree_lands_and_leaves_no_stale_prefix(world):

@@ -4,7 +4,6 @@ Kept free of torch/megatron imports at module level: ``slime.utils.arguments`` i
 """
 
 SPARSE_DELTA_ENCODINGS = ("indices", "deltas", "deltas_zstd", "planes_zstd", "xor_zstd", "xor_ctx")
-OWN_SNAPSHOT_ENCODINGS = ("xor_ctx",)  # codes against whole bases: the sender's own snapshot, not the ranks' shards
 NCCL_ENCODINGS = ("indices", "deltas")
 
 
@@ -12,8 +11,8 @@ def resolve_delta_args(args) -> None:
     """Unset flags take their defaults here. ``--update-weight-delta-encoding``: 'deltas' over nccl (slime's own
     delta cannot run there); over disk two implementations answer to ``--update-weight-mode delta``, so an unset
     encoding is refused with both named (a patched tree never picks one silently); unused in ``full`` mode.
-    ``--update-weight-delta-sharded``: on wherever it runs (:func:`runs_sparse_delta`) but with ``xor_ctx``, whose
-    contexts need every element of a changed param's base; set where it cannot, it is refused."""
+    ``--update-weight-delta-sharded``: on wherever it runs (:func:`runs_sparse_delta`); set where it cannot, it is
+    refused."""
     if getattr(args, "update_weight_delta_encoding", None) is None:
         if args.update_weight_mode == "delta" and args.update_weight_transport == "nccl":
             args.update_weight_delta_encoding = "deltas"
@@ -26,8 +25,7 @@ def resolve_delta_args(args) -> None:
         else:
             args.update_weight_delta_encoding = "xor"  # slime's own default; no delta runs in this mode
     if getattr(args, "update_weight_delta_sharded", None) is None:
-        args.update_weight_delta_sharded = runs_sparse_delta(args) and \
-            args.update_weight_delta_encoding not in OWN_SNAPSHOT_ENCODINGS
+        args.update_weight_delta_sharded = runs_sparse_delta(args)
     _check_sharded(args)
 
 
@@ -41,11 +39,6 @@ def _check_sharded(args) -> None:
     if getattr(args, "update_weight_delta_sharded", False) and not runs_sparse_delta(args):
         raise ValueError("--update-weight-delta-sharded runs with --update-weight-mode=delta and a sparse encoding "
                          f"({', '.join(SPARSE_DELTA_ENCODINGS)}); slime's own updaters gather every param")
-    if getattr(args, "update_weight_delta_sharded", False) and args.update_weight_delta_encoding in \
-            OWN_SNAPSHOT_ENCODINGS:
-        raise ValueError(f"--update-weight-delta-encoding={args.update_weight_delta_encoding} codes each change "
-                         "against the whole param's base, which the sharded sender keeps in shards on the trainer "
-                         "ranks: drop --update-weight-delta-sharded (or use xor_zstd)")
 
 
 def add_store_arguments(parser) -> None:

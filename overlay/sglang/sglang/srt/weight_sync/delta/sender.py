@@ -363,8 +363,8 @@ class DeltaSender:
         """Per sync kind. ``xor_zstd`` only when every delta target is committed at the snapshot's version, can
         rebuild from its views and names the same raw params; otherwise that sync's deltas are ``planes_zstd``
         (overwrite semantics: right for any engine in range). ``xor_ctx`` where, beyond that, every delta target
-        decodes it (its status' ``ctx``), this sender holds every base (not the sharded sender's, kept on the
-        trainer ranks) and every sparse dtype is one it codes (not float64); else ``xor_zstd``.
+        decodes it (its status' ``ctx``) and every sparse dtype of the snapshot is one it codes (not float64; the
+        sharded sender's ranks find their changes' classes themselves, ``delta_shard_facts``); else ``xor_zstd``.
         Full syncs have no base: ``planes_zstd``."""
         if self.encoding not in (DeltaEncoding.XOR_ZSTD.value, DeltaEncoding.XOR_CTX.value):
             return {"delta": self.encoding, "full": self.encoding}
@@ -375,7 +375,7 @@ class DeltaSender:
             xor = xor and self.transport.head_version == self.state.version
         planes = DeltaEncoding.PLANES_ZSTD.value
         ctx = xor and self.encoding == DeltaEncoding.XOR_CTX.value and all(st.ctx for st in sts) \
-            and not self.state.elsewhere and all(map(ctx_codes, {t.dtype for t in self.state.snapshot.values()}))
+            and all(map(ctx_codes, {t.dtype for t in self.state.snapshot.values()}))
         return {"delta": DeltaEncoding.XOR_CTX.value if ctx else DeltaEncoding.XOR_ZSTD.value if xor else planes,
                 "full": planes}
 

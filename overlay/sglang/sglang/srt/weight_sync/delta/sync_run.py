@@ -12,6 +12,7 @@ import torch
 
 from sglang.srt.weight_sync.delta import fingerprint
 from sglang.srt.weight_sync.delta.bucket import DeltaBucket
+from sglang.srt.weight_sync.delta.ctx import codes as ctx_codes
 from sglang.srt.weight_sync.delta.diff import ChangeRun, Prediffed, encode_flush
 from sglang.srt.weight_sync.delta.snapshot import Chunk
 from sglang.srt.weight_sync.delta.wire import (
@@ -130,8 +131,10 @@ class SyncRun:
                              "these engines")
         if xor and f.olds is None:
             raise DeltaError("xor_zstd needs base_version's values of changes found elsewhere (olds)")
-        if self.encodings.get("delta") == DeltaEncoding.XOR_CTX.value:  # the sender picks xor_zstd then
-            raise DeltaError("xor_ctx codes against whole bases, which changes found elsewhere do not come with")
+        ctx = self.encodings.get("delta") == DeltaEncoding.XOR_CTX.value
+        if ctx and f.idx.numel() and (f.facts is None or f.olds is None or not ctx_codes(dtype)):
+            raise DeltaError(f"params {found.names[:3]}: xor_ctx changes found elsewhere need their classes' facts "
+                             f"and base values, and a dtype it codes ({dtype})")
         if self.fingerprints is not None:
             if found.shares is None:
                 raise DeltaError("this sync checks fingerprints: changes found elsewhere need their shares")
@@ -146,10 +149,10 @@ class SyncRun:
                 self._flush("delta")
             if not n:
                 continue
-            if xor and name in self.xor_raw:  # no engine rank stores it: XOR against zero
+            if (xor or ctx) and name in self.xor_raw:  # no engine rank stores it: XOR (or steps) against zero
                 idx, values, _ = f.share(j)
-                delta.add(name, torch.empty(shape, dtype=dtype, device="meta"), idx, torch.zeros_like(values),
-                          values)
+                delta.add(name, torch.empty(shape, dtype=dtype, device="meta"), idx,
+                          torch.zeros_like(values) if xor else None, values)
             else:
                 delta.add_found(f, j, name, list(shape))
 

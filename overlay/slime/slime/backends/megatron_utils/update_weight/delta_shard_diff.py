@@ -10,6 +10,7 @@ values: bytes follow the changed elements, and no rank gathers a full param.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import pickle
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from megatron.core import mpu
 from torch._utils import _flatten_dense_tensors
 
-from sglang.srt.weight_sync.delta import mix64
+from sglang.srt.weight_sync.delta import ctx, mix64
 from sglang.srt.weight_sync.delta.diff import ChangeRun, Prediffed, changes_many
 from sglang.srt.weight_sync.delta.fingerprint import NameSum, name_seed
 from sglang.srt.weight_sync.delta.ops import INT_VIEW, host_values, repeat_counts, to_device
@@ -142,16 +143,17 @@ class ShardDiffer:
                 out.append((name, p.detach().reshape(-1)[lo:hi]))
         return out
 
-    def _chunks(self, named: List[Tuple[str, torch.Tensor]]):
-        """The owned slices as chunks of at most ``chunk_bytes``: lists of ``(name, offset in its slice, piece)``;
-        a slice larger than a chunk is cut into pieces. Consecutive pieces of one dtype lie side by side in its
-        snapshot buffer, so a chunk's snapshot moves to the device as one copy."""
+    def _chunks(self, named: List[Tuple[str, torch.Tensor]], chunk_bytes: Optional[int] = None):
+        """The owned slices as chunks of at most ``chunk_bytes`` (default: the differ's): lists of ``(name, offset
+        in its slice, piece)``; a slice larger than a chunk is cut into pieces. Consecutive pieces of one dtype lie
+        side by side in its snapshot buffer, so a chunk's snapshot moves to the device as one copy."""
         chunk, size, dtype = [], 0, None
+        chunk_bytes = chunk_bytes or self.chunk_bytes
         for name, live in named:
-            per = self._piece(live)
+            per = self._piece(live, chunk_bytes)
             for off in range(0, max(1, live.numel()), per):
                 piece = live[off:off + per]
-                if chunk and (size + piece.nbytes > self.chunk_bytes or piece.dtype != dtype):
+                if chunk and (size + piece.nbytes > chunk_bytes or piece.dtype != dtype):
                     yield chunk
                     chunk, size = [], 0
                 chunk.append((name, off, piece))
@@ -159,9 +161,9 @@ class ShardDiffer:
         if chunk:
             yield chunk
 
-    def _piece(self, live: torch.Tensor) -> int:
+    def _piece(self, live: torch.Tensor, chunk_bytes: Optional[int] = None) -> int:
         """Elements of ``live``'s dtype in one chunk: the most of a slice one piece holds."""
-        return max(1, self.chunk_bytes // live.element_size())
+        return max(1, (chunk_bytes or self.chunk_bytes) // live.element_size())
 
     def _prefetch(self, chunk):
         hosts = [self.flat[p.dtype][self.at[n] + off:self.at[n] + off + p.numel()] for n, off, p in chunk]
@@ -201,6 +203,33 @@ class ShardDiffer:
                                run.values[mapped][order], run.olds[mapped][order] if olds else None))
                 self._found.append((names, offs, run.idx, run.values, run.counts))
         return Changes(blocks, self.shapes)
+
+    def held_counts(self, where: Dict[str, int], qx: torch.Tensor, qbase: torch.Tensor, seg_log2: int) -> torch.Tensor:
+        """This rank's share of the ``xor_ctx`` facts of changes ``qx`` (ascending) of HF params in an aligned space
+        (``where``: each one's start there), ``qbase`` their base values: :func:`ctx.held_counts` over the owned
+        elements that land in those params, read from the snapshot in chunks of a 64th of ``chunk_bytes`` (what
+        the sort and searches hold per element), each against the changes of the segments it reaches only."""
+        out = torch.zeros(3, qx.numel(), dtype=torch.int64, device=qx.device)
+        starts = torch.tensor([where.get(hf, -1) for hf in self.targets], dtype=torch.int64, device=qx.device)
+        named = [(n, self.snapshot[n]) for n, m in self.maps.items() if n in self.snapshot and
+                 self.snapshot[n].dtype == qbase.dtype and any(hf in where for hf, _ in m.targets)]
+        for chunk in self._chunks(named, max(1, self.chunk_bytes // 64)):
+            base = torch.cat([p for _, _, p in chunk]).to(qx.device)
+            sizes = [p.numel() for _, _, p in chunk]
+            at = list(itertools.accumulate(sizes, initial=0))[:-1]
+            shift = [self.base[n] + self.ranges[n][0] + off - a for (n, off, _), a in zip(chunk, at)]
+            flat = torch.arange(base.numel(), device=qx.device) + repeat_counts(to_device(shift, qx.device), sizes)
+            tgt, hpos, mapped = self._locate(flat)  # vocab padding maps nowhere
+            start = starts[tgt]
+            keep = mapped & (start >= 0)
+            x, base = (start + hpos)[keep], base[keep]
+            if not x.numel():
+                continue
+            ends = torch.stack([(x.min() >> seg_log2) << seg_log2, ((x.max() >> seg_log2) + 1) << seg_log2])
+            a, b = host_values(torch.searchsorted(qx, ends))
+            if b > a:
+                out[:, a:b] += ctx.held_counts(x, base, qx[a:b], qbase[a:b], seg_log2)
+        return out
 
     def _staged_pieces(self, named) -> Dict[Tuple[str, int], torch.Tensor]:
         """The staged positions per piece, relative to it: widened in one op, and cut with one search per param

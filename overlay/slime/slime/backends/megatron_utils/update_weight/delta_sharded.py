@@ -20,9 +20,11 @@ import torch
 import torch.distributed as dist
 from megatron.core import mpu
 
+from sglang.srt.weight_sync.delta import ctx
 from sglang.srt.weight_sync.delta.diff import Prediffed
 from sglang.srt.weight_sync.delta.wire import DeltaEncoding
 from slime.backends.megatron_utils.update_weight.delta_shard_diff import ShardDiffer, StaleShardMap, send_changes
+from slime.backends.megatron_utils.update_weight.delta_shard_facts import find_facts
 from slime.backends.megatron_utils.update_weight.delta_shard_map import build_shard_maps
 from slime.utils.distributed_utils import get_gloo_group
 
@@ -77,14 +79,15 @@ class ShardedSync:
     def plan(self, sender) -> dict:
         """The source's decision for this sync, on every rank of the stage: whether the ranks diff their slices (some
         engine or a version store takes a delta and the slices hold its base), whether it gathers every param (some engine gets a full
-        sync, or the slices hold no base), checks fingerprints, sends xor bases (``sender``: the source's, inside its
-        sync; None elsewhere)."""
+        sync, or the slices hold no base), checks fingerprints, sends xor bases, finds ``xor_ctx``'s facts
+        (``sender``: the source's, inside its sync; None elsewhere)."""
         mine = None
         if self.source:
             run = sender.run
             mine = {"diff": "delta" in run.buckets and self.seeded, "gather": run.gathers or not self.seeded,
                     "fingerprint": run.fingerprints is not None,
-                    "xor": run.encodings.get("delta") == DeltaEncoding.XOR_ZSTD.value}
+                    "xor": run.encodings.get("delta") == DeltaEncoding.XOR_ZSTD.value,
+                    "ctx": run.encodings.get("delta") == DeltaEncoding.XOR_CTX.value}
         self.last = self._share(mine)
         return self.last
 
@@ -94,7 +97,7 @@ class ShardedSync:
         it reads the slices of the old ones)."""
         plan = self.plan(sender)
         if plan["diff"]:
-            yield from self.found(params)
+            yield from self.found(params, sender)
         if plan["gather"]:
             self.rebuild(params, sender)
 
@@ -123,12 +126,12 @@ class ShardedSync:
             logger.warning("sharded delta sync: %d param(s) keep slime's gather path, e.g. %s", len(self.impure),
                            sorted(self.impure)[:3])
 
-    def found(self, params: Sequence[Tuple[str, torch.Tensor]]) -> List[Prediffed]:
+    def found(self, params: Sequence[Tuple[str, torch.Tensor]], sender=None) -> List[Prediffed]:
         """This rank's changes (and fingerprint shares, when the plan checks them) to the source: what the source
-        sends as found elsewhere (empty on the other ranks)."""
+        sends as found elsewhere (empty on the other ranks); with ``xor_ctx`` their facts too (:func:`find_facts`)."""
         plan, error = self.last, None
         try:
-            changes = self.differ.changes(params, olds=plan["xor"])
+            changes = self.differ.changes(params, olds=plan["xor"] or plan["ctx"])
             shares = self.differ.shares(params) if plan["fingerprint"] else None
         except Exception as e:  # every rank of every stage learns it here: no engine gets a byte of this sync
             logger.exception("sharded delta sync: this rank could not diff its shard")
@@ -143,7 +146,30 @@ class ShardedSync:
         total = torch.tensor([sent], dtype=torch.int64)
         dist.all_reduce(total, group=self.group)
         self.sent_bytes = int(total)
+        error = self._facts(out, sender) if plan["ctx"] else None
+        failed = torch.tensor([int(error is not None)])
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=get_gloo_group())  # every stage, as the diff's
+        if int(failed):
+            raise ShardDiffFailed(f"the trainer ranks could not find the xor_ctx facts{f': {error}' if error else ''}")
         return out or []
+
+    def _facts(self, out: Optional[List[Prediffed]], sender) -> Optional[str]:
+        """``xor_ctx``: the source leaves out the changes it cannot code (steps of 0: re-sent positions back at the
+        base), then every rank of the stage finds the facts of the rest. Why it failed on this rank (a rank's
+        error, or on the source segments the ranks do not hold once together), or None."""
+        try:
+            if self.source:
+                raw = sender.run.xor_raw
+                for p in out:
+                    if p.names:  # (a block of shares only has no changes)
+                        p.run = p.run.moved([n in raw for n in p.names])
+            device = torch.device("cpu") if dist.get_backend(self.data_group) == "gloo" else \
+                torch.device("cuda", torch.cuda.current_device())
+            return find_facts(self.differ, out, self.src, self.group, self.data_group,
+                              ctx.seg_log2_for(self.args.update_weight_buffer_size), device)
+        except Exception as e:  # noqa: BLE001 - every rank of every stage learns it in found()
+            logger.exception("sharded delta sync: this rank could not find the xor_ctx facts of its shard")
+            return repr(e)
 
     def settle(self, sender) -> str:
         """After a sync's pass: the source's outcome on every rank — ``seed`` (a gather sync every engine took),

@@ -1,0 +1,86 @@
+"""``xor_ctx`` with the sharded sender: a change is coded by its rank among the elements of its class (its segment's
+elements with its base exponent), and no trainer rank holds a param's whole base. In an aligned space (every param
+starts a segment) a class lies in one param, so the stage's ranks find each change's rank and class size together:
+the source broadcasts the changes (positions and base values) in batches, every rank counts what it holds of each
+change's class and segment (one sort of its owned elements), and a sum reduces the counts to the source. The bases
+never move; what travels is O(changed), and each rank's pass over its own slices is O(model / ranks).
+
+The segment counts check the ranks' maps: every element of a changed segment must be held by exactly one rank, or
+no change of the sync is sent (every rank raises, as for a failed diff).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from sglang.srt.weight_sync.delta import ctx
+from sglang.srt.weight_sync.delta.diff import Prediffed
+from sglang.srt.weight_sync.delta.ops import INT_VIEW, host_values, repeat_counts, to_device
+from slime.backends.megatron_utils.update_weight.delta_shard_diff import ShardDiffer
+
+_PER_CHANGE = 128  # bytes a change of a batch holds on every rank: positions, base, counts and the searches
+
+
+def find_facts(differ: ShardDiffer, found: Optional[Sequence[Prediffed]], src: int, group, data_group,
+               seg_log2: int, device: torch.device) -> Optional[str]:
+    """Every rank of the stage: the facts of the changes the source ``found`` (its Prediffed, None elsewhere) go to
+    their runs, in batches of at most a 128th of the differ's chunk in changes. Returns on the source why a
+    changed segment is not covered once by the ranks (None when it is)."""
+    me = dist.get_rank()
+    plan = None
+    if me == src:
+        plan = [(str(p.run.values.dtype).removeprefix("torch."), p.names, [int(np.prod(s)) for s in p.shapes],
+                 list(p.run.counts)) for p in found]
+    box = [plan]
+    dist.broadcast_object_list(box, src=src, group=group)
+    batch = max(1, differ.chunk_bytes // _PER_CHANGE)
+    wrong = None
+    for k, (dtype, names, numels, counts) in enumerate(box[0]):
+        dt = getattr(torch, dtype)
+        offs = ctx._Space(numels, seg_log2, aligned=True).offs
+        ends = np.cumsum(counts)
+        total = int(ends[-1]) if len(ends) else 0
+        if me == src:
+            run = found[k].run
+            qx = run.idx.to(device) + repeat_counts(to_device(offs[:-1], device), counts)
+            qbase = run.olds.to(device)
+        rows = []
+        for a in range(0, total, batch):
+            b = min(total, a + batch)
+            if me == src:
+                q, qb = qx[a:b].contiguous(), qbase[a:b].contiguous()
+            else:
+                q, qb = torch.empty(b - a, dtype=torch.int64, device=device), torch.empty(b - a, dtype=dt,
+                                                                                           device=device)
+            dist.broadcast(q, src, group=data_group)
+            dist.broadcast(qb.view(INT_VIEW[dt.itemsize]), src, group=data_group)
+            j0, j1 = int(np.searchsorted(ends, a, side="right")), int(np.searchsorted(ends, b - 1, side="right"))
+            part = differ.held_counts({names[j]: int(offs[j]) for j in range(j0, j1 + 1)}, q, qb, seg_log2)
+            dist.reduce(part, src, group=data_group)
+            if me == src:
+                rows.append(part)
+        if me == src and total:
+            rows = torch.cat(rows, dim=1)
+            wrong = wrong or _uncovered(names, numels, counts, run.idx.to(device), rows[2], seg_log2)
+            found[k].run.facts = rows[:2]
+    return wrong
+
+
+def _uncovered(names: List[str], numels: List[int], counts: List[int], idx: torch.Tensor, held: torch.Tensor,
+               seg_log2: int) -> Optional[str]:
+    """Why some change's segment is not held once by the ranks together (its length against their count)."""
+    n = repeat_counts(to_device(numels, idx.device), counts)
+    seg = idx >> seg_log2
+    length = torch.clamp(n - (seg << seg_log2), max=1 << seg_log2)
+    bad = torch.nonzero(held != length)[:1, 0]
+    if not host_values(bad):
+        return None
+    i = host_values(bad)[0]
+    j = int(np.searchsorted(np.cumsum(counts), i, side="right"))
+    return (f"the trainer ranks hold {host_values(held[i:i + 1])[0]} elements of segment {host_values(seg[i:i + 1])[0]}"
+            f" of {names[j]} together, not its {host_values(length[i:i + 1])[0]}: their shard maps do not cover it "
+            "once")
