@@ -21,20 +21,23 @@ venvs:
 # not change with the pin, run with the first only: the wire format, checksum and fingerprint (no SGLang code), the
 # package's layout, the bench's report, gpu-check's dry run, the delta tools and the image's tree (our scripts); and
 # the soak, 8 syncs per pause mode (both pins' pause modes run in test_pause_modes; `make soak PIN=...` runs 200);
-# the sender's pipeline stages and shared-group re-sync (overlay logic; both pins' receivers take disk and NCCL
-# deltas in test_server and test_sender); the version store's cases (its server test runs on both pins); the docs'
-# claims read from the code; the receiver's fault handling, refusals, write guard, device-path branches and host
+# the sender's logic, pipeline stages and shared-group re-sync (overlay logic; both pins' receivers take disk and
+# NCCL deltas in test_server and test_receiver_*); the version store's cases (its server test runs on both pins); the
+# docs' claims read from the code; the receiver's fault handling, refusals, write guard, device-path branches and host
 # synchronization counts, and the broadcast deadlines (overlay logic: both pins' bindings, loaders and update groups
-# run in test_server, test_receiver_*, test_sharded_engines and test_sender). Later pins leave the sharded engines'
-# bf16 cases to the first: their FP8 twins run the same ranks' paths there. slime's updater runs in
-# `make test-slime` (its own venv: Megatron, Ray).
+# run in test_server, test_receiver_*, test_sharded_engines). Later pins leave the sharded engines' bf16 cases to the
+# first (their FP8 twins run the same ranks' paths there), and the TP=2 receiver's encodings but the richest
+# (tied, xor_ctx in aligned flushes) and the run-length one: the ranks' views are the pin's, the encodings are not.
+# slime's updater runs in `make test-slime` (its own venv: Megatron, Ray).
 ONE_PIN_TESTS = tests/test_wire.py tests/test_ctx.py tests/test_checksum.py tests/test_fingerprint.py tests/test_layout.py \
   tests/test_bench.py tests/test_gpu_check.py tests/test_tools.py tests/test_image.py tests/test_soak.py \
   tests/test_pipeline_stages.py tests/test_shared_group_resync.py tests/test_store.py tests/test_docs.py \
   tests/test_fault_matrix.py tests/test_nccl_deadlines.py tests/test_sync_counts.py tests/test_receiver_refusals.py \
-  tests/test_write_guard_threads.py tests/test_device_path.py
-FIRST_PIN_CASES = $(foreach c,qwen3-moe-None-2-1 qwen3-moe-None-2-2 deepseek-v3-None-2-2,\
-  tests/test_sharded_engines.py::test_every_rank_of_a_sharded_engine_takes_each_delta_bit_identically[$(c)])
+  tests/test_write_guard_threads.py tests/test_device_path.py tests/test_sender.py
+FIRST_PIN_CASES = $(foreach c,qwen3-moe-None-2-1 qwen3-moe-None-2-2 deepseek-v3-None-2-2 qwen3-moe-None-4-2,\
+  tests/test_sharded_engines.py::test_every_rank_of_a_sharded_engine_takes_each_delta_bit_identically[$(c)]) \
+  $(foreach c,qwen2-deltas-0 qwen2-xor_zstd-0 qwen2-xor_ctx-0 qwen3-tied-xor_zstd-0,\
+  tests/test_receiver_tp2.py::test_tp2_each_rank_narrows_the_global_delta[$(c)])
 test: venvs
 	@rc=0; skip=""; for p in $(PINS); do \
 	  echo "=== tests against patched sglang $$p ==="; \

@@ -181,9 +181,14 @@ class _Ops:
 
 
 def _counts(args, layers):
-    """(kernel ops, host synchronizations) of one sharded diff and its commit on a model of ``layers`` layers."""
+    """(kernel ops, host synchronizations) of one sharded diff and its commit on a model of ``layers`` layers; then
+    of this rank's share of xor_ctx's facts of those changes (``held_counts``, in an aligned space)."""
+    import torch
+
     import slime_harness as H
     from cpu_harness import SyncCounter
+    from sglang.srt.weight_sync.delta import ctx
+    from sglang.srt.weight_sync.delta.ops import repeat_counts
     from slime.backends.megatron_utils.update_weight.common import named_params_and_buffers
     from slime.backends.megatron_utils.update_weight.delta_shard_diff import ShardDiffer
     from slime.backends.megatron_utils.update_weight.delta_shard_map import build_shard_maps
@@ -195,10 +200,15 @@ def _counts(args, layers):
     differ.seed(params)
     H.StageTrainer(model, seed=0).step()
     with _Ops() as ops, SyncCounter() as syncs:
-        changes = differ.changes(params)
+        changes = differ.changes(params, olds=True)
+    names, counts, pos, _, olds = changes.blocks[0]
+    space = ctx._Space([int(torch.tensor(changes.shapes[n]).prod()) for n in names], ctx.SEG_LOG2_MIN, aligned=True)
+    qx = pos + repeat_counts(torch.from_numpy(space.offs[:-1]), counts)
+    with _Ops() as facts_ops, SyncCounter() as facts_syncs:
+        differ.held_counts(dict(zip(names, space.offs.tolist())), qx, olds, ctx.SEG_LOG2_MIN)
+    with _Ops() as commit_ops, SyncCounter() as commit_syncs:
         differ.commit()
-    assert changes.blocks
-    return ops.n, len(syncs.ops)
+    return ops.n + commit_ops.n, len(syncs.ops) + len(commit_syncs.ops), facts_ops.n, len(facts_syncs.ops)
 
 
 def _by_name(changes):
@@ -280,7 +290,8 @@ def _rank_diff(rank, tp, dp, cp, port, errors):
             differ.commit()
             small.commit()
             old, carried = new, {}
-        if tp == 2:  # per sync a constant number of kernels and host reads, whatever the layer count
+        if tp == 2:  # per sync a constant number of kernels and host reads, whatever the layer count (the diff, and
+            # xor_ctx's facts of its changes)
             assert _counts(args, 2) == _counts(args, 6), (_counts(args, 2), _counts(args, 6))
     except BaseException:
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")

@@ -197,8 +197,8 @@ def encode(wholes: Sequence[Optional[torch.Tensor]], counts: Sequence[int], idx:
             k = (b & ((1 << (bits - 1)) - 1)) >> mant
             perm = torch.argsort(k, stable=True)
             ent_keys.append(k[perm] + i * nctx)
-            ranks.append(rank[perm])
-            sizes.append(size[perm])
+            ranks.append(rank[perm].long())
+            sizes.append(size[perm].long())
             steps.append(_key(_bits(new[lo:hi][perm], bits), bits) - _key(b[perm], bits))
             continue
         seg = _Segment(torch.cat([wholes[j][a:a + n] for j, a, n in pieces]).to(dev), bits, mant, nctx)

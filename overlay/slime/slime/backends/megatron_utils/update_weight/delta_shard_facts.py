@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from sglang.srt.weight_sync.delta import ctx
 from sglang.srt.weight_sync.delta.diff import Prediffed
-from sglang.srt.weight_sync.delta.ops import INT_VIEW, host_values, repeat_counts, to_device
+from sglang.srt.weight_sync.delta.ops import host_values, repeat_counts, to_device
 from slime.backends.megatron_utils.update_weight.delta_shard_diff import ShardDiffer
 
 _PER_CHANGE = 128  # bytes a change of a batch holds on every rank: positions, base, counts and the searches
@@ -51,13 +51,13 @@ def find_facts(differ: ShardDiffer, found: Optional[Sequence[Prediffed]], src: i
         rows = []
         for a in range(0, total, batch):
             b = min(total, a + batch)
-            if me == src:
-                q, qb = qx[a:b].contiguous(), qbase[a:b].contiguous()
+            n = b - a
+            if me == src:  # one broadcast of bytes per batch: the positions, then the base values
+                wire = torch.cat([qx[a:b].view(torch.uint8), qbase[a:b].reshape(-1).view(torch.uint8)])
             else:
-                q, qb = torch.empty(b - a, dtype=torch.int64, device=device), torch.empty(b - a, dtype=dt,
-                                                                                           device=device)
-            dist.broadcast(q, src, group=data_group)
-            dist.broadcast(qb.view(INT_VIEW[dt.itemsize]), src, group=data_group)
+                wire = torch.empty(n * (8 + dt.itemsize), dtype=torch.uint8, device=device)
+            dist.broadcast(wire, src, group=data_group)
+            q, qb = wire[:n * 8].view(torch.int64), wire[n * 8:].view(dt)
             j0, j1 = int(np.searchsorted(ends, a, side="right")), int(np.searchsorted(ends, b - 1, side="right"))
             part = differ.held_counts({names[j]: int(offs[j]) for j in range(j0, j1 + 1)}, q, qb, seg_log2)
             dist.reduce(part, src, group=data_group)
@@ -66,7 +66,7 @@ def find_facts(differ: ShardDiffer, found: Optional[Sequence[Prediffed]], src: i
         if me == src and total:
             rows = torch.cat(rows, dim=1)
             wrong = wrong or _uncovered(names, numels, counts, run.idx.to(device), rows[2], seg_log2)
-            found[k].run.facts = rows[:2]
+            found[k].run.facts = rows[:2].to(torch.int32)  # below a segment's 2**22 elements
     return wrong
 
 
