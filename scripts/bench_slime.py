@@ -210,6 +210,8 @@ def main():
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--moe", action="store_true")
+    ap.add_argument("--encoding", default="deltas_zstd", help="the sharded comparison's encoding (another than "
+                    "deltas_zstd: its own section of the page)")
     args = ap.parse_args()
     if args.tp > 1 or args.ep > 1 or args.pp > 1 or args.moe:
         import bench_slime_sharded

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 import traceback
 
 KINDS = ("sharded", "gather")
 
 
-def _rank(rank, layout, moe, size, steps, port, ray_address, urls, dirs, out):
+def _rank(rank, layout, moe, size, steps, port, ray_address, urls, dirs, encoding, out):
     try:
         import ray
         import torch
@@ -42,7 +43,7 @@ def _rank(rank, layout, moe, size, steps, port, ray_address, urls, dirs, out):
         trainer = H.StageTrainer(model, seed=100 * stage + tp_rank, shared_seed=stage)
         ups = {}
         for kind in KINDS:
-            args = H.make_args(update_weight_transport="disk", update_weight_delta_encoding="deltas_zstd",
+            args = H.make_args(update_weight_transport="disk", update_weight_delta_encoding=encoding,
                                update_weight_disk_dir=dirs[kind], update_weight_delta_sharded=kind == "sharded",
                                update_weight_delta_fingerprint_interval=0, update_weight_buffer_size=64 << 20,
                                num_experts=H.EXPERTS if moe else None)
@@ -75,6 +76,8 @@ def _rank(rank, layout, moe, size, steps, port, ray_address, urls, dirs, out):
                     step=step, changed_elements=changed, value_size=2, sender_ms=sender_ms,
                     gathered_bytes=int(m["perf/update_weights_sharded_bytes_to_source"]) if kind == "sharded"
                     else model_bytes, bit_identical=H.engine_holds(urls[kind], mine),
+                    wire=int(m["perf/update_weights_wire_bytes"]), encoded=m.get("perf/update_weights_ctx", 0),
+                    facts_bytes=int(m.get("perf/update_weights_sharded_facts_bytes", 0)),
                     failures=m["perf/update_weights_failures"], density=m["perf/update_weights_density"]))
             old = mine
             trainer.step()
@@ -85,7 +88,7 @@ def _rank(rank, layout, moe, size, steps, port, ray_address, urls, dirs, out):
         out.put((rank, traceback.format_exc()))
 
 
-def run(layout: dict, moe: bool, steps: int, root: str) -> dict:
+def run(layout: dict, moe: bool, steps: int, root: str, encoding: str = "deltas_zstd") -> dict:
     import ray
 
     import slime_harness as H
@@ -106,14 +109,39 @@ def run(layout: dict, moe: bool, steps: int, root: str) -> dict:
     dirs = {k: os.path.join(root, f"shared-{k}") for k in KINDS}
     try:
         got = H.run_ranks(_rank, n, layout, moe, size, steps, free_port(), ray.get_runtime_context().gcs_address,
-                          {k: s.url for k, s in servers.items()}, dirs, timeout=1800)
+                          {k: s.url for k, s in servers.items()}, dirs, encoding, timeout=1800)
     finally:
         ray.shutdown()
         for s in servers.values():
             s.stop()
     res = next(v for v in got.values() if v)
-    res["layout"], res["moe"], res["size"] = layout, moe, size
+    res["layout"], res["moe"], res["size"], res["encoding"] = layout, moe, size, encoding
     return res
+
+
+def encoding_section(res: dict, env: str) -> str:
+    """Another encoding's run of the same comparison: what each sender shipped, and (``xor_ctx``) what the ranks'
+    exchange of its facts moved."""
+    s, g, enc = res["sharded"], res["gather"], res["encoding"]
+    lay = " × ".join(f"{k.upper()}={v}" for k, v in res["layout"].items())
+    L = [f"## `{enc}` with both senders", "",
+         f"`make bench-slime BENCH_SLIME_ARGS=\"... --encoding {enc}\"`; one run on {env}, the model and layout ({lay}) "
+         "as above. **wire**: the bytes each sender published for its engine; **facts**: what each rank's part of "
+         "`xor_ctx`'s exchange moved (the changes broadcast to it, their counts reduced: no base moves); **coded**: "
+         f"whether the sync was `{enc}` (1) or fell back.", "",
+         "| step | changed elements | wire: sharded | gather | bytes to the source: sharded | facts per rank | sender ms: "
+         "sharded | gather | coded: sharded, gather | bit-identical |", "|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    for a, b in zip(s["steps"], g["steps"]):
+        L.append(f"| {a['step']} | {a['changed_elements']:,} | {a['wire']:,} | {b['wire']:,} | "
+                 f"{a['gathered_bytes']:,} | {a['facts_bytes']:,} | {a['sender_ms']:,.0f} | {b['sender_ms']:,.0f} | "
+                 f"{a['encoded']:.0f}, {b['encoded']:.0f} | {a['bit_identical'] and b['bit_identical']} |")
+    wire = sum(a["wire"] for a in s["steps"]) / max(1, sum(b["wire"] for b in g["steps"]))
+    per = sum(a["facts_bytes"] for a in s["steps"]) / max(1, sum(a["changed_elements"] for a in s["steps"]))
+    L += ["", f"Over the steps the sharded sender's wire bytes are {wire:.4f}x the gathering one's: its flushes are "
+          "aligned (every param starts a segment), so a param smaller than a segment has classes, and table entries, "
+          "of its own; most of this model's params are (a segment is 2**16 elements at least), a large model's are "
+          f"not. The facts moved {per:.1f} B per changed element per rank."]
+    return "\n".join(L) + "\n"
 
 
 def report(res: dict, env: str) -> str:
@@ -187,7 +215,8 @@ def main(args) -> int:
     import torch
 
     os.makedirs(args.workdir, exist_ok=True)
-    result = os.path.join(args.workdir, "result.json")
+    result = os.path.join(args.workdir, "result.json" if args.encoding == "deltas_zstd" else
+                          f"result-{args.encoding}.json")
     layout = {k: v for k, v in (("tp", args.tp), ("ep", args.ep), ("pp", args.pp)) if v > 1}
     layout["dp"] = args.ep  # experts split over EP x expert-TP (= TP) ranks: the stage needs TP x EP ranks
     if args.report_only:
@@ -195,12 +224,22 @@ def main(args) -> int:
     else:
         import tempfile
 
-        res = run(layout, args.moe, args.steps, tempfile.mkdtemp(dir=os.path.abspath(args.workdir)))
+        res = run(layout, args.moe, args.steps, tempfile.mkdtemp(dir=os.path.abspath(args.workdir)), args.encoding)
         json.dump(res, open(result, "w"), indent=1)
     env = f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
-    text = report(res, env) + "\n" + on_paper()
     from md_pages import write_page
 
-    write_page(os.path.join(args.out, "benchmarks-sharded-sender.md"), text)
+    page = os.path.join(args.out, "benchmarks-sharded-sender.md")
+    old = open(page).read() if os.path.exists(page) else ""
+    sections = {enc: body for body, enc in re.findall(r"(<!-- sharded-(\w+):begin -->.*?<!-- sharded-\2:end -->\n)",
+                                                       old, re.S)}
+    main_part = old.split("<!-- sharded-")[0].split("## On paper")[0] if old else ""
+    if res.get("encoding", "deltas_zstd") == "deltas_zstd":
+        main_part = report(res, env) + "\n"
+    else:
+        enc = res["encoding"]
+        sections[enc] = f"<!-- sharded-{enc}:begin -->\n{encoding_section(res, env)}<!-- sharded-{enc}:end -->\n"
+    text = main_part + "".join(sections[k] + "\n" for k in sorted(sections)) + on_paper()
+    write_page(page, text)
     print(text)
     return 0

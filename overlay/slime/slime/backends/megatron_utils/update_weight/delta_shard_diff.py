@@ -209,7 +209,7 @@ class ShardDiffer:
         (``where``: each one's start there), ``qbase`` their base values: :func:`ctx.held_counts` over the owned
         elements that land in those params, read from the snapshot in chunks of a 64th of ``chunk_bytes`` (what
         the sort and searches hold per element), each against the changes of the segments it reaches only."""
-        out = torch.zeros(3, qx.numel(), dtype=torch.int64, device=qx.device)
+        out = torch.zeros(3, qx.numel(), dtype=torch.int32, device=qx.device)  # counts within a segment (2**22)
         starts = torch.tensor([where.get(hf, -1) for hf in self.targets], dtype=torch.int64, device=qx.device)
         named = [(n, self.snapshot[n]) for n, m in self.maps.items() if n in self.snapshot and
                  self.snapshot[n].dtype == qbase.dtype and any(hf in where for hf, _ in m.targets)]
@@ -228,7 +228,7 @@ class ShardDiffer:
             ends = torch.stack([(x.min() >> seg_log2) << seg_log2, ((x.max() >> seg_log2) + 1) << seg_log2])
             a, b = host_values(torch.searchsorted(qx, ends))
             if b > a:
-                out[:, a:b] += ctx.held_counts(x, base, qx[a:b], qbase[a:b], seg_log2)
+                out[:, a:b] += ctx.held_counts(x, base, qx[a:b], qbase[a:b], seg_log2).to(torch.int32)
         return out
 
     def _staged_pieces(self, named) -> Dict[Tuple[str, int], torch.Tensor]:

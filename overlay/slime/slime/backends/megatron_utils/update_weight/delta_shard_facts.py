@@ -11,7 +11,7 @@ no change of the sync is sent (every rank raises, as for a failed diff).
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -26,10 +26,11 @@ _PER_CHANGE = 128  # bytes a change of a batch holds on every rank: positions, b
 
 
 def find_facts(differ: ShardDiffer, found: Optional[Sequence[Prediffed]], src: int, group, data_group,
-               seg_log2: int, device: torch.device) -> Optional[str]:
+               seg_log2: int, device: torch.device) -> Tuple[Optional[str], int]:
     """Every rank of the stage: the facts of the changes the source ``found`` (its Prediffed, None elsewhere) go to
     their runs, in batches of at most a 128th of the differ's chunk in changes. Returns on the source why a
-    changed segment is not covered once by the ranks (None when it is)."""
+    changed segment is not covered once by the ranks (None when it is), and on every rank the bytes it took part
+    in moving (each batch's broadcast and its counts' reduce)."""
     me = dist.get_rank()
     plan = None
     if me == src:
@@ -38,7 +39,7 @@ def find_facts(differ: ShardDiffer, found: Optional[Sequence[Prediffed]], src: i
     box = [plan]
     dist.broadcast_object_list(box, src=src, group=group)
     batch = max(1, differ.chunk_bytes // _PER_CHANGE)
-    wrong = None
+    wrong, moved = None, 0
     for k, (dtype, names, numels, counts) in enumerate(box[0]):
         dt = getattr(torch, dtype)
         offs = ctx._Space(numels, seg_log2, aligned=True).offs
@@ -60,14 +61,15 @@ def find_facts(differ: ShardDiffer, found: Optional[Sequence[Prediffed]], src: i
             q, qb = wire[:n * 8].view(torch.int64), wire[n * 8:].view(dt)
             j0, j1 = int(np.searchsorted(ends, a, side="right")), int(np.searchsorted(ends, b - 1, side="right"))
             part = differ.held_counts({names[j]: int(offs[j]) for j in range(j0, j1 + 1)}, q, qb, seg_log2)
+            moved += wire.numel() + part.numel() * part.element_size()
             dist.reduce(part, src, group=data_group)
             if me == src:
                 rows.append(part)
         if me == src and total:
             rows = torch.cat(rows, dim=1)
             wrong = wrong or _uncovered(names, numels, counts, run.idx.to(device), rows[2], seg_log2)
-            found[k].run.facts = rows[:2].to(torch.int32)  # below a segment's 2**22 elements
-    return wrong
+            found[k].run.facts = rows[:2].clone()
+    return wrong, moved
 
 
 def _uncovered(names: List[str], numels: List[int], counts: List[int], idx: torch.Tensor, held: torch.Tensor,

@@ -70,6 +70,7 @@ class ShardedSync:
         self.impure: frozenset = frozenset()  # Megatron names that keep slime's gather path
         self.last: Optional[dict] = None  # this pass's plan
         self.sent_bytes = 0
+        self.facts_bytes = 0  # xor_ctx: what this rank's part of the facts' exchange moved, the last sync
 
     def _share(self, obj):
         box = [obj]
@@ -146,6 +147,7 @@ class ShardedSync:
         total = torch.tensor([sent], dtype=torch.int64)
         dist.all_reduce(total, group=self.group)
         self.sent_bytes = int(total)
+        self.facts_bytes = 0
         error = self._facts(out, sender) if plan["ctx"] else None
         failed = torch.tensor([int(error is not None)])
         dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=get_gloo_group())  # every stage, as the diff's
@@ -165,8 +167,9 @@ class ShardedSync:
                         p.run = p.run.moved([n in raw for n in p.names])
             device = torch.device("cpu") if dist.get_backend(self.data_group) == "gloo" else \
                 torch.device("cuda", torch.cuda.current_device())
-            return find_facts(self.differ, out, self.src, self.group, self.data_group,
-                              ctx.seg_log2_for(self.args.update_weight_buffer_size), device)
+            wrong, self.facts_bytes = find_facts(self.differ, out, self.src, self.group, self.data_group,
+                                                 ctx.seg_log2_for(self.args.update_weight_buffer_size), device)
+            return wrong
         except Exception as e:  # noqa: BLE001 - every rank of every stage learns it in found()
             logger.exception("sharded delta sync: this rank could not find the xor_ctx facts of its shard")
             return repr(e)
@@ -195,4 +198,5 @@ class ShardedSync:
     def metrics(self) -> Dict[str, float]:
         p = "perf/update_weights_sharded_"
         return {p + "gather_params": float(len(self.impure)), p + "bytes_to_source": float(self.sent_bytes),
+                p + "facts_bytes": float(self.facts_bytes),
                 p + "snapshot_bytes": float(self.differ.snapshot_bytes if self.differ else 0)}
