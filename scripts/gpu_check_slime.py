@@ -5,7 +5,8 @@ test-slime`` runs its dry run on the CPU, so CI keeps it working).
 A Llama-shaped Megatron GPTModel at TP = the ranks (two GPUs: two ranks over NCCL, the changes going device to
 device; one GPU: one rank), stepped with seeded gradients, syncs through the sharded sync's own steps as slime's
 updater runs them (the source's plan, each rank's diff of its pinned slice, the maps rebuilt on a gathering sync, the
-outcome settled on every rank) into SGLang's own model class in a process of its own, over disk with ``xor_zstd``.
+outcome settled on every rank) into SGLang's own model class in a process of its own, over disk with ``xor_zstd``
+and again with ``xor_ctx`` (the ranks find their changes' class ranks together, ``delta_shard_facts``).
 After every sync the engine equals slime's full HF conversion bit for bit; one publish corrupted on the way makes the
 engine refuse it, every rank keeps its positions staged, and the next delta carries them. Figures: the host
 synchronizations in each rank's diff, and a sharded delta's time against the gathering sync's.
@@ -20,7 +21,8 @@ from typing import Optional
 
 import torch
 
-ENCODING, SYNCS, REFUSED = "xor_zstd", 5, 2  # sync 0 gathers (full); the engine refuses sync 2's publish
+SYNCS, REFUSED = 5, 2  # sync 0 gathers (full); the engine refuses sync 2's publish
+ENCODINGS = ("xor_zstd", "xor_ctx")  # the disk default; the fewest bytes, whose ranks find their changes' classes
 
 
 def _sizes(args) -> dict:
@@ -117,7 +119,8 @@ def _segments(sharded, sender, args, model, source: bool):
     return [first]
 
 
-def _rank(rank: int, ranks: int, device_type: str, port: int, root: str, sizes, stubbed: bool, conn, out) -> None:
+def _rank(rank: int, ranks: int, device_type: str, port: int, root: str, sizes, stubbed: bool, encoding: str, conn,
+          out) -> None:
     """One trainer rank; the source (rank 0) drives the sender and checks the engine after every sync."""
     try:
         if stubbed:
@@ -144,7 +147,7 @@ def _rank(rank: int, ranks: int, device_type: str, port: int, root: str, sizes, 
         trainer = H.StageTrainer(model, seed=rank, shared_seed=0)  # what TP does not split steps alike
         shared = os.path.join(root, "shared")
         args = H.make_args(update_weight_transport="disk", update_weight_disk_dir=shared,
-                           update_weight_delta_encoding=ENCODING, update_weight_delta_sharded=True)
+                           update_weight_delta_encoding=encoding, update_weight_delta_sharded=True)
         source = rank == 0
         sender = corrupt = None
         if source:
@@ -154,8 +157,8 @@ def _rank(rank: int, ranks: int, device_type: str, port: int, root: str, sizes, 
                 if corrupt:
                     flip_a_value_bit(version_dir, "")
 
-            transport = DiskTransport(shared, [engine], zstd=zstd_level(ENCODING), post_write_hook=hook)
-            sender = DeltaSender(transport, [engine], encoding=ENCODING, buffer_bytes=64 << 20, device=device,
+            transport = DiskTransport(shared, [engine], zstd=zstd_level(encoding), post_write_hook=hook)
+            sender = DeltaSender(transport, [engine], encoding=encoding, buffer_bytes=64 << 20, device=device,
                                  fingerprint_every=1, repair_dirty=False)
         lines, held, base = [], None, None
         from cpu_harness import PeakMemory
@@ -218,7 +221,8 @@ def _rank(rank: int, ranks: int, device_type: str, port: int, root: str, sizes, 
                 model_bytes = sum(t.numel() * t.element_size() for t in mine.values())
                 lines.append(("sync", k, ok, msg, bad, m["perf/update_weights_density"],
                               m["perf/update_weights_fingerprint_mismatches"], sharded.sent_bytes, changed,
-                              int(snap), model_bytes, len(sender.state.snapshot), seconds))
+                              int(snap), model_bytes, len(sender.state.snapshot), seconds,
+                              m.get("perf/update_weights_ctx", 0)))
                 held, base = held_now, mine if ok else base
             trainer.step()
         if source:
@@ -229,7 +233,8 @@ def _rank(rank: int, ranks: int, device_type: str, port: int, root: str, sizes, 
         out.put((rank, [], traceback.format_exc()))
 
 
-def check_sharded_sender(report, args, device, workdir: str, stubbed: bool, ranks: Optional[int] = None) -> None:
+def check_sharded_sender(report, args, device, workdir: str, stubbed: bool, ranks: Optional[int] = None,
+                         encoding: str = ENCODINGS[0]) -> None:
     """``ranks``: the trainer's TP width; by default two where there are two GPUs (or on the dry run), else one."""
     from cpu_harness import free_port
 
@@ -238,9 +243,9 @@ def check_sharded_sender(report, args, device, workdir: str, stubbed: bool, rank
     sizes = _sizes(args)
     report.add(f"\nsharded-sender lane: slime's sharded delta sync, a Megatron GPTModel (hidden {sizes['hidden']}, "
                f"{sizes['layers']} layers) at TP={ranks}, one {'GPU' if cuda else 'CPU process'} per rank, "
-               f"{'NCCL' if cuda and ranks > 1 else 'gloo'} between the ranks, `{ENCODING}` over disk into SGLang's "
+               f"{'NCCL' if cuda and ranks > 1 else 'gloo'} between the ranks, `{encoding}` over disk into SGLang's "
                f"LlamaForCausalLM; sync {REFUSED}'s publish corrupted on the way")
-    root = os.path.join(workdir, "sharded-sender")
+    root = os.path.join(workdir, f"sharded-sender-{encoding}")
     os.makedirs(root)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -253,7 +258,7 @@ def check_sharded_sender(report, args, device, workdir: str, stubbed: bool, rank
         engine.join(60)
         return
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, ranks, device.type, port, root, sizes, stubbed,
+    procs = [ctx.Process(target=_rank, args=(r, ranks, device.type, port, root, sizes, stubbed, encoding,
                                              ours if r == 0 else None, out)) for r in range(ranks)]
     for p in procs:
         p.start()
@@ -270,20 +275,20 @@ def check_sharded_sender(report, args, device, workdir: str, stubbed: bool, rank
             report.check(False, f"rank {rank} stopped:\n```\n{results[rank][1]}```")
     if any(error for _, error in results.values()):
         return
-    _report(report, results, ranks, cuda)
+    _report(report, results, ranks, cuda, encoding)
 
 
-def _report(report, results, ranks: int, cuda: bool) -> None:
+def _report(report, results, ranks: int, cuda: bool, encoding: str) -> None:
     """The source's checks per sync, every rank's snapshot share and outcomes, the figures."""
     syncs = [line[1:] for line in results[0][0] if line[0] == "sync"]
     times = {}
-    for k, ok, msg, bad, density, mismatches, to_source, changed, snap, model_bytes, kept, seconds in syncs:
+    for k, ok, msg, bad, density, mismatches, to_source, changed, snap, model_bytes, kept, seconds, coded in syncs:
         kind = "gathering (full) sync" if k == 0 else "refused publish" if k == REFUSED else \
             "delta carrying the staged positions" if k == REFUSED + 1 else "delta"
         want_ok = k != REFUSED
         good = ok == want_ok and bad is None and mismatches == 0 and snap == model_bytes and kept == 0
-        if k and want_ok:
-            good = good and 0 < density < 1
+        if k and want_ok:  # xor_ctx: coded as asked (the engine's status says it decodes it), not fallen back
+            good = good and 0 < density < 1 and coded == (encoding == "xor_ctx")
         if k and k != REFUSED + 1 and want_ok:  # positions + values + xor bases of the changed elements
             good = good and (0 < to_source <= 1.2 * changed * (4 + 2 + 2) + 1024 if ranks > 1 else to_source == 0)
         holds = "bit-identical to slime's conversion" if ok else "at the last acknowledged version, byte for byte"

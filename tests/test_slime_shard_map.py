@@ -305,11 +305,12 @@ def test_context_parallel_ranks_split_what_they_hold_alike():
     _spawn(_rank_diff, 2, 1, 1, 2)  # CP=2: both ranks hold every param whole; each diffs and keeps half
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_gpu_checks_sharded_sender_lane_rehearsed_on_the_cpu(tmp_path, ranks):
+@pytest.mark.parametrize("ranks, encoding", [(1, "xor_zstd"), (2, "xor_ctx")])
+def test_gpu_checks_sharded_sender_lane_rehearsed_on_the_cpu(tmp_path, ranks, encoding):
     """`make gpu-check`'s sharded-sender lane (scripts/gpu_check_slime.py) as its dry run: gloo ranks instead of GPUs
     (one: what a one-GPU host runs, TP=1; two: NCCL's layout, TP=2), the same code, every check passing (the GPU
-    bundle carries Megatron-core and this slime tree)."""
+    bundle carries Megatron-core and this slime tree); the lane runs each of its encodings on a GPU, here each
+    layout takes one (xor_ctx: its syncs coded as asked, the ranks' facts exchanged)."""
     import argparse
 
     import torch
@@ -319,12 +320,12 @@ def test_gpu_checks_sharded_sender_lane_rehearsed_on_the_cpu(tmp_path, ranks):
 
     report = Report()
     check_sharded_sender(report, argparse.Namespace(hidden=64, layers=2, vocab=512), torch.device("cpu"),
-                         str(tmp_path), stubbed=False, ranks=ranks)
+                         str(tmp_path), stubbed=False, ranks=ranks, encoding=encoding)
     text = "\n".join(report.lines)
     assert not report.failed, text
     for k in range(SYNCS):
         assert f"- PASS: sharded sync {k} (" in text, text
-    assert f"at TP={ranks}, one CPU process per rank" in text, text
+    assert f"at TP={ranks}, one CPU process per rank" in text and f"`{encoding}` over disk" in text, text
     for rank in range(ranks):
         assert f"- PASS: rank {rank}: outcomes ['seed', 'commit', 'stage', 'commit', 'commit']" in text, text
         assert f"- rank {rank}: its diff of " in text, text
