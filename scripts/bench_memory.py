@@ -28,8 +28,9 @@ MARK = ("<!-- bench-memory:begin -->", "<!-- bench-memory:end -->")
 
 
 def _slime_rank(rank, port, sizes, flush, changed, out):
-    """One TP rank: the shard map build (reference: slime's own bf16 gather of the largest param) and one sharded
-    diff of ``changed`` elements (reference: the flush buffer, its chunk)."""
+    """One TP rank: the shard map build (reference: slime's own bf16 gather of the largest param), one sharded
+    diff of ``changed`` elements with their base values, and ``xor_ctx``'s facts of them found by both ranks
+    (references: the flush buffer, its chunk)."""
     import traceback
 
     try:
@@ -37,7 +38,9 @@ def _slime_rank(rank, port, sizes, flush, changed, out):
         from cpu_harness import LiveBytes
         from megatron.core import mpu
         from slime.backends.megatron_utils.update_weight.common import named_params_and_buffers
-        from slime.backends.megatron_utils.update_weight.delta_shard_diff import ShardDiffer
+        from sglang.srt.weight_sync.delta import ctx
+        from slime.backends.megatron_utils.update_weight.delta_shard_diff import ShardDiffer, send_changes
+        from slime.backends.megatron_utils.update_weight.delta_shard_facts import find_facts
         from slime.backends.megatron_utils.update_weight.delta_shard_map import build_shard_maps
 
         torch.set_num_threads(1)
@@ -59,9 +62,13 @@ def _slime_rank(rank, port, sizes, flush, changed, out):
             at = torch.arange(changed, dtype=torch.int64) * (flat.numel() // changed)
             flat[at] = (flat[at].view(torch.int16) ^ 1).view(flat.dtype)
         with LiveBytes() as diffed:
-            found = differ.changes(params)
+            found = differ.changes(params, olds=True)
         assert sum(sum(b[1]) for b in found.blocks) == changed, name
-        out.put((rank, dict(build=built.peak, gather=2 * gathered, diff=diffed.peak)))
+        at_source, _ = send_changes(found, 0)
+        with LiveBytes() as facts:
+            wrong, _ = find_facts(differ, at_source, 0, None, None, ctx.seg_log2_for(flush), torch.device("cpu"))
+        assert wrong is None and (rank or at_source[0].run.facts is not None), wrong
+        out.put((rank, dict(build=built.peak, gather=2 * gathered, diff=diffed.peak, facts=facts.peak)))
     except BaseException:
         out.put((rank, traceback.format_exc()))
 
@@ -72,7 +79,7 @@ def slime_components(layers: int, flush: int, changed: int) -> dict:
 
     sizes = (256, layers, 4, 2, 512, 64000)  # hidden, layers, heads, groups, ffn, vocab: the embedding dominates
     got = H.run_ranks(_slime_rank, 2, free_port(), sizes, flush, changed)
-    return {k: max(r[k] for r in got.values()) for k in ("build", "gather", "diff")}
+    return {k: max(r[k] for r in got.values()) for k in ("build", "gather", "diff", "facts")}
 
 
 def engine_components(layers: int, flush: int, changed: int, workdir: str, device="cpu") -> dict:
@@ -163,7 +170,7 @@ def engine_components(layers: int, flush: int, changed: int, workdir: str, devic
 
 
 # component -> (budget, reference: "flush" (the flush buffer and the engine's chunk) or its key in the figures)
-BUDGETS = {"shard map build": (2.0, "gather"), "sharded diff": (3.0, "flush"),
+BUDGETS = {"shard map build": (2.0, "gather"), "sharded diff": (3.0, "flush"), "sharded xor_ctx facts": (2.0, "flush"),
            "sender flush": (4.0, "flush or param"), "sender xor_ctx flush": (4.0, "flush or param"),
            "engine apply": (4.0, "flush"), "engine xor rebuild": (4.0, "flush"), "engine xor_ctx decode": (4.0, "flush"),
            "engine full sync": (4.0, "flush"),
@@ -202,8 +209,8 @@ def main(argv=None) -> int:
     sl = [slime_components(d, a.flush, a.changed) for d in depths]
     rows, bad = [], 0
     for name in BUDGETS:
-        figures = sl if name in ("shard map build", "sharded diff") else eng
-        key = {"shard map build": "build", "sharded diff": "diff"}.get(name, name)
+        figures = sl if name in ("shard map build", "sharded diff", "sharded xor_ctx facts") else eng
+        key = {"shard map build": "build", "sharded diff": "diff", "sharded xor_ctx facts": "facts"}.get(name, name)
         peaks = [f[key] for f in figures]
         line, ok, ref = judge(name, peaks, figures[-1], a.flush)
         print(line, flush=True)
@@ -223,7 +230,7 @@ def _report(a, rows, eng, depths) -> None:
         "Tensor bytes each component creates and holds at once (storage that existed before — weights, the sender's "
         "snapshot — not counted), on this CPU box, at two depths with the same number of changed elements "
         f"({eng[0]['changed']:,}): a flush-bounded component must not grow with the model. Flush buffer and engine "
-        f"chunk: {a.flush:,} B. Shard map build and sharded diff: two gloo ranks at TP=2, a Megatron GPTModel with a "
+        f"chunk: {a.flush:,} B. Shard map build, sharded diff and xor_ctx's facts: two gloo ranks at TP=2, a Megatron GPTModel with a "
         "64,000 x 256 embedding; the others: a Qwen2-shaped SGLang model, in process. `make gpu-check` reports the "
         "same components' device peaks on a GPU.", 118, break_long_words=False, break_on_hyphens=False)
     text = "\n".join([
