@@ -559,9 +559,9 @@ def run(args, device, report, stubbed: bool) -> None:
     check_sharded_ranks(report, args, device, workdir, stubbed)
     check_server(report, args, device, workdir, stubbed)
     if importlib.util.find_spec("megatron") and importlib.util.find_spec("slime"):
-        from gpu_check_slime import ENCODINGS, check_sharded_sender
+        from gpu_check_slime import ENCODINGS as LANE_ENCODINGS, check_sharded_sender
 
-        for encoding in ENCODINGS:
+        for encoding in LANE_ENCODINGS:
             check_sharded_sender(report, args, device, workdir, stubbed, encoding=encoding)
     else:  # the bundle carries both; on the CPU, `make test-slime` runs this lane's dry run
         report.skip("slime's sharded sender", "no Megatron-core or patched slime tree on the path")
