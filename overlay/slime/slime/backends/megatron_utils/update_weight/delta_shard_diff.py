@@ -208,13 +208,22 @@ class ShardDiffer:
         """This rank's share of the ``xor_ctx`` facts of changes ``qx`` (ascending) of HF params in an aligned space
         (``where``: each one's start there), ``qbase`` their base values: :func:`ctx.held_counts` over the owned
         elements that land in those params, read from the snapshot in chunks of a 64th of ``chunk_bytes`` (what
-        the sort and searches hold per element), each against the changes of the segments it reaches only."""
-        out = torch.zeros(3, qx.numel(), dtype=torch.int32, device=qx.device)  # counts within a segment (2**22)
-        starts = torch.tensor([where.get(hf, -1) for hf in self.targets], dtype=torch.int64, device=qx.device)
+        the sort and searches hold per element), each against the changes of the segments it reaches only; the next
+        piece's snapshot moves to the device (off the default stream) while one is counted, as in the diff."""
+        dev = qx.device
+        out = torch.zeros(3, qx.numel(), dtype=torch.int32, device=dev)  # counts within a segment (2**22)
+        starts = torch.tensor([where.get(hf, -1) for hf in self.targets], dtype=torch.int64, device=dev)
         named = [(n, self.snapshot[n]) for n, m in self.maps.items() if n in self.snapshot and
                  self.snapshot[n].dtype == qbase.dtype and any(hf in where for hf, _ in m.targets)]
-        for chunk in self._chunks(named, max(1, self.chunk_bytes // 64)):
-            base = torch.cat([p for _, _, p in chunk]).to(qx.device)
+        chunks = list(self._chunks(named, max(1, self.chunk_bytes // 64)))
+        if self.link is None or self.link.device != dev:
+            self.link = HostLink(dev)
+        handle = self.link.prefetch([p for _, _, p in chunks[0]], [dev] * len(chunks[0])) if chunks else None
+        for k, chunk in enumerate(chunks):
+            pieces = self.link.ready(handle)
+            if k + 1 < len(chunks):
+                handle = self.link.prefetch([p for _, _, p in chunks[k + 1]], [dev] * len(chunks[k + 1]))
+            base = torch.cat(pieces)
             sizes = [p.numel() for _, _, p in chunk]
             at = list(itertools.accumulate(sizes, initial=0))[:-1]
             shift = [self.base[n] + self.ranges[n][0] + off - a for (n, off, _), a in zip(chunk, at)]
