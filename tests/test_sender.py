@@ -779,10 +779,10 @@ def with_facts(found, old, seg_log2, holders=3):
     from sglang.srt.weight_sync.delta import ctx
 
     run, names = found.run, found.names
-    space = ctx._Space([old[n].numel() for n in names], seg_log2, aligned=True)
-    x = torch.cat([torch.arange(old[n].numel()) + int(space.offs[k]) for k, n in enumerate(names)])
+    offs = ctx.aligned_starts([old[n].numel() for n in names], seg_log2)
+    x = torch.cat([torch.arange(old[n].numel()) + int(offs[k]) for k, n in enumerate(names)])
     base = torch.cat([old[n].reshape(-1) for n in names])
-    qx = run.idx + torch.repeat_interleave(torch.from_numpy(space.offs[:-1]), torch.tensor(run.counts))
+    qx = run.idx + torch.repeat_interleave(torch.from_numpy(offs[:-1]), torch.tensor(run.counts))
     run.olds = base[torch.searchsorted(x, qx)]
     owner = torch.randint(0, holders, (x.numel(),), generator=torch.Generator().manual_seed(7))
     rows = sum(ctx.held_counts(x[owner == h], base[owner == h], qx, run.olds, seg_log2) for h in range(holders))

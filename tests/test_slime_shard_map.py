@@ -202,10 +202,10 @@ def _counts(args, layers):
     with _Ops() as ops, SyncCounter() as syncs:
         changes = differ.changes(params, olds=True)
     names, counts, pos, _, olds = changes.blocks[0]
-    space = ctx._Space([int(torch.tensor(changes.shapes[n]).prod()) for n in names], ctx.SEG_LOG2_MIN, aligned=True)
-    qx = pos + repeat_counts(torch.from_numpy(space.offs[:-1]), counts)
+    offs = ctx.aligned_starts([int(torch.tensor(changes.shapes[n]).prod()) for n in names], ctx.SEG_LOG2_MIN)
+    qx = pos + repeat_counts(torch.from_numpy(offs[:-1]), counts)
     with _Ops() as facts_ops, SyncCounter() as facts_syncs:
-        differ.held_counts(dict(zip(names, space.offs.tolist())), qx, olds, ctx.SEG_LOG2_MIN)
+        differ.held_counts(dict(zip(names, offs.tolist())), qx, olds, ctx.SEG_LOG2_MIN)
     with _Ops() as commit_ops, SyncCounter() as commit_syncs:
         differ.commit()
     return ops.n + commit_ops.n, len(syncs.ops) + len(commit_syncs.ops), facts_ops.n, len(facts_syncs.ops)

@@ -140,6 +140,12 @@ class _Segment:
         return _key(_bits(self.base[local], self.bits), self.bits)
 
 
+def aligned_starts(numels: Sequence[int], seg_log2: int) -> np.ndarray:
+    """Where each param starts in an aligned space of ``numels`` (and, last, where its padded end is): the space the
+    coder's aligned flushes and the ranks that find their facts share."""
+    return _Space(numels, seg_log2, aligned=True).offs
+
+
 def held_counts(held: torch.Tensor, base: torch.Tensor, qx: torch.Tensor, qbase: torch.Tensor,
                 seg_log2: int) -> torch.Tensor:
     """One holder's share of the facts of changes in an aligned space: ``held`` the elements it holds there (each

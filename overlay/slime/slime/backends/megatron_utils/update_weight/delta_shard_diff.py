@@ -329,6 +329,12 @@ def _blocks(items: List[Tuple[str, torch.Tensor]]):
         yield batch
 
 
+def data_device(data_group) -> torch.device:
+    """Where a data group's tensors live: the host for gloo, this rank's GPU for NCCL."""
+    return torch.device("cpu") if dist.get_backend(data_group) == "gloo" else \
+        torch.device("cuda", torch.cuda.current_device())
+
+
 def send_changes(changes: Changes, dst: int, group=None, data_group=None, shares: Optional[Dict[str, NameSum]] = None
                  ) -> Tuple[Optional[List[Prediffed]], int]:
     """Every rank's changes to ``dst`` (a global rank), which gets them as one :class:`Prediffed` per values dtype,
@@ -338,8 +344,7 @@ def send_changes(changes: Changes, dst: int, group=None, data_group=None, shares
     changed elements. The source merges all blocks of one dtype with one sort."""
     me = dist.get_rank()
     data_group = group if data_group is None else data_group
-    device = torch.device("cpu") if dist.get_backend(data_group) == "gloo" else \
-        torch.device("cuda", torch.cuda.current_device())
+    device = data_device(data_group)
     meta, blobs = [], []
     for names, counts, pos, val, olds in changes.blocks:
         wide = bool(pos.numel()) and int(pos.max()) > _I32

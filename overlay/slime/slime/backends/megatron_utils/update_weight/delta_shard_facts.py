@@ -42,12 +42,13 @@ def find_facts(differ: ShardDiffer, found: Optional[Sequence[Prediffed]], src: i
     wrong, moved = None, 0
     for k, (dtype, names, numels, counts) in enumerate(box[0]):
         dt = getattr(torch, dtype)
-        offs = ctx._Space(numels, seg_log2, aligned=True).offs
+        offs = ctx.aligned_starts(numels, seg_log2)
         ends = np.cumsum(counts)
         total = int(ends[-1]) if len(ends) else 0
         if me == src:
             run = found[k].run
-            qx = run.idx.to(device) + repeat_counts(to_device(offs[:-1], device), counts)
+            idx = run.idx.to(device)
+            qx = idx + repeat_counts(to_device(offs[:-1], device), counts)
             qbase = run.olds.to(device)
         rows = []
         for a in range(0, total, batch):
@@ -67,7 +68,7 @@ def find_facts(differ: ShardDiffer, found: Optional[Sequence[Prediffed]], src: i
                 rows.append(part)
         if me == src and total:
             rows = torch.cat(rows, dim=1)
-            wrong = wrong or _uncovered(names, numels, counts, run.idx.to(device), rows[2], seg_log2)
+            wrong = wrong or _uncovered(names, numels, counts, idx, rows[2], seg_log2)
             found[k].run.facts = rows[:2].clone()
     return wrong, moved
 
@@ -78,11 +79,11 @@ def _uncovered(names: List[str], numels: List[int], counts: List[int], idx: torc
     n = repeat_counts(to_device(numels, idx.device), counts)
     seg = idx >> seg_log2
     length = torch.clamp(n - (seg << seg_log2), max=1 << seg_log2)
-    bad = torch.nonzero(held != length)[:1, 0]
-    if not host_values(bad):
+    bad = host_values(torch.nonzero(held != length)[:1, 0])  # the one host read when every segment is held once
+    if not bad:
         return None
-    i = host_values(bad)[0]
+    i = bad[0]
+    got, at, want = host_values(torch.stack([held[i].long(), seg[i], length[i]]))
     j = int(np.searchsorted(np.cumsum(counts), i, side="right"))
-    return (f"the trainer ranks hold {host_values(held[i:i + 1])[0]} elements of segment {host_values(seg[i:i + 1])[0]}"
-            f" of {names[j]} together, not its {host_values(length[i:i + 1])[0]}: their shard maps do not cover it "
-            "once")
+    return f"the trainer ranks hold {got} elements of segment {at} of {names[j]} together, not its {want}: their " \
+        "shard maps do not cover it once"

@@ -23,7 +23,8 @@ from megatron.core import mpu
 from sglang.srt.weight_sync.delta import ctx
 from sglang.srt.weight_sync.delta.diff import Prediffed
 from sglang.srt.weight_sync.delta.wire import DeltaEncoding
-from slime.backends.megatron_utils.update_weight.delta_shard_diff import ShardDiffer, StaleShardMap, send_changes
+from slime.backends.megatron_utils.update_weight.delta_shard_diff import (ShardDiffer, StaleShardMap, data_device,
+                                                                             send_changes)
 from slime.backends.megatron_utils.update_weight.delta_shard_facts import find_facts
 from slime.backends.megatron_utils.update_weight.delta_shard_map import build_shard_maps
 from slime.utils.distributed_utils import get_gloo_group
@@ -165,10 +166,9 @@ class ShardedSync:
                 for p in out:
                     if p.names:  # (a block of shares only has no changes)
                         p.run = p.run.moved([n in raw for n in p.names])
-            device = torch.device("cpu") if dist.get_backend(self.data_group) == "gloo" else \
-                torch.device("cuda", torch.cuda.current_device())
             wrong, self.facts_bytes = find_facts(self.differ, out, self.src, self.group, self.data_group,
-                                                 ctx.seg_log2_for(self.args.update_weight_buffer_size), device)
+                                                 ctx.seg_log2_for(self.args.update_weight_buffer_size),
+                                                 data_device(self.data_group))
             return wrong
         except Exception as e:  # noqa: BLE001 - every rank of every stage learns it in found()
             logger.exception("sharded delta sync: this rank could not find the xor_ctx facts of its shard")
