@@ -166,6 +166,12 @@ LIES = {
     "a complement class larger than a segment": (lambda b: [b.cols["flags"].__setitem__(0, 1),
                                                             b.cols["coded"].__setitem__(0, 1 << 31)] and None,
                                                  "has more members than a segment holds"),
+    "complement classes that outnumber their segment": (
+        lambda b: [b.cols["flags"].__setitem__(slice(0, 2), 1), b.cols["seg"].__setitem__(1, b.cols["seg"][0]),
+                   b.cols["coded"].__setitem__(slice(0, 2), (1 << b.head[2]) - b.cols["count"][:2])] and None,
+        "has classes with more members than its segment holds"),
+    "a unary stream too short for the table's codes": (
+        lambda b: b.streams.__setitem__(0, b.streams[0][:len(b.streams[0]) // 64]), "cannot hold the table's"),
     "a unary stream that ends early": (lambda b: b.streams.__setitem__(0, b.streams[0][:-1]),
                                        "the unary stream does not match"),
     "a remainder stream that runs on": (lambda b: b.streams.__setitem__(1, b.streams[1] + b"\x00"),

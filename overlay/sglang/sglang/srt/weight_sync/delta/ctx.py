@@ -18,7 +18,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from sglang.srt.weight_sync.delta.ops import INT_VIEW, host_values, to_device
+from sglang.srt.weight_sync.delta.ops import INT_VIEW, host_values, take, to_device
 from sglang.srt.weight_sync.delta.rice import (
     ESC,
     K_MAX,
@@ -125,15 +125,36 @@ class _Space:
 
 
 class _Segment:
-    """A segment's base elements, their contexts and the elements in context order (stable: by position within)."""
+    """A segment's base elements, their contexts and the elements in context order (stable: by position within):
+    one sort of a byte per element, the pass's only O(segment log) step; everything else reads the segment once."""
 
     def __init__(self, base: torch.Tensor, bits: int, mant: int, nctx: int):
         self.bits = bits
         self.base = base.view(INT_VIEW[bits // 8])
         self.keys = ((self.base >> mant) & (nctx - 1)).to(torch.uint8)  # the sign bit shifts out of the mask
-        self.sorted, self.order = torch.sort(self.keys, stable=True)
+        self.order = torch.argsort(self.keys, stable=True)
         self.sizes = torch.bincount(self.keys, minlength=nctx)
         self.starts = torch.cumsum(self.sizes, 0) - self.sizes
+
+    def ranks(self, local: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """Each element's rank among its class (``k``), from where it sits in context order: one scatter of the
+        order's inverse, in int32 (a segment holds at most 2**22 elements)."""
+        n = self.order.numel()
+        inv = torch.empty(n, dtype=torch.int32, device=self.order.device)
+        inv.scatter_(0, self.order, torch.arange(n, dtype=torch.int32, device=inv.device))
+        return take(inv, local).long() - self.starts[k]
+
+    def members(self, classes: torch.Tensor, sizes: np.ndarray) -> torch.Tensor:
+        """A mask of the elements of ``classes``, whose sizes the table claims (a claim past the class marks its
+        neighbours' elements: the caller's size check refuses that flush): gathers from the order, not a pass."""
+        n = self.order.numel()
+        mask = torch.zeros(n, dtype=torch.bool, device=self.order.device)
+        if not len(sizes):
+            return mask
+        at = rep(self.starts[classes], sizes) + torch.arange(int(sizes.sum()), device=mask.device) \
+            - rep(to_device(np.concatenate([[0], np.cumsum(sizes)[:-1]]), mask.device), sizes)
+        mask[self.order[torch.clamp(at, 0, n - 1)]] = True
+        return mask
 
     def key_at(self, local: torch.Tensor) -> torch.Tensor:
         """The base's step keys at segment-local elements."""
@@ -208,14 +229,12 @@ def encode(wholes: Sequence[Optional[torch.Tensor]], counts: Sequence[int], idx:
             steps.append(_key(_bits(new[lo:hi][perm], bits), bits) - _key(b[perm], bits))
             continue
         seg = _Segment(torch.cat([wholes[j][a:a + n] for j, a, n in pieces]).to(dev), bits, mant, nctx)
-        k = seg.keys[x[lo:hi] - (g << seg_log2)].long()
+        local = x[lo:hi] - (g << seg_log2)
+        k = seg.keys[local].long()
         perm = torch.argsort(k, stable=True)  # class order; within a class, rank (position) order
-        k, local = k[perm], (x[lo:hi] - (g << seg_log2))[perm]
-        # an element's rank: where it sits among the elements sorted by (class, position), less its class' start
-        n = seg.order.numel()
-        at = torch.searchsorted(seg.sorted.long() * n + seg.order, k * n + local)
+        k, local = k[perm], local[perm]
         ent_keys.append(k + i * nctx)
-        ranks.append(at - seg.starts[k])
+        ranks.append(seg.ranks(local, k))
         sizes.append(seg.sizes[k])
         steps.append(_key(_bits(new[lo:hi][perm], bits), bits) - seg.key_at(local))
     ek, rank, size, step = torch.cat(ent_keys), torch.cat(ranks), torch.cat(sizes), torch.cat(steps)
@@ -356,6 +375,13 @@ class _Table:
         fail(~comp & (c["coded"] != c["count"]), "codes another number of ranks than it changes")
         # a class lies within one segment: no count may ask for more (every allocation below follows these)
         fail((c["count"] + c["coded"] * comp) > (1 << self.seg_log2), "has more members than a segment holds")
+        # a segment's classes partition it: their members together (a complement entry's every member, another's
+        # changes) cannot outnumber its elements
+        lo = c["seg"] << self.seg_log2
+        segs, inv = np.unique(c["seg"], return_inverse=True)
+        held = np.bincount(inv.reshape(-1), weights=c["count"] + c["coded"] * comp)[inv.reshape(-1)]
+        fail(held > np.minimum(self.space.total, lo + (1 << self.seg_log2)) - lo,
+             "has classes with more members than its segment holds")
         fail(sparse & (c["nz"] > c["count"]), "has more large steps than changes")
         fail(~sparse & ((c["nz"] != 0) | (c["k2"] != 0)), "has large-step fields without sparse steps")
         key = (c["seg"] << 16) + c["ctx"]
@@ -368,6 +394,10 @@ class _Table:
             first = self.params[self.sparse[0]].name if self.sparse else None
             raise DeltaError(f"xor_ctx table{self.where}: {int(c['count'].sum())} changes in its classes, the spec's "
                              f"sparse params hold {want} (param {first!r} and the flush's other sparse params)")
+        codes = int(c["coded"].sum() + c["count"][~sparse].sum() + 2 * c["nz"].sum())
+        if codes > 8 * self.streams[0].numel():  # each code is at least one bit of U: bounds the decode's allocations
+            raise DeltaError(f"xor_ctx streams{self.where}: the unary stream's {self.streams[0].numel()} bytes cannot "
+                             f"hold the table's {codes} codes (a stream ends early, or the table lies)")
 
 
 def decode(blob: torch.Tensor, params: Sequence[DeltaParam], dtype: torch.dtype, read_base: ReadBase,
@@ -440,9 +470,8 @@ def decode(blob: torch.Tensor, params: Sequence[DeltaParam], dtype: torch.dtype,
         bad_rank.append((last_rank[lo_e:hi_e] >= size) & torch.from_numpy(coded[ents] > 0).to(dev))
         comp_t = torch.from_numpy(comp[ents]).to(dev)
         bad_size.append(comp_t & (size != to_device(coded[ents] + count[ents], dev)))
-        lut = torch.zeros(t.nctx, dtype=torch.bool, device=dev)
-        lut[kcls] = comp_t  # a complement class: every member changed but the coded ones
-        member = lut[seg.keys.long()]
+        ce = np.flatnonzero(comp[ents])  # a complement class: every member changed but the coded ones
+        member = seg.members(kcls[to_device(ce, dev)], (coded + count)[ents][ce])
         rk = torch.clamp(ranks[int(kstart[lo_e]):int(kstart[hi_e])], 0, None)
         at = seg.order[torch.clamp(seg.starts[rep(kcls, coded[ents])] + rk, 0, seg.order.numel() - 1)]
         member[at] = ~rep(comp_t.long(), coded[ents]).bool()
