@@ -1,4 +1,5 @@
-"""slime's patched updater publishing into a version store (SeaweedFS): the sharded sender at two pipeline stages,
+"""slime's patched updater publishing into a version store (SeaweedFS): the sharded sender at two pipeline stages
+coding ``xor_ctx`` (the ranks find each change's class rank together; the store keeps the coded files),
 an engine slime adds mid-run (as after its fault-tolerance restart) catching up from the store instead of a full
 sync, and a compaction that checks the stages' merged fingerprint. Needs the patched slime checkout
 (``make test-slime``)."""
@@ -42,7 +43,7 @@ def _store_stage(stage, port, ray_address, args, where, out):
             m = up.pop_metrics()
             rows.append(dict(failures=m["perf/update_weights_failures"], full=m["perf/update_weights_full_sync_engines"],
                              catch_ups=m["perf/update_weights_catch_ups"], density=m["perf/update_weights_density"],
-                             xor=m.get("perf/update_weights_xor", 0), version=up.weight_version,
+                             ctx=m.get("perf/update_weights_ctx", 0), version=up.weight_version,
                              sharded=m.get("perf/update_weights_sharded_snapshot_bytes", 0)))
             trainer.step()
         up.disconnect_rollout_engines()
@@ -86,7 +87,7 @@ def test_the_sharded_sender_at_two_stages_publishes_into_the_store_and_slimes_ad
         actors = [H.engine_actor_cls().options(name=n, namespace="store-test").remote(s.url)
                   for n, s in zip(("store-engine", "store-late"), servers)]
         actors.append(Lock.options(num_cpus=0, name="store-lock", namespace="store-test").remote())
-        args = H.make_args(update_weight_transport="disk", update_weight_delta_encoding="xor_zstd",
+        args = H.make_args(update_weight_transport="disk", update_weight_delta_encoding="xor_ctx",
                            update_weight_store=url, update_weight_store_key_file=str(key_file),
                            update_weight_store_anchor_every=0, hf_checkpoint=boot, pipeline_model_parallel_size=2,
                            update_weight_delta_fingerprint_interval=2)
@@ -101,7 +102,7 @@ def test_the_sharded_sender_at_two_stages_publishes_into_the_store_and_slimes_ad
         assert [r["failures"] for r in rows] == [0, 0, 0, 0], rows
         assert [r["full"] for r in rows] == [1, 0, 0, 0], rows  # the first: an anchor, loaded from the store
         assert [r["catch_ups"] for r in rows] == [0, 0, 1, 0], rows  # the added engine: from the store, no full sync
-        assert [r["xor"] for r in rows] == [0, 1, 1, 1] and all(0 < r["density"] < 0.2 for r in rows[1:]), rows
+        assert [r["ctx"] for r in rows] == [0, 1, 1, 1] and all(0 < r["density"] < 0.2 for r in rows[1:]), rows
         assert all(r["sharded"] > 0 for r in rows), rows  # the ranks diffed their own slices
         from safetensors.torch import load_file
 
