@@ -39,10 +39,13 @@ def _slime_rank(rank, port, sizes, flush, changed, out):
         from megatron.core import mpu
         from slime.backends.megatron_utils.update_weight.common import named_params_and_buffers
         from sglang.srt.weight_sync.delta import ctx
-        from slime.backends.megatron_utils.update_weight.delta_shard_diff import ShardDiffer, send_changes
+        from slime.backends.megatron_utils.update_weight.delta_shard_diff import MERGE_BYTES, ShardDiffer, send_changes
         from slime.backends.megatron_utils.update_weight.delta_shard_facts import find_facts
         from slime.backends.megatron_utils.update_weight.delta_shard_map import build_shard_maps
 
+        import memory_model
+
+        assert memory_model.MERGE_BYTES == MERGE_BYTES  # the page's model and the sender's rounds agree
         torch.set_num_threads(1)
         H.configure(*sizes)
         H.init_world(port, rank=rank, tp=2)
@@ -64,11 +67,30 @@ def _slime_rank(rank, port, sizes, flush, changed, out):
         with LiveBytes() as diffed:
             found = differ.changes(params, olds=True)
         assert sum(sum(b[1]) for b in found.blocks) == changed, name
-        at_source, _ = send_changes(found, 0)
+        rounds = max(1, changed // 4)  # the stage's changes come to the source in rounds of this many
+        with LiveBytes() as merged:
+            for _ in send_changes(found, 0, round_changes=rounds):  # each round dropped once taken, as the sender does
+                pass
+        at_source = [p for got, _ in send_changes(found, 0) for p in got or []]
+        largest = max([max(p.run.counts, default=0) for p in at_source or []], default=0)
         with LiveBytes() as facts:
-            wrong, _ = find_facts(differ, at_source, 0, None, None, ctx.seg_log2_for(flush), torch.device("cpu"))
+            wrong, _ = find_facts(differ, at_source if rank == 0 else None, 0, None, None, ctx.seg_log2_for(flush),
+                                  torch.device("cpu"))
         assert wrong is None and (rank or at_source[0].run.facts is not None), wrong
-        out.put((rank, dict(build=built.peak, gather=2 * gathered, diff=diffed.peak, facts=facts.peak)))
+        del found, at_source
+        with torch.no_grad():  # as many changes again, beside the first: what each change adds
+            flat[at + 1] = (flat[at + 1].view(torch.int16) ^ 1).view(flat.dtype)
+        with LiveBytes() as diffed2:
+            found = differ.changes(params, olds=True)
+        largest2 = 0
+        with LiveBytes() as merged2:
+            for got, _ in send_changes(found, 0, round_changes=rounds):
+                largest2 = max([largest2] + [max(p.run.counts, default=0) for p in got or []])
+        # a round: at most ``rounds`` changes, or one name's changes (all of this bench's are in the embedding)
+        out.put((rank, dict(build=built.peak, gather=2 * gathered, diff=diffed.peak, facts=facts.peak,
+                            diff_per_change=(diffed2.peak - diffed.peak) / changed, merge=merged.peak,
+                            merge2=merged2.peak, round=max(rounds, largest) * MERGE_BYTES,
+                            round2=max(rounds, largest2 if rank == 0 else 0) * MERGE_BYTES)))
     except BaseException:
         out.put((rank, traceback.format_exc()))
 
@@ -79,7 +101,9 @@ def slime_components(layers: int, flush: int, changed: int) -> dict:
 
     sizes = (256, layers, 4, 2, 512, 64000)  # hidden, layers, heads, groups, ffn, vocab: the embedding dominates
     got = H.run_ranks(_slime_rank, 2, free_port(), sizes, flush, changed)
-    return {k: max(r[k] for r in got.values()) for k in ("build", "gather", "diff", "facts")}
+    return {k: max(r[k] for r in got.values())
+            for k in ("build", "gather", "diff", "facts", "diff_per_change", "merge", "merge2", "round",
+                      "round2")}
 
 
 def engine_components(layers: int, flush: int, changed: int, workdir: str, device="cpu") -> dict:
@@ -171,11 +195,14 @@ def engine_components(layers: int, flush: int, changed: int, workdir: str, devic
 
 # component -> (budget, reference: "flush" (the flush buffer and the engine's chunk) or its key in the figures)
 BUDGETS = {"shard map build": (2.0, "gather"), "sharded diff": (3.0, "flush"), "sharded xor_ctx facts": (2.0, "flush"),
+           "sharded source round": (2.0, "round2"),
            "sender flush": (4.0, "flush or param"), "sender xor_ctx flush": (4.0, "flush or param"),
            "engine apply": (4.0, "flush"), "engine xor rebuild": (4.0, "flush"), "engine xor_ctx decode": (4.0, "flush"),
            "engine full sync": (4.0, "flush"),
            "fingerprint": (4.0, "fingerprint block")}
-WORDS = {"gather": "slime's own bf16 gather of the largest param", "fingerprint block": "its block of int64 words",
+# what grows with the changed elements, not with a setting: (budget in bytes per change, figure, whose changes)
+PER_CHANGE = {"sharded diff per change": (40, "diff_per_change", "of the rank's slices")}
+WORDS = {"round2": "the largest round (buffer / 64 B changes, or one name's) x 64 B", "gather": "slime's own bf16 gather of the largest param", "fingerprint block": "its block of int64 words",
          "flush or param": "the flush buffer or the largest param (a chunk)"}
 
 
@@ -209,12 +236,24 @@ def main(argv=None) -> int:
     sl = [slime_components(d, a.flush, a.changed) for d in depths]
     rows, bad = [], 0
     for name in BUDGETS:
-        figures = sl if name in ("shard map build", "sharded diff", "sharded xor_ctx facts") else eng
-        key = {"shard map build": "build", "sharded diff": "diff", "sharded xor_ctx facts": "facts"}.get(name, name)
+        figures = sl if name.startswith(("shard", "sharded")) else eng
+        key = {"shard map build": "build", "sharded diff": "diff", "sharded xor_ctx facts": "facts",
+               "sharded source round": "merge"}.get(name, name)
         peaks = [f[key] for f in figures]
+        if name == "sharded source round":  # the stage's changes, then twice them: within their rounds' bound
+            f = sl[-1]
+            peaks = [f["merge"] * f["round2"] // max(1, f["round"]), f["merge2"]]
         line, ok, ref = judge(name, peaks, figures[-1], a.flush)
         print(line, flush=True)
         rows.append((name, peaks, ref, line))
+        bad += not ok
+    for name, (budget, key, words) in PER_CHANGE.items():  # O(changed): what memory.md multiplies out at scale
+        per = max(f[key] for f in sl)
+        ok = per <= budget
+        line = f"memory: {name}: {per:.1f} B per changed element {words} (O(changed)); budget {budget:g} B; " \
+               f"{'ok' if ok else 'OVER'}"
+        print(line, flush=True)
+        rows.append((name, None, None, line))
         bad += not ok
     _report(a, rows, eng, depths)
     return 1 if bad else 0
@@ -224,6 +263,8 @@ def _report(a, rows, eng, depths) -> None:
     table = ["| component | peak at %d layers | peak at %d layers | reference | ratio | budget |" % depths,
              "|---|---|---|---|---|---|"]
     for name, peaks, ref, _ in rows:
+        if peaks is None:
+            continue
         table.append(f"| {name} | {peaks[0]:,} B | {peaks[1]:,} B | {ref:,} B | {max(peaks) / ref:.2f}x | "
                      f"{BUDGETS[name][0]:g}x |")
     intro = textwrap.fill(

@@ -138,3 +138,15 @@ def test_the_benchmark_writers_wrap_prose_and_leave_tables_and_code_whole():
     assert out[1].startswith("  word") and any(x.startswith("   step") for x in out)
     assert " ".join(x.strip() for x in out if x not in (row, code, "```")).split() == \
         " ".join(["- **a**: " + "word " * 60, "1. " + "step " * 40]).split()
+
+
+def test_memory_md_tables_are_the_models_output_of_the_benchs_formulas():
+    """docs/memory.md's figures multiply out the budgets ``make bench-memory`` asserts (``scripts/memory_model.py``
+    imports them): a budget changed without the page fails here."""
+    import memory_model
+
+    text = read("docs", "memory.md")
+    got = text.split(memory_model.MARK[0], 1)[1].split(memory_model.MARK[1], 1)[0]
+    want = memory_model.section().split(memory_model.MARK[0], 1)[1].split(memory_model.MARK[1], 1)[0]
+    assert " ".join(got.split()) == " ".join(want.split())
+    assert all(f"### {name}" in got for name in ("Qwen3-235B-A22B", "DeepSeek-V3 671B", "Kimi-K2 1T"))

@@ -263,7 +263,14 @@ def _rank_diff(rank, tp, dp, cp, port, errors):
             got, want_local = _by_name(small.changes(params)), _by_name(changes)
             assert got.keys() == want_local.keys() and all(torch.equal(got[n][0], want_local[n][0]) and torch.equal(
                 got[n][1].view(torch.int16), want_local[n][1].view(torch.int16)) for n in got), step
-            found, sent = send_changes(changes, dst=0, shares=differ.shares(params))
+            # in rounds of a few hundred changes (the source holds one at a time): a name's changes in one round
+            rounds = list(send_changes(changes, dst=0, shares=differ.shares(params), round_changes=300))
+            sent = sum(n for _, n in rounds)
+            if rank == 0:
+                assert len(rounds) > 1 and all(got is not None for got, _ in rounds), len(rounds)
+                found = [p for got, _ in rounds for p in got]
+                names = [n for p in found for n in p.names]
+                assert len(names) == len(set(names)), names[:5]
             total = torch.tensor([sent])
             dist.all_reduce(total)
             if rank == 0:

@@ -13,7 +13,7 @@ import dataclasses
 import itertools
 import math
 import pickle
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -335,72 +335,136 @@ def data_device(data_group) -> torch.device:
         torch.device("cuda", torch.cuda.current_device())
 
 
-def send_changes(changes: Changes, dst: int, group=None, data_group=None, shares: Optional[Dict[str, NameSum]] = None
-                 ) -> Tuple[Optional[List[Prediffed]], int]:
-    """Every rank's changes to ``dst`` (a global rank), which gets them as one :class:`Prediffed` per values dtype,
-    HF names in sorted order (a module's params stay together); the others get None. Also the tensor bytes this rank
-    sent. One small object gather over ``group`` (gloo: names, counts, shapes, dtypes; fingerprint ``shares``), then
-    the positions and values bytes point to point over ``data_group`` (NCCL: device to device): bytes follow the
-    changed elements. The source merges all blocks of one dtype with one sort."""
+# the source's bytes per change of a round as it merges them (received bytes, joined, sorted): rounds of at most
+# the buffer over this in changes keep its merge within about the buffer (make bench-memory measures it)
+MERGE_BYTES = 64
+
+
+def round_plan(totals: Dict[str, int], limit: int) -> List[List[str]]:
+    """The stage's changed HF names in sorted order, cut into rounds of at most ``limit`` changes (a name with more
+    is a round alone: a name's changes travel together)."""
+    rounds, now, size = [], [], 0
+    for name in sorted(totals):
+        if now and size + totals[name] > limit:
+            rounds.append(now)
+            now, size = [], 0
+        now.append(name)
+        size += totals[name]
+    return rounds + [now] if now else rounds
+
+
+def send_changes(changes: Changes, dst: int, group=None, data_group=None, shares: Optional[Dict[str, NameSum]] = None,
+                 round_changes: int = (512 << 20) // MERGE_BYTES) -> Iterator[Tuple[Optional[List[Prediffed]], int]]:
+    """Every rank's changes to ``dst`` (a global rank), in rounds of at most ``round_changes`` changes of the stage
+    (the source holds one round at a time, never the stage's whole change): per round ``dst`` gets one
+    :class:`Prediffed` per values dtype, HF names in sorted order (a module's params stay together), the others
+    None; beside it the tensor bytes this rank sent in it. One small object gather over ``group`` first (gloo:
+    names, counts, shapes, dtypes; fingerprint ``shares``, which ride with the first round), from which every rank
+    plans the same rounds; then per round the positions and values bytes point to point over ``data_group`` (NCCL:
+    device to device): bytes follow the changed elements. The source merges a round's blocks of one dtype with one
+    sort."""
     me = dist.get_rank()
     data_group = group if data_group is None else data_group
     device = data_device(data_group)
-    meta, blobs = [], []
+    meta, blocks = [], []
     for names, counts, pos, val, olds in changes.blocks:
         wide = bool(pos.numel()) and int(pos.max()) > _I32
         meta.append((names, counts, str(val.dtype).removeprefix("torch."), wide, olds is not None))
-        blobs.append(pos.to(torch.int64 if wide else torch.int32).view(torch.uint8))
-        blobs += [t.reshape(-1).view(torch.uint8) for t in (val, olds) if t is not None]
-    payload = (torch.cat(blobs) if blobs else torch.zeros(0, dtype=torch.uint8)).to(device)
+        blocks.append((names, counts, pos if wide else pos.to(torch.int32), val, olds))
     shapes = {n: changes.shapes[n] for names, *_ in changes.blocks for n in names}
     metas: List = [None] * dist.get_world_size(group)
-    dist.all_gather_object(metas, (me, pickle.dumps((meta, shapes, shares)), payload.numel()), group=group)
-    if me != dst:
-        if payload.numel():
-            dist.send(payload, dst, group=data_group)
-        return None, payload.numel()
-    unpacked = [(rank, *pickle.loads(blob), size) for rank, blob, size in metas]
-    every = sorted({n for _, meta_, _, _, _ in unpacked for names, *_ in meta_ for n in names})
-    ids = {n: j for j, n in enumerate(every)}
-    shapes, found_shares = {}, {}
-    by_dtype: Dict[str, List] = {}  # dtype -> [(name ids, counts, positions, values, olds)]
-    for rank, blob_meta, rank_shapes, rank_shares, size in unpacked:
-        shapes.update(rank_shapes)
-        for name, share in (rank_shares or {}).items():
-            acc = found_shares.setdefault(name, NameSum(dtype=share.dtype))
-            acc.total, acc.count = (acc.total + share.total) & mix64.M64, acc.count + share.count
-        data = payload if rank == me else torch.empty(size, dtype=torch.uint8, device=device)
-        if rank != me and size:
-            dist.recv(data, rank, group=data_group)
-        at = 0
-        for names, counts, dtype, wide, has_olds in blob_meta:
-            n, w, dt = sum(counts), 8 if wide else 4, getattr(torch, dtype)
-            pos = data[at:at + n * w].clone().view(torch.int64 if wide else torch.int32).to(torch.int64)
-            at += n * w
-            vs = dt.itemsize
-            val = data[at:at + n * vs].clone().view(dt)
-            at += n * vs
-            olds = None
-            if has_olds:
-                olds = data[at:at + n * vs].clone().view(dt)
-                at += n * vs
-            by_dtype.setdefault(dtype, []).append(([ids[name] for name in names], counts, pos, val, olds))
-    out = []
-    for parts in by_dtype.values():
-        nid = torch.cat([repeat_counts(to_device(i, device), c) for i, c, *_ in parts])
-        order = torch.argsort(nid * (1 << 40) + torch.cat([p[2] for p in parts]))
-        pos, val = torch.cat([p[2] for p in parts])[order], torch.cat([p[3] for p in parts])[order]
-        olds = torch.cat([p[4] for p in parts])[order] if parts[0][4] is not None else None
-        totals: Dict[int, int] = {}
-        for i, c, *_ in parts:
-            for j, n in zip(i, c):
-                totals[j] = totals.get(j, 0) + n
-        names = [every[j] for j in sorted(totals)]
-        counts = [totals[j] for j in sorted(totals)]
-        out.append(Prediffed(names, [list(shapes[n]) for n in names],
-                             ChangeRun(list(range(len(names))), counts, pos, val, olds)))
-    if found_shares:  # every name's shares, on one of the blocks (a sync may find nothing changed)
-        if not out:
-            out.append(Prediffed([], [], ChangeRun([], [], torch.zeros(0, dtype=torch.int64), torch.zeros(0))))
-        out[0].shares = found_shares
-    return out, 0
+    dist.all_gather_object(metas, (me, pickle.dumps((meta, shapes, shares))), group=group)
+    unpacked = [(rank, *pickle.loads(blob)) for rank, blob in metas]
+    totals: Dict[str, int] = {}
+    for _, rank_meta, _, _ in unpacked:
+        for names, counts, *_ in rank_meta:
+            for name, c in zip(names, counts):
+                totals[name] = totals.get(name, 0) + c
+    rounds = round_plan(totals, max(1, round_changes))
+    if me == dst:
+        every = sorted(totals)
+        ids = {n: j for j, n in enumerate(every)}
+        all_shapes = {n: tuple(sh) for _, _, rank_shapes, _ in unpacked for n, sh in rank_shapes.items()}
+        found_shares: Optional[Dict[str, NameSum]] = None
+        for _, _, _, rank_shares in unpacked:
+            if rank_shares is not None and found_shares is None:
+                found_shares = {}
+            for name, share in (rank_shares or {}).items():
+                acc = found_shares.setdefault(name, NameSum(dtype=share.dtype))
+                acc.total, acc.count = (acc.total + share.total) & mix64.M64, acc.count + share.count
+    for k, names_in in enumerate(rounds or [[]]):
+        inside = set(names_in)
+        mine = _round_payload(blocks, inside, device)
+        if me != dst:
+            if mine.numel():
+                dist.send(mine, dst, group=data_group)
+            yield None, mine.numel()
+            continue
+        by_dtype: Dict[str, List] = {}  # dtype -> [(name ids, counts, positions, values, olds)]
+        for rank, blob_meta, _, _ in unpacked:
+            parts = [_selected(b, inside) for b in blob_meta]
+            size = sum(sum(c) * ((8 if b[3] else 4) + getattr(torch, b[2]).itemsize * (1 + b[4]))
+                       for b, (_, c) in zip(blob_meta, parts))
+            data = mine if rank == me else torch.empty(size, dtype=torch.uint8, device=device)
+            if rank != me and size:
+                dist.recv(data, rank, group=data_group)
+            at = 0
+            for (names, counts, dtype, wide, has_olds), (sel_names, sel_counts) in zip(blob_meta, parts):
+                n, w, dt = sum(sel_counts), 8 if wide else 4, getattr(torch, dtype)
+                if not n:
+                    continue
+                pos = data[at:at + n * w].clone().view(torch.int64 if wide else torch.int32).to(torch.int64)
+                at += n * w
+                val = data[at:at + n * dt.itemsize].clone().view(dt)
+                at += n * dt.itemsize
+                olds = None
+                if has_olds:
+                    olds = data[at:at + n * dt.itemsize].clone().view(dt)
+                    at += n * dt.itemsize
+                by_dtype.setdefault(dtype, []).append(([ids[m] for m in sel_names], sel_counts, pos, val, olds))
+            del data
+        out = [_merged(parts, every, all_shapes, device) for parts in by_dtype.values()]
+        if found_shares is not None:  # every name's shares ride with the first round (a sync may find nothing
+            if k == 0 and not out:  # changed); the others' blocks carry none
+                out.append(Prediffed([], [], ChangeRun([], [], torch.zeros(0, dtype=torch.int64), torch.zeros(0))))
+            for j, p in enumerate(out):
+                p.shares = found_shares if k == j == 0 else {}
+        yield out, 0
+
+
+def _selected(block_meta, inside) -> Tuple[List[str], List[int]]:
+    """A block's names (and counts) that a round takes, in the block's order."""
+    names, counts = block_meta[0], block_meta[1]
+    keep = [j for j, n in enumerate(names) if n in inside]
+    return [names[j] for j in keep], [counts[j] for j in keep]
+
+
+def _round_payload(blocks, inside, device) -> torch.Tensor:
+    """This rank's bytes of a round: per block its names in the round (their runs of positions, values, base
+    values), as one byte tensor on the data device."""
+    parts = []
+    for names, counts, pos, val, olds in blocks:
+        ends = list(itertools.accumulate(counts))
+        runs = [(e - c, e) for n, c, e in zip(names, counts, ends) if n in inside and c]
+        if not runs:
+            continue
+        for t in (pos, val, olds):
+            if t is not None:
+                parts += [t[a:b].reshape(-1).view(torch.uint8) for a, b in runs]
+    return (torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)).to(device)
+
+
+def _merged(parts, every, shapes, device) -> Prediffed:
+    """One dtype's blocks of a round from every rank as one :class:`Prediffed`: one sort by (name, position)."""
+    nid = torch.cat([repeat_counts(to_device(i, device), c) for i, c, *_ in parts])
+    order = torch.argsort(nid * (1 << 40) + torch.cat([p[2] for p in parts]))
+    pos, val = torch.cat([p[2] for p in parts])[order], torch.cat([p[3] for p in parts])[order]
+    olds = torch.cat([p[4] for p in parts])[order] if parts[0][4] is not None else None
+    totals: Dict[int, int] = {}
+    for i, c, *_ in parts:
+        for j, n in zip(i, c):
+            totals[j] = totals.get(j, 0) + n
+    names = [every[j] for j in sorted(totals)]
+    counts = [totals[j] for j in sorted(totals)]
+    return Prediffed(names, [list(shapes[n]) for n in names],
+                     ChangeRun(list(range(len(names))), counts, pos, val, olds))

@@ -23,8 +23,8 @@ from megatron.core import mpu
 from sglang.srt.weight_sync.delta import ctx
 from sglang.srt.weight_sync.delta.diff import Prediffed
 from sglang.srt.weight_sync.delta.wire import DeltaEncoding
-from slime.backends.megatron_utils.update_weight.delta_shard_diff import (ShardDiffer, StaleShardMap, data_device,
-                                                                             send_changes)
+from slime.backends.megatron_utils.update_weight.delta_shard_diff import (MERGE_BYTES, ShardDiffer, StaleShardMap,
+                                                                             data_device, send_changes)
 from slime.backends.megatron_utils.update_weight.delta_shard_facts import find_facts
 from slime.backends.megatron_utils.update_weight.delta_shard_map import build_shard_maps
 from slime.utils.distributed_utils import get_gloo_group
@@ -128,9 +128,12 @@ class ShardedSync:
             logger.warning("sharded delta sync: %d param(s) keep slime's gather path, e.g. %s", len(self.impure),
                            sorted(self.impure)[:3])
 
-    def found(self, params: Sequence[Tuple[str, torch.Tensor]], sender=None) -> List[Prediffed]:
-        """This rank's changes (and fingerprint shares, when the plan checks them) to the source: what the source
-        sends as found elsewhere (empty on the other ranks); with ``xor_ctx`` their facts too (:func:`find_facts`)."""
+    def found(self, params: Sequence[Tuple[str, torch.Tensor]], sender=None) -> Iterator[Prediffed]:
+        """This rank's changes (and fingerprint shares, when the plan checks them) to the source, round by round
+        (:func:`send_changes`: the source holds one round, never the stage's whole change): what the source yields
+        as found elsewhere (nothing on the other ranks); with ``xor_ctx`` each round's facts too (:func:`find_facts`).
+        A rank that cannot diff fails the sync on every rank before a byte moves; a round whose facts fail ends the
+        stage's rounds there, and the sync then fails on every rank of every stage (the engines never commit it)."""
         plan, error = self.last, None
         try:
             changes = self.differ.changes(params, olds=plan["xor"] or plan["ctx"])
@@ -144,17 +147,22 @@ class ShardedSync:
             self.seeded = False
         if int(failed):
             raise ShardDiffFailed(f"a trainer rank could not diff its shard{f': {error!r}' if error else ''}")
-        out, sent = send_changes(changes, self.src, self.group, self.data_group, shares)
+        sent, self.facts_bytes, error, failed = 0, 0, None, torch.tensor([0])
+        limit = max(1, self.args.update_weight_buffer_size // MERGE_BYTES)
+        for out, n in send_changes(changes, self.src, self.group, self.data_group, shares, limit):
+            sent += n
+            error = self._facts(out, sender) if plan["ctx"] else None
+            failed = torch.tensor([int(error is not None)])
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.group)  # the stage's ranks stop alike
+            if int(failed):
+                break
+            yield from out or []
         total = torch.tensor([sent], dtype=torch.int64)
         dist.all_reduce(total, group=self.group)
         self.sent_bytes = int(total)
-        self.facts_bytes = 0
-        error = self._facts(out, sender) if plan["ctx"] else None
-        failed = torch.tensor([int(error is not None)])
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=get_gloo_group())  # every stage, as the diff's
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=get_gloo_group())  # every stage, once per sync
         if int(failed):
             raise ShardDiffFailed(f"the trainer ranks could not find the xor_ctx facts{f': {error}' if error else ''}")
-        return out or []
 
     def _facts(self, out: Optional[List[Prediffed]], sender) -> Optional[str]:
         """``xor_ctx``: the source leaves out the changes it cannot code (steps of 0: re-sent positions back at the
@@ -166,9 +174,10 @@ class ShardedSync:
                 for p in out:
                     if p.names:  # (a block of shares only has no changes)
                         p.run = p.run.moved([n in raw for n in p.names])
-            wrong, self.facts_bytes = find_facts(self.differ, out, self.src, self.group, self.data_group,
+            wrong, moved = find_facts(self.differ, out, self.src, self.group, self.data_group,
                                                  ctx.seg_log2_for(self.args.update_weight_buffer_size),
                                                  data_device(self.data_group))
+            self.facts_bytes += moved
             return wrong
         except Exception as e:  # noqa: BLE001 - every rank of every stage learns it in found()
             logger.exception("sharded delta sync: this rank could not find the xor_ctx facts of its shard")
