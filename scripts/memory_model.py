@@ -86,7 +86,7 @@ def rows(m: dict) -> list:
          "largest param", b("shard map build") * g2),
         ("sharded diff, chunks", "trainer GPU", "`--update-weight-buffer-size`", f"{b('sharded diff'):g} x buffer",
          b("sharded diff") * buf),
-        ("sharded diff, the rank's changes", "trainer GPU", "the change (none)",
+        ("sharded diff, the rank's changes until sent", "trainer host (pinned)", "the change (none)",
          f"{c_diff} B x density x stage / ranks", c_diff * per_rank),
         ("the stage's changes merged on its source, a round at a time", "source trainer GPU",
          "`--update-weight-buffer-size`", f"{b('sharded source round'):g} x max(buffer, {MERGE_BYTES} B x density x "

@@ -240,6 +240,8 @@ def _rank_diff(rank, tp, dp, cp, port, errors):
         from sglang.srt.weight_sync.delta.fingerprint import tensor_fingerprint
 
         torch.set_num_threads(1)
+        if cp == 2:  # the GPU's branches on CPU tensors: the found changes copied to host off the default stream
+            os.environ["SGLANG_DELTA_DEVICE_PATH"] = "1"
         H.init_world(port, rank=rank, tp=tp, dp=dp, cp=cp)
         model = H.build_model()
         args = H.make_args()
@@ -309,7 +311,8 @@ def test_each_rank_sends_what_changed_in_its_own_slice():
 
 
 def test_context_parallel_ranks_split_what_they_hold_alike():
-    _spawn(_rank_diff, 2, 1, 1, 2)  # CP=2: both ranks hold every param whole; each diffs and keeps half
+    _spawn(_rank_diff, 2, 1, 1, 2)  # CP=2: both ranks hold every param whole; each diffs and keeps half (and takes
+    # the device path's branches: SGLANG_DELTA_DEVICE_PATH)
 
 
 @pytest.mark.parametrize("ranks, encoding", [(1, "xor_zstd"), (2, "xor_ctx")])

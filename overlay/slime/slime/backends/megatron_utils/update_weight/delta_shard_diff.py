@@ -173,7 +173,9 @@ class ShardDiffer:
         """The owned elements whose bytes differ from the snapshot, or that an unacknowledged sync sent, as HF
         targets' positions and values (with ``olds`` the snapshot's there: ``xor_zstd``'s base). Per chunk of at
         most ``chunk_bytes`` (its snapshot on the device while the next one's is on its way): one joined diff
-        (:func:`changes_many`), then per run of it one search over the joined map, one sort and one host read."""
+        (:func:`changes_many`), then per run of it one search over the joined map, one sort and one host read. What
+        it finds moves to host memory as it is found (pinned, off the default stream, on CUDA): the device holds one
+        chunk's changes, the rounds of :func:`send_changes` bring them back a round at a time."""
         named = self._owned(params)
         if named and (self.link is None or self.link.device != named[0][1].device):
             self.link = HostLink(named[0][1].device)
@@ -199,9 +201,16 @@ class ShardDiffer:
                 order = torch.argsort(tgt * (1 << 40) + hpos)
                 counts = host_values(torch.bincount(tgt, minlength=len(self.targets)))
                 live = [j for j, c in enumerate(counts) if c]
-                blocks.append(([self.targets[j] for j in live], [counts[j] for j in live], hpos[order],
-                               run.values[mapped][order], run.olds[mapped][order] if olds else None))
-                self._found.append((names, offs, run.idx, run.values, run.counts))
+                # what the sync keeps of this run leaves the device (pinned host, off the default stream): the
+                # device holds a chunk's changes at a time, never the rank's
+                pos_h, val_h, idx_h, cur_h, *old_h = self.link.to_host_many(
+                    [hpos[order], run.values[mapped][order], run.idx, run.values]
+                    + ([run.olds[mapped][order]] if olds else []))
+                blocks.append(([self.targets[j] for j in live], [counts[j] for j in live], pos_h, val_h,
+                               old_h[0] if olds else None))
+                self._found.append((names, offs, idx_h, cur_h, run.counts))
+        if self.link is not None:
+            self.link.synchronize()  # the host copies are read from here on: once per sync
         return Changes(blocks, self.shapes)
 
     def held_counts(self, where: Dict[str, int], qx: torch.Tensor, qbase: torch.Tensor, seg_log2: int) -> torch.Tensor:
@@ -451,7 +460,7 @@ def _round_payload(blocks, inside, device) -> torch.Tensor:
         for t in (pos, val, olds):
             if t is not None:
                 parts += [t[a:b].reshape(-1).view(torch.uint8) for a, b in runs]
-    return (torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)).to(device)
+    return (torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)).to(device)  # one copy per round
 
 
 def _merged(parts, every, shapes, device) -> Prediffed:
