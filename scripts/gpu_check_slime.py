@@ -194,16 +194,25 @@ def _rank(rank: int, ranks: int, device_type: str, port: int, root: str, sizes, 
                     return found
 
                 sharded.differ.changes = counted
-            if source:
-                ok, msg = sender.update(segments)[0]
-                m = sender.pop_metrics()
-            else:
-                for segment in segments:
-                    for _ in segment():
-                        pass
+            with PeakMemory(device) as sync_peak:
+                if source:
+                    ok, msg = sender.update(segments)[0]
+                    m = sender.pop_metrics()
+                else:
+                    for segment in segments:
+                        for _ in segment():
+                            pass
             if cuda:
                 torch.cuda.synchronize(device)
             seconds = time.perf_counter() - t0
+            if k == SYNCS - 1:  # a sharded delta: the device steps of docs/memory.md that coexist, at their bounds
+                buf = args.update_weight_buffer_size
+                # a round: the buffer's worth of changes, or every element of the largest param at 64 B each
+                modeled = 3 * buf + 2 * max(buf, 32 * gather) + 2 * buf + (4 * max(64 << 20, gather) if source else 0)
+                lines.append(("figure",  # a figure, not a check: a model this small is its fixed costs
+                              f"rank {rank}: a sharded delta sync ({encoding}), device peak {sync_peak.peak} B; "
+                              f"modeled at most {modeled} B (diff chunks 3x the buffer, a round 2x, the facts 2x"
+                              + (", the source's flush 4x its buffer)" if source else ")")))
             if k == 1:
                 del sharded.differ.changes  # the instance's counted wrapper: back to the method
             outcome = sharded.settle(sender)
