@@ -282,7 +282,8 @@ def _report(a, rows, eng, depths) -> None:
         f"chunk: {a.flush:,} B. Shard map build, sharded diff, the source's rounds and xor_ctx's facts: two gloo "
         "ranks at TP=2, a Megatron GPTModel with a 64,000 x 256 embedding (the source's rounds: at 4 layers, with "
         "changes spread over every param, then twice as many, in rounds of a quarter of them); the others: a "
-        "Qwen2-shaped SGLang model, in process. `make gpu-check` reports the same components' device peaks on a GPU.", 118, break_long_words=False, break_on_hyphens=False)
+        "Qwen2-shaped SGLang model, in process. `make gpu-check` reports the same components' device peaks on a GPU.",
+        118, break_long_words=False, break_on_hyphens=False)
     text = "\n".join([
         MARK[0],
         "## Peak memory of each transient (`make bench-memory`)",

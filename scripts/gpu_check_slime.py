@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+SENDER_BUFFER = 64 << 20  # the source's flush buffer in this lane
 SYNCS, REFUSED = 5, 2  # sync 0 gathers (full); the engine refuses sync 2's publish
 ENCODINGS = ("xor_zstd", "xor_ctx")  # the disk default; the fewest bytes, whose ranks find their changes' classes
 
@@ -158,7 +159,7 @@ def _rank(rank: int, ranks: int, device_type: str, port: int, root: str, sizes, 
                     flip_a_value_bit(version_dir, "")
 
             transport = DiskTransport(shared, [engine], zstd=zstd_level(encoding), post_write_hook=hook)
-            sender = DeltaSender(transport, [engine], encoding=encoding, buffer_bytes=64 << 20, device=device,
+            sender = DeltaSender(transport, [engine], encoding=encoding, buffer_bytes=SENDER_BUFFER, device=device,
                                  fingerprint_every=1, repair_dirty=False)
         lines, held, base = [], None, None
         from cpu_harness import PeakMemory
@@ -206,9 +207,13 @@ def _rank(rank: int, ranks: int, device_type: str, port: int, root: str, sizes, 
                 torch.cuda.synchronize(device)
             seconds = time.perf_counter() - t0
             if k == SYNCS - 1:  # a sharded delta: the device steps of docs/memory.md that coexist, at their bounds
+                from slime.backends.megatron_utils.update_weight.delta_shard_diff import MERGE_BYTES
+
                 buf = args.update_weight_buffer_size
-                # a round: the buffer's worth of changes, or every element of the largest param at 64 B each
-                modeled = 3 * buf + 2 * max(buf, 32 * gather) + 2 * buf + (4 * max(64 << 20, gather) if source else 0)
+                # a round: the buffer's worth of changes, or every element of the largest param (``gather`` holds 2
+                # B each) at MERGE_BYTES each
+                modeled = 3 * buf + 2 * max(buf, MERGE_BYTES * gather // 2) + 2 * buf \
+                    + (4 * max(SENDER_BUFFER, gather) if source else 0)
                 lines.append(("figure",  # a figure, not a check: a model this small is its fixed costs
                               f"rank {rank}: a sharded delta sync ({encoding}), device peak {sync_peak.peak} B; "
                               f"modeled at most {modeled} B (diff chunks 3x the buffer, a round 2x, the facts 2x"

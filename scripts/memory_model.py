@@ -16,11 +16,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_memory import BUDGETS, PER_CHANGE  # noqa: E402  (beside this script)
 from md_pages import write_page  # noqa: E402
 
+from sglang.srt.weight_sync.delta.fingerprint import _BLOCK as FP_BLOCK  # noqa: E402  (elements hashed at once)
+from sglang.srt.weight_sync.delta.receiver import DEFAULT_CHUNK_BYTES as ENGINE_CHUNK  # noqa: E402
+
 GiB = 1 << 30
 DENSITY = 0.0423  # the largest share of bf16 elements one AdamW step at lr 1e-6 changed in `make bench`
-FP_BLOCK = 1 << 22  # the fingerprint's block of elements (int64 words each), as `fingerprint._BLOCK`
 MERGE_BYTES = 64  # delta_shard_diff.MERGE_BYTES: a round's changes x this is about the buffer (bench-memory checks)
-ENGINE_CHUNK = 512 << 20  # --update-weight-delta-chunk-bytes' default
 MARK = ("<!-- memory-model:begin -->", "<!-- memory-model:end -->")
 
 

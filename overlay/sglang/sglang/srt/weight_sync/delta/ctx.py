@@ -151,8 +151,8 @@ class _Segment:
         mask = torch.zeros(n, dtype=torch.bool, device=self.order.device)
         if not len(sizes):
             return mask
-        at = rep(self.starts[classes], sizes) + torch.arange(int(sizes.sum()), device=mask.device) \
-            - rep(to_device(np.concatenate([[0], np.cumsum(sizes)[:-1]]), mask.device), sizes)
+        firsts = to_device(np.concatenate([[0], np.cumsum(sizes)[:-1]]), mask.device)
+        at = torch.arange(int(sizes.sum()), device=mask.device) + rep(self.starts[classes] - firsts, sizes)
         mask[self.order[torch.clamp(at, 0, n - 1)]] = True
         return mask
 
@@ -378,8 +378,8 @@ class _Table:
         # a segment's classes partition it: their members together (a complement entry's every member, another's
         # changes) cannot outnumber its elements
         lo = c["seg"] << self.seg_log2
-        segs, inv = np.unique(c["seg"], return_inverse=True)
-        held = np.bincount(inv.reshape(-1), weights=c["count"] + c["coded"] * comp)[inv.reshape(-1)]
+        inv = np.unique(c["seg"], return_inverse=True)[1].reshape(-1)
+        held = np.bincount(inv, weights=c["count"] + c["coded"] * comp)[inv]
         fail(held > np.minimum(self.space.total, lo + (1 << self.seg_log2)) - lo,
              "has classes with more members than its segment holds")
         fail(sparse & (c["nz"] > c["count"]), "has more large steps than changes")
@@ -471,7 +471,7 @@ def decode(blob: torch.Tensor, params: Sequence[DeltaParam], dtype: torch.dtype,
         comp_t = torch.from_numpy(comp[ents]).to(dev)
         bad_size.append(comp_t & (size != to_device(coded[ents] + count[ents], dev)))
         ce = np.flatnonzero(comp[ents])  # a complement class: every member changed but the coded ones
-        member = seg.members(kcls[to_device(ce, dev)], (coded + count)[ents][ce])
+        member = seg.members(to_device(c["ctx"][ents][ce], dev), (coded + count)[ents][ce])
         rk = torch.clamp(ranks[int(kstart[lo_e]):int(kstart[hi_e])], 0, None)
         at = seg.order[torch.clamp(seg.starts[rep(kcls, coded[ents])] + rk, 0, seg.order.numel() - 1)]
         member[at] = ~rep(comp_t.long(), coded[ents]).bool()

@@ -389,7 +389,8 @@ def send_changes(changes: Changes, dst: int, group=None, data_group=None, shares
         for names, counts, *_ in rank_meta:
             for name, c in zip(names, counts):
                 totals[name] = totals.get(name, 0) + c
-    rounds = round_plan(totals, max(1, round_changes))
+    rounds = round_plan(totals, max(1, round_changes)) or [[]]
+    round_of = {name: k for k, names_in in enumerate(rounds) for name in names_in}
     if me == dst:
         every = sorted(totals)
         ids = {n: j for j, n in enumerate(every)}
@@ -401,9 +402,10 @@ def send_changes(changes: Changes, dst: int, group=None, data_group=None, shares
             for name, share in (rank_shares or {}).items():
                 acc = found_shares.setdefault(name, NameSum(dtype=share.dtype))
                 acc.total, acc.count = (acc.total + share.total) & mix64.M64, acc.count + share.count
-    for k, names_in in enumerate(rounds or [[]]):
-        inside = set(names_in)
-        mine = _round_payload(blocks, inside, device)
+    picks = {rank: _picks(rank_meta, round_of, len(rounds)) for rank, rank_meta, _, _ in unpacked
+             if rank == me or me == dst}
+    for k in range(len(rounds)):
+        mine = _round_payload(blocks, picks[me][k], device)
         if me != dst:
             if mine.numel():
                 dist.send(mine, dst, group=data_group)
@@ -411,7 +413,7 @@ def send_changes(changes: Changes, dst: int, group=None, data_group=None, shares
             continue
         by_dtype: Dict[str, List] = {}  # dtype -> [(name ids, counts, positions, values, olds)]
         for rank, blob_meta, _, _ in unpacked:
-            parts = [_selected(b, inside) for b in blob_meta]
+            parts = [([b[0][j] for j in js], [b[1][j] for j in js]) for b, js in zip(blob_meta, picks[rank][k])]
             size = sum(sum(c) * ((8 if b[3] else 4) + getattr(torch, b[2]).itemsize * (1 + b[4]))
                        for b, (_, c) in zip(blob_meta, parts))
             data = mine if rank == me else torch.empty(size, dtype=torch.uint8, device=device)
@@ -441,22 +443,25 @@ def send_changes(changes: Changes, dst: int, group=None, data_group=None, shares
         yield out, 0
 
 
-def _selected(block_meta, inside) -> Tuple[List[str], List[int]]:
-    """A block's names (and counts) that a round takes, in the block's order."""
-    names, counts = block_meta[0], block_meta[1]
-    keep = [j for j, n in enumerate(names) if n in inside]
-    return [names[j] for j in keep], [counts[j] for j in keep]
+def _picks(meta, round_of: Dict[str, int], rounds: int) -> List[List[List[int]]]:
+    """Per round, per block of one rank's ``meta``, the indices of the block's names that round takes: each block's
+    names read once for every round (the sender cuts its bytes by them, the source its reads)."""
+    picks = [[[] for _ in meta] for _ in range(rounds)]
+    for b, (names, *_) in enumerate(meta):
+        for j, name in enumerate(names):
+            picks[round_of[name]][b].append(j)
+    return picks
 
 
-def _round_payload(blocks, inside, device) -> torch.Tensor:
-    """This rank's bytes of a round: per block its names in the round (their runs of positions, values, base
-    values), as one byte tensor on the data device."""
+def _round_payload(blocks, picks: List[List[int]], device) -> torch.Tensor:
+    """This rank's bytes of a round: per block the runs of the names it picks (positions, values, base values), as
+    one byte tensor on the data device."""
     parts = []
-    for names, counts, pos, val, olds in blocks:
-        ends = list(itertools.accumulate(counts))
-        runs = [(e - c, e) for n, c, e in zip(names, counts, ends) if n in inside and c]
-        if not runs:
+    for (names, counts, pos, val, olds), js in zip(blocks, picks):
+        if not js:
             continue
+        ends = list(itertools.accumulate(counts))
+        runs = [(ends[j] - counts[j], ends[j]) for j in js]
         for t in (pos, val, olds):
             if t is not None:
                 parts += [t[a:b].reshape(-1).view(torch.uint8) for a, b in runs]

@@ -175,8 +175,8 @@ class ShardedSync:
                     if p.names:  # (a block of shares only has no changes)
                         p.run = p.run.moved([n in raw for n in p.names])
             wrong, moved = find_facts(self.differ, out, self.src, self.group, self.data_group,
-                                                 ctx.seg_log2_for(self.args.update_weight_buffer_size),
-                                                 data_device(self.data_group))
+                                      ctx.seg_log2_for(self.args.update_weight_buffer_size),
+                                      data_device(self.data_group))
             self.facts_bytes += moved
             return wrong
         except Exception as e:  # noqa: BLE001 - every rank of every stage learns it in found()
