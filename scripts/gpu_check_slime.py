@@ -171,7 +171,8 @@ def _rank(rank: int, ranks: int, device_type: str, port: int, root: str, sizes, 
                          for _, p in named_params_and_buffers(args, [model]))  # slime's bf16 gather, largest param
         with PeakMemory(device) as peak:
             build_shard_maps(args, [model], "llama")
-        modeled = 2 * gather + WORK_BYTES * block_elements(args)  # a model this small: its block is not negligible
+        # a model this small: its working block is not negligible beside the gather
+        modeled = 2 * gather + WORK_BYTES * block_elements(args, gather // 2)
         lines.append(("memory", peak.peak <= modeled,
                       f"rank {rank}: shard map build, device peak {peak.peak} B = {peak.peak / gather:.2f}x slime's "
                       f"own bf16 gather of the largest param ({gather} B); modeled at most {modeled} B (2x, and its "
@@ -209,14 +210,16 @@ def _rank(rank: int, ranks: int, device_type: str, port: int, root: str, sizes, 
             if k == SYNCS - 1:  # a sharded delta: the device steps of docs/memory.md that coexist, at their bounds
                 from slime.backends.megatron_utils.update_weight.delta_shard_diff import MERGE_BYTES
 
-                buf = args.update_weight_buffer_size
-                # a round: the buffer's worth of changes, or every element of the largest param (``gather`` holds 2
+                from slime.utils.delta_sync_args import shard_chunk_bytes
+
+                buf = shard_chunk_bytes(args)  # the sharded steps' chunk (unset: the buffer)
+                # a round: the chunk's worth of changes, or every element of the largest param (``gather`` holds 2
                 # B each) at MERGE_BYTES each
                 modeled = 3 * buf + 2 * max(buf, MERGE_BYTES * gather // 2) + 2 * buf \
                     + (4 * max(SENDER_BUFFER, gather) if source else 0)
                 lines.append(("figure",  # a figure, not a check: a model this small is its fixed costs
                               f"rank {rank}: a sharded delta sync ({encoding}), device peak {sync_peak.peak} B; "
-                              f"modeled at most {modeled} B (diff chunks 3x the buffer, a round 2x, the facts 2x"
+                              f"modeled at most {modeled} B (diff chunks 3x the chunk, a round 2x, the facts 2x"
                               + (", the source's flush 4x its buffer)" if source else ")")))
             if k == 1:
                 del sharded.differ.changes  # the instance's counted wrapper: back to the method

@@ -69,14 +69,20 @@ def shape(m: dict) -> dict:
     return dict(model=sum(layer) + 2 * emb, stage=max(stages), largest=emb, ranks=m["gpus"] // m["pp"])
 
 
-def rows(m: dict) -> list:
-    """(step, where, what bounds it, formula, bytes) of one sync, in order."""
+CHUNK = 512 << 20  # the tables' second column: --update-weight-delta-shard-chunk-bytes at this, the buffer as is
+SHARD_CHUNK = "`--update-weight-delta-shard-chunk-bytes`"
+
+
+def rows(m: dict, chunk: int = 0) -> list:
+    """(step, where, what bounds it, formula, bytes) of one sync, in order; ``chunk``: the sharded sender's
+    (0: unset, the buffer)."""
     s = shape(m)
     buf, g2 = m["buffer"], 2 * s["largest"]  # slime's own bf16 gather of the largest param
+    part = chunk or buf
     owned = s["stage"] / s["ranks"]
     per_rank = DENSITY * owned
     c_diff = PER_CHANGE["sharded diff per change"][0]
-    chunk = max(buf, ENGINE_CHUNK)  # an engine holds a received flush (the sender's buffer) and writes in chunks
+    engine = max(buf, ENGINE_CHUNK)  # an engine holds a received flush (the sender's buffer) and writes in chunks
 
     def b(name):
         return BUDGETS[name][0]
@@ -85,20 +91,20 @@ def rows(m: dict) -> list:
         ("snapshot of its owned slices", "trainer host (pinned)", "the model", "2 B x stage / ranks", 2 * owned),
         ("shard map build (after a full sync)", "trainer GPU", "slime's gather", f"{b('shard map build'):g} x 2 B x "
          "largest param", b("shard map build") * g2),
-        ("sharded diff, chunks", "trainer GPU", "`--update-weight-buffer-size`", f"{b('sharded diff'):g} x buffer",
-         b("sharded diff") * buf),
+        ("sharded diff, chunks", "trainer GPU", SHARD_CHUNK, f"{b('sharded diff'):g} x chunk",
+         b("sharded diff") * part),
         ("sharded diff, the rank's changes until sent", "trainer host (pinned)", "the change (none)",
          f"{c_diff} B x density x stage / ranks", c_diff * per_rank),
         ("the stage's changes merged on its source, a round at a time", "source trainer GPU",
-         "`--update-weight-buffer-size`", f"{b('sharded source round'):g} x max(buffer, {MERGE_BYTES} B x density x "
-         "largest param)", b("sharded source round") * max(buf, MERGE_BYTES * DENSITY * s["largest"])),
-        ("`xor_ctx` facts", "trainer GPU", "`--update-weight-buffer-size`",
-         f"{b('sharded xor_ctx facts'):g} x buffer", b("sharded xor_ctx facts") * buf),
+         SHARD_CHUNK, f"{b('sharded source round'):g} x max(chunk, {MERGE_BYTES} B x density x largest param)",
+         b("sharded source round") * max(part, MERGE_BYTES * DENSITY * s["largest"])),
+        ("`xor_ctx` facts", "trainer GPU", SHARD_CHUNK,
+         f"{b('sharded xor_ctx facts'):g} x chunk", b("sharded xor_ctx facts") * part),
         ("source flush (encode)", "source trainer GPU", "`--update-weight-buffer-size`",
          f"{b('sender flush'):g} x max(buffer, 2 B x largest param)", b("sender flush") * max(buf, g2)),
         ("engine apply / `xor_zstd` rebuild / `xor_ctx` decode / full sync", "engine GPU",
-         "buffer, `--update-weight-delta-chunk-bytes`", f"{b('engine apply'):g} x max(buffer, chunk)",
-         b("engine apply") * chunk),
+         "buffer, `--update-weight-delta-chunk-bytes`", f"{b('engine apply'):g} x max(buffer, engine chunk)",
+         b("engine apply") * engine),
         ("fingerprint (every 10th sync)", "engine GPU", "its block", f"{b('fingerprint'):g} x 8 B x 2**22",
          b("fingerprint") * 8 * FP_BLOCK),
     ]
@@ -118,8 +124,10 @@ def section() -> str:
                 f"{m['engine_gpus']} GPUs; `--update-weight-buffer-size` {m['buffer'] / GiB:g} GiB. Counted here: "
                 f"{s['model'] / 1e9:,.0f} B params, the largest stage {s['stage'] / 1e9:,.1f} B, the embedding "
                 f"{s['largest'] / 1e9:,.2f} B elements; density {DENSITY:.2%}.", "",
-                "| step | where | bounded by | formula | peak extra |", "|---|---|---|---|---:|"]
-        out += [f"| {step} | {where} | {by} | {formula} | {_gb(x)} |" for step, where, by, formula, x in rows(m)]
+                f"| step | where | bounded by | formula | peak extra | at a {CHUNK >> 20} MiB chunk |",
+                "|---|---|---|---|---:|---:|"]
+        out += [f"| {step} | {where} | {by} | {formula} | {_gb(x)} | {_gb(y[4])} |"
+                for (step, where, by, formula, x), y in zip(rows(m), rows(m, CHUNK))]
     out.append(MARK[1])
     return "\n".join(out)
 

@@ -350,6 +350,17 @@ def test_the_example_parses_with_slimes_own_arguments():
         validate_sparse_delta_args(ns)
     with pytest.raises(SystemExit):
         parser.parse_known_args(argv + ["--update-weight-delta-encoding", "lz4"])
+    # the sharded sender's chunk: unset, the buffer; set, apart from it; not positive, refused by name
+    from slime.utils.delta_sync_args import resolve_delta_args, shard_chunk_bytes
+
+    for extra, chunk in (([], ns.update_weight_buffer_size),
+                         (["--update-weight-delta-shard-chunk-bytes", "65536"], 65536)):
+        ns, _ = parser.parse_known_args(argv + extra)
+        resolve_delta_args(ns)
+        assert shard_chunk_bytes(ns) == chunk, (extra, shard_chunk_bytes(ns))
+    ns, _ = parser.parse_known_args(argv + ["--update-weight-delta-shard-chunk-bytes", "0"])
+    with pytest.raises(ValueError, match=r"--update-weight-delta-shard-chunk-bytes=0: give a positive number"):
+        resolve_delta_args(ns)
 
 
 @pytest.mark.parametrize("transport", ["nccl", "disk"])
@@ -681,7 +692,9 @@ def _sharded_rank(rank, layout, port, ray_address, url, args, out):
                                  mismatches=m.get("perf/update_weights_fingerprint_mismatches", 0),
                                  xor=m.get("perf/update_weights_xor", 0), ctx=m.get("perf/update_weights_ctx", 0),
                                  snapshot=int(snap), model=sum(t.numel() * t.element_size() for t in mine.values()),
-                                 sender_snapshot=len(up._sender.state.snapshot)))
+                                 sender_snapshot=len(up._sender.state.snapshot),
+                                 bound=min(st.max_request_bytes for st in up._sender.status.values()),
+                                 raised=len(up._sharded._warned)))
             share = up._sharded.differ.snapshot_bytes
             stage_bytes = torch.tensor([sum(t.numel() * t.element_size() for t in mine.values()) if source else 0])
             dist.all_reduce(stage_bytes, group=up._sharded.group)
@@ -800,7 +813,11 @@ def test_sharded_sender(world, tmp_path, layout, transport, encoding):
     too; with ``xor_ctx`` the ranks then find each change's class rank together, no base moving); the engine equals
     slime's own full HF conversion after every sync; each rank's snapshot is its share of its stage; the bytes moved
     to the source follow the changed elements; a rank whose diff fails (or, ``xor_ctx``, whose counts say it holds
-    an element twice) makes the sync fail with no engine touched, and the next sync recovers as a delta."""
+    an element twice) makes the sync fail with no engine touched, and the next sync recovers as a delta.
+
+    ``xor_ctx`` runs with a buffer above the engine's bound on a request, which then bounds the source's flushes
+    and the segments they code in (the ranks count their facts in the segments the plan names), and with a shard
+    chunk far below the buffer (rounds of 256 changes, some names larger than a round)."""
 
     import ray
 
@@ -823,6 +840,8 @@ def test_sharded_sender(world, tmp_path, layout, transport, encoding):
                        update_weight_disk_dir=str(tmp_path / "shared"), update_weight_delta_sharded=True,
                        update_weight_delta_fingerprint_interval=2, pipeline_model_parallel_size=layout.get("pp", 1),
                        num_experts=H.EXPERTS if "ep" in layout else None)
+    if ctx:
+        args.update_weight_buffer_size, args.update_weight_delta_shard_chunk_bytes = 512 << 20, 16 << 10
     n = layout.get("tp", 1) * layout.get("dp", 1) * layout.get("pp", 1)
     try:
         got = H.run_ranks(_sharded_rank, n, layout, free_port(), ray.get_runtime_context().gcs_address, server.url,
@@ -844,6 +863,9 @@ def test_sharded_sender(world, tmp_path, layout, transport, encoding):
         assert all(row["sender_snapshot"] == 0 for row in rows), (r, rows)  # the source keeps no stage snapshot
         assert [rows[i]["xor"] for i in (0, 1, 2, 4)] == [0, xor, xor, xor], (r, rows)  # after the full sync
         assert [rows[i]["ctx"] for i in (0, 1, 2, 4)] == [0, ctx, ctx, ctx], (r, rows)
+        if ctx:  # the engine's bound on a request, not the buffer, bounds the flushes (and their segments)
+            assert 0 < rows[1]["bound"] < args.update_weight_buffer_size // 4, (r, rows)
+            assert rows[-1]["raised"] > 0, (r, rows)  # names with more changes than a round: raised, said, sent
         for row in rows[1:3]:  # positions and values (and with xor the base values) of the changed elements
             assert 0 < row["to_source"] <= 1.2 * row["changed"] * (4 + 2 + 2 * xor) + 1024, (r, row)
     world.pop("version", None)  # the engine's chain moved on

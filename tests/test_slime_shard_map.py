@@ -258,6 +258,7 @@ def _rank_diff(rank, tp, dp, cp, port, errors):
         assert differ.snapshot_bytes <= model_bytes // (tp * dp * cp) + 4096, (differ.snapshot_bytes, model_bytes)
         trainer = H.StageTrainer(model, seed=0)  # one seed: replicas step alike
         carried = {}  # positions a staged (unacknowledged) diff sent: the next one carries them again
+        said = 0  # names a round was raised for
         for step in range(3):
             trainer.step()
             new = H.hf_state(args, model)
@@ -265,14 +266,23 @@ def _rank_diff(rank, tp, dp, cp, port, errors):
             got, want_local = _by_name(small.changes(params)), _by_name(changes)
             assert got.keys() == want_local.keys() and all(torch.equal(got[n][0], want_local[n][0]) and torch.equal(
                 got[n][1].view(torch.int16), want_local[n][1].view(torch.int16)) for n in got), step
-            # in rounds of a few hundred changes (the source holds one at a time): a name's changes in one round
-            rounds = list(send_changes(changes, dst=0, shares=differ.shares(params), round_changes=300))
+            # in rounds of a few hundred changes (the source holds one at a time): a name's changes in one round;
+            # a name with more is a round alone, and said (the sync goes on)
+            raised = []
+            rounds = list(send_changes(changes, dst=0, shares=differ.shares(params), round_changes=300,
+                                       raised=lambda *a: raised.append(a)))
             sent = sum(n for _, n in rounds)
             if rank == 0:
                 assert len(rounds) > 1 and all(got is not None for got, _ in rounds), len(rounds)
                 found = [p for got, _ in rounds for p in got]
                 names = [n for p in found for n in p.names]
                 assert len(names) == len(set(names)), names[:5]
+                totals = {n: c for p in found for n, c in zip(p.names, p.run.counts)}
+                assert raised == [(n, c, 300) for n, c in sorted(totals.items()) if c > 300], raised
+                said += len(raised)
+                for got, _ in rounds:
+                    held = {n: totals[n] for p in got for n in p.names}
+                    assert sum(held.values()) <= 300 or len(held) == 1, held
             total = torch.tensor([sent])
             dist.all_reduce(total)
             if rank == 0:
@@ -299,6 +309,7 @@ def _rank_diff(rank, tp, dp, cp, port, errors):
             differ.commit()
             small.commit()
             old, carried = new, {}
+        assert rank or said, said  # some name had more changes than a round
         if tp == 2:  # per sync a constant number of kernels and host reads, whatever the layer count (the diff, and
             # xor_ctx's facts of its changes)
             assert _counts(args, 2) == _counts(args, 6), (_counts(args, 2), _counts(args, 6))

@@ -27,6 +27,18 @@ def resolve_delta_args(args) -> None:
     if getattr(args, "update_weight_delta_sharded", None) is None:
         args.update_weight_delta_sharded = runs_sparse_delta(args)
     _check_sharded(args)
+    chunk = getattr(args, "update_weight_delta_shard_chunk_bytes", None)
+    if chunk is not None and chunk <= 0:
+        raise ValueError(f"--update-weight-delta-shard-chunk-bytes={chunk}: give a positive number of bytes "
+                         "(unset: --update-weight-buffer-size)")
+
+
+def shard_chunk_bytes(args) -> int:
+    """What the sharded sender holds on a trainer GPU per step beside the flush (``--update-weight-delta-shard-
+    chunk-bytes``, unset: ``--update-weight-buffer-size``): the diff's snapshot chunks, the source's rounds, the
+    ``xor_ctx`` facts' batches, the shard map build's working blocks. Apart from the buffer, because slime's scripts
+    raise the buffer for gather throughput, which the sharded steps do not need."""
+    return getattr(args, "update_weight_delta_shard_chunk_bytes", None) or args.update_weight_buffer_size
 
 
 def runs_sparse_delta(args) -> bool:

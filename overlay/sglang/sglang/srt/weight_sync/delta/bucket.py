@@ -112,9 +112,15 @@ class DeltaBucket:
         out = [encode_gathered(self.entries[dt], self.encoding, sealed=False, **spec_fields)
                for dt in sorted(self.entries, key=str)]
         for p in out:
-            p.seg_log2 = seg_log2_for(self.max_bytes)  # xor_ctx's base pass, bounded by the same buffer
+            p.seg_log2 = self.seg_log2
         self.entries, self.nbytes = {}, 0
         return out
+
+    @property
+    def seg_log2(self) -> int:
+        """``xor_ctx``'s segments in this bucket's flushes: its base pass, bounded by the same bytes. Whoever finds
+        the facts of changes found elsewhere must count them in these segments."""
+        return seg_log2_for(self.max_bytes)
 
     def __len__(self) -> int:
         return sum(len(g.names) for v in self.entries.values() for g in v) + \

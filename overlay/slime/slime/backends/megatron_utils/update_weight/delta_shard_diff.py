@@ -13,7 +13,7 @@ import dataclasses
 import itertools
 import math
 import pickle
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -363,7 +363,8 @@ def round_plan(totals: Dict[str, int], limit: int) -> List[List[str]]:
 
 
 def send_changes(changes: Changes, dst: int, group=None, data_group=None, shares: Optional[Dict[str, NameSum]] = None,
-                 round_changes: int = (512 << 20) // MERGE_BYTES) -> Iterator[Tuple[Optional[List[Prediffed]], int]]:
+                 round_changes: int = (512 << 20) // MERGE_BYTES, raised: Optional[Callable[[str, int, int], None]] = None
+                 ) -> Iterator[Tuple[Optional[List[Prediffed]], int]]:
     """Every rank's changes to ``dst`` (a global rank), in rounds of at most ``round_changes`` changes of the stage
     (the source holds one round at a time, never the stage's whole change): per round ``dst`` gets one
     :class:`Prediffed` per values dtype, HF names in sorted order (a module's params stay together), the others
@@ -371,7 +372,7 @@ def send_changes(changes: Changes, dst: int, group=None, data_group=None, shares
     names, counts, shapes, dtypes; fingerprint ``shares``, which ride with the first round), from which every rank
     plans the same rounds; then per round the positions and values bytes point to point over ``data_group`` (NCCL:
     device to device): bytes follow the changed elements. The source merges a round's blocks of one dtype with one
-    sort."""
+    sort. ``raised(name, changes, round_changes)`` hears of each name that is a round alone because it has more."""
     me = dist.get_rank()
     data_group = group if data_group is None else data_group
     device = data_device(data_group)
@@ -390,6 +391,8 @@ def send_changes(changes: Changes, dst: int, group=None, data_group=None, shares
             for name, c in zip(names, counts):
                 totals[name] = totals.get(name, 0) + c
     rounds = round_plan(totals, max(1, round_changes)) or [[]]
+    for name in sorted(n for n, c in totals.items() if c > round_changes) if raised is not None else ():
+        raised(name, totals[name], round_changes)
     round_of = {name: k for k, names_in in enumerate(rounds) for name in names_in}
     if me == dst:
         every = sorted(totals)

@@ -29,6 +29,7 @@ from megatron.core import mpu
 
 from slime.backends.megatron_utils.megatron_to_hf import convert_to_hf
 from slime.backends.megatron_utils.update_weight.common import all_gather_param, named_params_and_buffers
+from slime.utils.delta_sync_args import shard_chunk_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +40,12 @@ _RUN_BYTES = 32  # a run's row in the table (4 x int64): a map with more bytes o
 WORK_BYTES = 64  # at most this many bytes of temporaries per element of a working block, beside the gathers
 
 
-def block_elements(args) -> int:
-    """Elements a build works on at once: 1/128 of ``--update-weight-buffer-size`` (at least 16 Ki), a multiple of
-    8 (the kept bits are packed by the byte)."""
-    return max(1 << 14, args.update_weight_buffer_size // 128) // 8 * 8
+def block_elements(args, gathered: int) -> int:
+    """Elements a build works on at once for a param slime gathers to ``gathered`` elements: at most a 128th of the
+    sharded sender's chunk (:func:`shard_chunk_bytes`) and a 512th of the param, so the block's temporaries stay
+    within a 16th of slime's own bf16 gather of it whatever the chunk; at least 16 Ki; a multiple of 8 (the kept
+    bits are packed by the byte)."""
+    return max(1 << 14, min(shard_chunk_bytes(args) // 128, gathered // 512)) // 8 * 8
 
 
 @dataclasses.dataclass
@@ -211,8 +214,9 @@ def _check(run: _Pass, found: List[Tuple[torch.Tensor, torch.Tensor]], first: in
                 raise _Impure("not a permutation (arithmetic on the ids)", run.targets)
 
 
-def _map(args, model_name: str, name: str, param: torch.Tensor, qcfg, block: int) -> ParamMap:
-    run = _Pass(args, model_name, name, param, qcfg, block)
+def _map(args, model_name: str, name: str, param: torch.Tensor, qcfg) -> ParamMap:
+    gathered = param.numel() * (_tp_size(name) if getattr(param, "tensor_model_parallel", False) else 1)
+    run = _Pass(args, model_name, name, param, qcfg, block_elements(args, gathered))
     shape, n = tuple(param.shape), param.numel()
     empty = torch.zeros(0, 4, dtype=torch.int64)
     try:
@@ -238,11 +242,10 @@ def build_shard_maps(args, model, model_name: str, quantization_config=None) -> 
     """Every local param's map, through slime's own gather and conversion (collective: every rank of the stage
     calls it, in the same param order, as slime's own update does). Rebuild after each full sync and whenever a
     shape changes. Working blocks: :func:`block_elements`."""
-    block = block_elements(args)
     maps: Dict[str, ParamMap] = {}
     with torch.no_grad():
         for name, param in named_params_and_buffers(args, model):
-            maps[name] = _map(args, model_name, name, param, quantization_config, block)
+            maps[name] = _map(args, model_name, name, param, quantization_config)
     impure = [m for m in maps.values() if not m.pure]
     if impure:
         logger.warning("%d param(s) keep slime's gather path (their conversion is not a permutation), e.g. %s: %s",

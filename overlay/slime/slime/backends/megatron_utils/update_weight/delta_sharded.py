@@ -20,13 +20,13 @@ import torch
 import torch.distributed as dist
 from megatron.core import mpu
 
-from sglang.srt.weight_sync.delta import ctx
 from sglang.srt.weight_sync.delta.diff import Prediffed
 from sglang.srt.weight_sync.delta.wire import DeltaEncoding
 from slime.backends.megatron_utils.update_weight.delta_shard_diff import (MERGE_BYTES, ShardDiffer, StaleShardMap,
                                                                              data_device, send_changes)
 from slime.backends.megatron_utils.update_weight.delta_shard_facts import find_facts
 from slime.backends.megatron_utils.update_weight.delta_shard_map import build_shard_maps
+from slime.utils.delta_sync_args import shard_chunk_bytes
 from slime.utils.distributed_utils import get_gloo_group
 
 logger = logging.getLogger(__name__)
@@ -72,6 +72,7 @@ class ShardedSync:
         self.last: Optional[dict] = None  # this pass's plan
         self.sent_bytes = 0
         self.facts_bytes = 0  # xor_ctx: what this rank's part of the facts' exchange moved, the last sync
+        self._warned: set = set()  # names whose changes were once more than a round
 
     def _share(self, obj):
         box = [obj]
@@ -81,15 +82,17 @@ class ShardedSync:
     def plan(self, sender) -> dict:
         """The source's decision for this sync, on every rank of the stage: whether the ranks diff their slices (some
         engine or a version store takes a delta and the slices hold its base), whether it gathers every param (some engine gets a full
-        sync, or the slices hold no base), checks fingerprints, sends xor bases, finds ``xor_ctx``'s facts
-        (``sender``: the source's, inside its sync; None elsewhere)."""
+        sync, or the slices hold no base), checks fingerprints, sends xor bases, finds ``xor_ctx``'s facts in the
+        segments its flushes code in (``sender``: the source's, inside its sync; None elsewhere)."""
         mine = None
         if self.source:
             run = sender.run
+            ctx_on = run.encodings.get("delta") == DeltaEncoding.XOR_CTX.value and "delta" in run.buckets
             mine = {"diff": "delta" in run.buckets and self.seeded, "gather": run.gathers or not self.seeded,
                     "fingerprint": run.fingerprints is not None,
-                    "xor": run.encodings.get("delta") == DeltaEncoding.XOR_ZSTD.value,
-                    "ctx": run.encodings.get("delta") == DeltaEncoding.XOR_CTX.value}
+                    "xor": run.encodings.get("delta") == DeltaEncoding.XOR_ZSTD.value, "ctx": ctx_on,
+                    # the segments the flushes will code in (the bucket's bound may be below the buffer)
+                    "seg_log2": run.buckets["delta"].seg_log2 if ctx_on else None}
         self.last = self._share(mine)
         return self.last
 
@@ -114,7 +117,7 @@ class ShardedSync:
             if not ok and maps[name].pure:
                 maps[name].pure, maps[name].why = False, "impure on another rank of the stage"
         self.impure = frozenset(n for n, m in maps.items() if not m.pure)
-        self.differ = ShardDiffer(maps, self.args.update_weight_buffer_size)
+        self.differ = ShardDiffer(maps, shard_chunk_bytes(self.args))
         names = ({hf for m in maps.values() if m.pure for hf, _ in m.targets},
                  {hf for m in maps.values() if not m.pure for hf, _ in m.targets})
         every = [None] * dist.get_world_size(self.group)  # other EP ranks' experts too
@@ -148,8 +151,8 @@ class ShardedSync:
         if int(failed):
             raise ShardDiffFailed(f"a trainer rank could not diff its shard{f': {error!r}' if error else ''}")
         sent, self.facts_bytes, error, failed = 0, 0, None, torch.tensor([0])
-        limit = max(1, self.args.update_weight_buffer_size // MERGE_BYTES)
-        for out, n in send_changes(changes, self.src, self.group, self.data_group, shares, limit):
+        limit = max(1, shard_chunk_bytes(self.args) // MERGE_BYTES)
+        for out, n in send_changes(changes, self.src, self.group, self.data_group, shares, limit, self._raised):
             sent += n
             error = self._facts(out, sender) if plan["ctx"] else None
             failed = torch.tensor([int(error is not None)])
@@ -175,13 +178,21 @@ class ShardedSync:
                     if p.names:  # (a block of shares only has no changes)
                         p.run = p.run.moved([n in raw for n in p.names])
             wrong, moved = find_facts(self.differ, out, self.src, self.group, self.data_group,
-                                      ctx.seg_log2_for(self.args.update_weight_buffer_size),
-                                      data_device(self.data_group))
+                                      self.last["seg_log2"], data_device(self.data_group))
             self.facts_bytes += moved
             return wrong
         except Exception as e:  # noqa: BLE001 - every rank of every stage learns it in found()
             logger.exception("sharded delta sync: this rank could not find the xor_ctx facts of its shard")
             return repr(e)
+
+    def _raised(self, name: str, changes: int, limit: int) -> None:
+        """A name with more changes than a round holds is a round alone: said once per name, on the source."""
+        if self.source and name not in self._warned:
+            self._warned.add(name)
+            logger.warning("sharded delta sync: %s has %d changes, more than a round of %d "
+                           "(--update-weight-delta-shard-chunk-bytes / %d B): its round is raised to hold them, and "
+                           "the source holds about %d B for it", name, changes, limit, MERGE_BYTES,
+                           2 * changes * MERGE_BYTES)
 
     def settle(self, sender) -> str:
         """After a sync's pass: the source's outcome on every rank — ``seed`` (a gather sync every engine took),
