@@ -1,4 +1,6 @@
 """The sender core driven by a real training loop, into real receivers: in-process SGLang classes and a server."""
+import logging
+
 import pytest
 import torch
 
@@ -56,8 +58,10 @@ def reference(cfg, state):
 @pytest.mark.parametrize("arch, encoding", [
     ("qwen2", "deltas_zstd"), ("qwen3-tied", "indices"), ("qwen2-moe", "deltas"), ("qwen3-moe", "deltas_zstd"),
     ("qwen3-tied", "xor_zstd"), ("qwen3-moe", "xor_zstd"), ("qwen2", "planes_zstd")])
-def test_training_loop_into_inprocess_receivers(tmp_path, arch, encoding):
-    """Syncs after real training steps, each engine param bit-identical to a plain load of the trainer's state."""
+def test_training_loop_into_inprocess_receivers(tmp_path, caplog, arch, encoding):
+    """Syncs after real training steps, each engine param bit-identical to a plain load of the trainer's state. The
+    4 KiB buffer is below most params: each such one is a flush of its own, said once, at its largest."""
+    caplog.set_level(logging.WARNING, logger="sglang.srt.weight_sync.delta.sync_run")
     cfg = hf_config(arch)
     trainer = hf_model(cfg)
     engine = LocalEngine(cfg)
@@ -83,6 +87,10 @@ def test_training_loop_into_inprocess_receivers(tmp_path, arch, encoding):
         assert sender.state.version == step
         assert_params_equal(engine.host.model, reference(cfg, state))
     transport.close()
+    said = [r.getMessage() for r in caplog.records if "larger than the flush bound" in r.getMessage()]
+    largest = max(state.items(), key=lambda kv: kv[1].nbytes)
+    assert len(said) == 1 and said[0].startswith("delta sync v1: ") and \
+        f"up to {largest[1].nbytes} B ({largest[0]})" in said[0], said
 
 
 def test_the_disk_transport_announces_to_every_engine_at_once(tmp_path):

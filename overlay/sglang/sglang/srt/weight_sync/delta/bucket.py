@@ -38,6 +38,7 @@ class DeltaBucket:
         self.base_of = None  # xor_ctx: (name, numel, dtype) -> the param's whole base, flat, read when flushed
         self._open: Dict[torch.dtype, _Span] = {}  # per dtype, the run being extended by add_found
         self.nbytes = 0
+        self.over = (0, 0, "")  # params larger than the bound by themselves: (how many, the largest's bytes, its name)
 
     def add(self, name: str, tensor: torch.Tensor, idx: Optional[torch.Tensor],
             base: Optional[torch.Tensor] = None, values: Optional[torch.Tensor] = None,
@@ -47,8 +48,7 @@ class DeltaBucket:
         self._close(tensor.dtype)
         g = FlushEntry.of(name, tensor, idx, values, base, whole)
         self.entries.setdefault(tensor.dtype, []).append(g)
-        self.nbytes += g.counts[0] * ((0 if idx is None else self.per_change) + tensor.element_size())
-        self.last = name
+        self._grow(name, g.counts[0] * ((0 if idx is None else self.per_change) + tensor.element_size()))
 
     def add_found(self, found: ChangeRun, j: int, name: str, shape: List[int]) -> None:
         """The ``j``-th param of ``found`` (changed: a non-zero count), sparse, ``xor_zstd`` bases from its olds.
@@ -64,8 +64,16 @@ class DeltaBucket:
         span.shapes.append(shape)
         n = found.counts[j]
         span.counts.append(n)
-        self.nbytes += n * (self.per_change + dtype.itemsize)
+        self._grow(name, n * (self.per_change + dtype.itemsize))
+
+    def _grow(self, name: str, cost: int) -> None:
+        """One param's bytes in: a param above the bound by itself is a flush of its own (the flush is raised to
+        hold it, never split), counted in ``over`` for the sender to say."""
+        self.nbytes += cost
         self.last = name
+        if cost > self.max_bytes:
+            n, largest, who = self.over
+            self.over = (n + 1, *max((largest, who), (cost, name)))
 
     def add_chunk(self, chunk: Chunk, found: Sequence[ChangeRun]) -> bool:
         """A chunk whose diff is one run over all of it, in order, added whole when the bucket holds it below its

@@ -109,6 +109,7 @@ class DeltaSender:
         self.run: Optional[SyncRun] = None  # the sync in progress (its segments may read what it sends whom)
         self.fingerprint_every = fingerprint_every  # check engines' weight fingerprints every K syncs (0: never)
         self.anchor_every = anchor_every  # a version store: the trainer also writes an anchor every K versions
+        self.said_over = 0  # the largest param above the flush bound a warning named (SyncRun._say_over)
         self.attach(transport, engines, stages)
 
     def attach(self, transport, engines: Sequence, stages: Optional[StageGroup] = None) -> None:

@@ -278,6 +278,7 @@ class SyncRun:
                 self.results[i] = (ok, msg)
 
     def finish(self) -> Dict[int, Tuple[bool, str]]:
+        self._say_over()
         t = self.s.transport
         if not getattr(t, "shared_group", False):
             self._collect(t.collect())
@@ -285,6 +286,20 @@ class SyncRun:
         for i in self.targets["delta"] + self.targets["full"]:
             self.results.setdefault(i, (False, "transport: no request reached this engine"))
         return self.results
+
+    def _say_over(self) -> None:
+        """Params larger than the flush bound by themselves travelled as flushes of their own: a warning, when the
+        largest is larger than any said before (the engines hold a flush at once, so it is their memory too)."""
+        overs = [b.over for b in self.buckets.values() if b.over[0]]
+        if not overs:
+            return
+        count, (_, largest, name) = sum(o[0] for o in overs), max(overs, key=lambda o: o[1])
+        if largest > self.s.said_over:
+            self.s.said_over = largest
+            bound = next(iter(self.buckets.values())).max_bytes
+            logger.warning("delta sync v%d: %d param(s) larger than the flush bound (%d B: --update-weight-buffer-size "
+                           "or the engines' bound on a request) travelled as flushes of their own, up to %d B (%s); "
+                           "a flush is raised to hold one param, never split", self.v, count, bound, largest, name)
 
     def metrics(self, t_encode: float, t_finalize: float) -> Dict[str, float]:
         p = "perf/update_weights_"
