@@ -39,13 +39,11 @@ def _slime_rank(rank, port, sizes, flush, changed, out):
         from megatron.core import mpu
         from slime.backends.megatron_utils.update_weight.common import named_params_and_buffers
         from sglang.srt.weight_sync.delta import ctx
-        from slime.backends.megatron_utils.update_weight.delta_shard_diff import MERGE_BYTES, ShardDiffer, send_changes
+        from slime.backends.megatron_utils.update_weight.delta_shard_diff import ShardDiffer
+        from slime.backends.megatron_utils.update_weight.delta_shard_rounds import MERGE_BYTES, send_changes
         from slime.backends.megatron_utils.update_weight.delta_shard_facts import find_facts
         from slime.backends.megatron_utils.update_weight.delta_shard_map import build_shard_maps
 
-        import memory_model
-
-        assert memory_model.MERGE_BYTES == MERGE_BYTES  # the page's model and the sender's rounds agree
         torch.set_num_threads(1)
         H.configure(*sizes)
         H.init_world(port, rank=rank, tp=2)
@@ -80,16 +78,17 @@ def _slime_rank(rank, port, sizes, flush, changed, out):
         with LiveBytes() as diffed2:
             differ.changes(params, olds=True)
         differ.commit()
-        # the source's rounds: changes spread over every param (so rounds cut between names), then twice as many;
-        # a round holds at most ``rounds`` changes, or one name's
+        # the source's rounds: changes spread over every param (so rounds cut between names), then twice as many,
+        # then four times as many in the embedding alone (its changes split by position); a round holds at most
+        # ``rounds`` changes, or one piece's
         rounds = max(1, changed // 4)
         owned = [p for n, p in params if n in differ.snapshot and p.is_floating_point()]
         merges, refs = [], []
-        for k in range(2):
+        for k in range(3):
             with torch.no_grad():
-                for p in owned:
+                for p in owned if k < 2 else [emb]:
                     flat = p.data.view(-1)
-                    per = min(flat.numel(), max(1, changed // len(owned)))
+                    per = min(flat.numel(), max(1, changed // len(owned)) if k < 2 else 4 * changed)
                     at = torch.arange(per, dtype=torch.int64) * (flat.numel() // per) + k
                     at = at[at < flat.numel()]
                     flat[at] = (flat[at].view(torch.int16) ^ 1).view(flat.dtype)
@@ -99,9 +98,10 @@ def _slime_rank(rank, port, sizes, flush, changed, out):
                     largest = max([largest] + [max(p.run.counts, default=0) for p in got or []])  # does
             merges.append(merged.peak)
             refs.append(max(rounds, largest) * MERGE_BYTES if rank == 0 else 0)
-        out.put((rank, dict(build=max(built.peak, built_big.peak), gather=2 * gathered, diff=diffed.peak, facts=facts.peak,
+        out.put((rank, dict(build=max(built.peak, built_big.peak), gather=2 * gathered, diff=diffed.peak,
+                            facts=facts.peak,
                             diff_per_change=(diffed2.peak - diffed.peak) / changed, merge=merges[0],
-                            merge2=merges[1], round=max(refs))))
+                            merge2=max(merges[1:]), round=max(refs))))
     except BaseException:
         out.put((rank, traceback.format_exc()))
 
@@ -213,7 +213,7 @@ BUDGETS = {"shard map build": (2.0, "gather"), "sharded diff": (3.0, "chunk"), "
            "fingerprint": (4.0, "fingerprint block")}
 # what grows with the changed elements, not with a setting: (budget in bytes per change, figure, whose changes)
 PER_CHANGE = {"sharded diff per change": (40, "diff_per_change", "of the rank's slices")}
-WORDS = {"round": "the largest round (chunk / 64 B changes, or one name's) x 64 B",
+WORDS = {"round": "the largest round (chunk / 64 B changes, or one piece's) x 64 B",
          "gather": "slime's own bf16 gather of the largest param", "fingerprint block": "its block of int64 words",
          "flush or param": "the flush buffer or the largest param (a chunk)"}
 
@@ -285,7 +285,8 @@ def _report(a, rows, eng, depths) -> None:
         f"chunk and shard chunk: {a.flush:,} B. Shard map build, sharded diff, the source's rounds and xor_ctx's "
         "facts: two gloo ranks at TP=2, a Megatron GPTModel with a 64,000 x 256 embedding (the map build: the larger "
         "peak at that buffer and at 4 GiB, slime's largest; the source's rounds: at 4 layers, with "
-        "changes spread over every param, then twice as many, in rounds of a quarter of them); the others: a "
+        "changes spread over every param, then twice as many, then four times as many in the embedding alone, in "
+        "rounds of a quarter of the first); the others: a "
         "Qwen2-shaped SGLang model, in process. `make gpu-check` reports the same components' device peaks on a GPU.",
         118, break_long_words=False, break_on_hyphens=False)
     text = "\n".join([

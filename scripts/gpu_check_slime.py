@@ -208,7 +208,7 @@ def _rank(rank: int, ranks: int, device_type: str, port: int, root: str, sizes, 
                 torch.cuda.synchronize(device)
             seconds = time.perf_counter() - t0
             if k == SYNCS - 1:  # a sharded delta: the device steps of docs/memory.md that coexist, at their bounds
-                from slime.backends.megatron_utils.update_weight.delta_shard_diff import MERGE_BYTES
+                from slime.backends.megatron_utils.update_weight.delta_shard_rounds import MERGE_BYTES
 
                 from slime.utils.delta_sync_args import shard_chunk_bytes
 

@@ -21,7 +21,6 @@ from sglang.srt.weight_sync.delta.receiver import DEFAULT_CHUNK_BYTES as ENGINE_
 
 GiB = 1 << 30
 DENSITY = 0.0423  # the largest share of bf16 elements one AdamW step at lr 1e-6 changed in `make bench`
-MERGE_BYTES = 64  # delta_shard_diff.MERGE_BYTES: a round's changes x this is about the buffer (bench-memory checks)
 MARK = ("<!-- memory-model:begin -->", "<!-- memory-model:end -->")
 
 
@@ -96,8 +95,7 @@ def rows(m: dict, chunk: int = 0) -> list:
         ("sharded diff, the rank's changes until sent", "trainer host (pinned)", "the change (none)",
          f"{c_diff} B x density x stage / ranks", c_diff * per_rank),
         ("the stage's changes merged on its source, a round at a time", "source trainer GPU",
-         SHARD_CHUNK, f"{b('sharded source round'):g} x max(chunk, {MERGE_BYTES} B x density x largest param)",
-         b("sharded source round") * max(part, MERGE_BYTES * DENSITY * s["largest"])),
+         SHARD_CHUNK, f"{b('sharded source round'):g} x chunk", b("sharded source round") * part),
         ("`xor_ctx` facts", "trainer GPU", SHARD_CHUNK,
          f"{b('sharded xor_ctx facts'):g} x chunk", b("sharded xor_ctx facts") * part),
         ("source flush (encode)", "source trainer GPU", "`--update-weight-buffer-size`",

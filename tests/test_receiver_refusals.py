@@ -281,9 +281,17 @@ def test_speculative_engine_refused(engine):
 
 
 def test_a_param_in_two_files_of_one_request(engine):
+    """A param may come in pieces over a request's files only as a sparse delta written through recorded views,
+    each piece past the last: the same positions twice are refused before a write, as is a param twice in a full
+    sync's request (a loader would take each file's as the whole param)."""
     before = weights(engine)
     ok, msg = engine.call("_apply_delta_payload", as_parts([good_delta(), good_delta()]))
-    assert not ok and "appears in two files of one request" in msg, msg
+    assert not ok and "its pieces in the files of one request overlap or come out of order" in msg, msg
+    assert_untouched(engine, before)
+    _, s = states()
+    ok, msg = engine.call("_apply_delta_payload", as_parts(full_flushes(s[1], version=2) +
+                                                           full_flushes(s[1], version=2)))
+    assert not ok and "appears in two files of one request, which only a sparse delta" in msg, msg
     assert_untouched(engine, before)
 
 

@@ -1,5 +1,6 @@
 """The sender core driven by a real training loop, into real receivers: in-process SGLang classes and a server."""
 import logging
+import math
 
 import pytest
 import torch
@@ -869,4 +870,78 @@ def test_a_full_sync_for_one_engine_keeps_the_changes_found_elsewhere_for_the_ot
     assert all(ok for ok, _ in sender.update([segment(states[2], states[3])]).values())  # both: deltas
     assert_both_hold(cfg, states[3], a, b)
     assert not set(away) & set(sender.state.snapshot)
+    sender.transport.close()
+
+
+def pieces_of(found, name, cut):
+    """``found`` as the sharded sender's rounds give a name with more changes than a round: ``name``'s positions
+    below ``cut`` with every other name, then the rest of it alone, each piece with its range."""
+    from sglang.srt.weight_sync.delta.diff import ChangeRun, Prediffed
+
+    run, j = found.run, found.names.index(name)
+    a, b = sum(run.counts[:j]), sum(run.counts[:j + 1])
+    low = a + int((run.idx[a:b] < cut).sum())
+    cols = [t for t in (run.idx, run.values, run.olds) if t is not None]
+    head = [torch.cat([t[:low], t[b:]]) for t in cols]
+    tail = [t[low:b] for t in cols]
+    counts = list(run.counts)
+    counts[j] = low - a
+    numel = math.prod(found.shapes[j])
+    first = Prediffed(found.names, found.shapes, ChangeRun(list(range(len(counts))), counts, *head), found.shares,
+                      ranges={name: (0, cut)})
+    second = Prediffed([name], [found.shapes[j]], ChangeRun([0], [b - low], *tail), {}, ranges={name: (cut, numel)})
+    return first, second
+
+
+@pytest.mark.parametrize("encoding", ["deltas", "xor_zstd", "xor_ctx"])
+def test_a_param_found_elsewhere_in_pieces_lands_with_each_piece_in_its_own_flush(tmp_path, encoding):
+    """The sharded sender splits a name with more changes than a round by position (for xor_ctx at a segment
+    bound): its pieces come one after the other, each past the last, and each starts a flush of its own (an engine
+    refuses a flush naming a param twice); the engine ends bit-identical. A piece that overlaps the last one, a
+    name again without a range, or a range the param does not hold fail the sync before its flush: the engine
+    keeps its version exactly."""
+    from sglang.srt.weight_sync.delta import ctx
+
+    cfg = hf_config("qwen2", vocab=2048)  # an embedding of two segments of 2**16
+    engine = LocalEngine(cfg)
+    sender = DeltaSender(DiskTransport(str(tmp_path), [engine], zstd=zstd_level(encoding)), [engine],
+                         encoding=encoding, buffer_bytes=4 << 10, fingerprint_every=1)
+    seg_log2 = ctx.seg_log2_for(4 << 10)
+    states = rl_states(cfg, 5, seed=0)
+    embed = "model.embed_tokens.weight"
+    away = sorted(n for n in states[0] if ".mlp." in n or n == embed)
+    cut = 1 << seg_log2
+    assert states[0][embed].numel() == 2 * cut
+
+    def segment(old, new, lie=None):
+        def chunks():
+            if sender.run.gathers:
+                return [list(new.items())]
+            found = found_elsewhere(old, new, away)
+            at = found.run.idx.split(found.run.counts)
+            found.run.olds = None if encoding == "deltas" else \
+                torch.cat([old[n].reshape(-1)[p] for n, p in zip(found.names, at)])
+            first, second = pieces_of(found, embed, cut)
+            if encoding == "xor_ctx":
+                first, second = (with_facts(p, old, seg_log2) for p in (first, second))
+            if lie == "overlaps":
+                second.ranges = {embed: (cut - 1, 2 * cut)}
+            elif lie == "no range":
+                second.ranges = None
+            elif lie == "outside":
+                second.ranges = {embed: (cut, 2 * cut + 1)}
+            return [[(n, t) for n, t in new.items() if n not in away], first, second]
+        return chunks
+
+    assert sender.update([segment(None, states[0])])[0][0]
+    sender.state.keep_elsewhere(away)
+    assert sender.update([segment(states[0], states[1])])[0][0]
+    m = sender.pop_metrics()
+    assert m["perf/update_weights_fingerprint_mismatches"] == 0 and m["perf/update_weights_density"] < 0.2, m
+    assert_params_equal(engine.host.model, reference(cfg, states[1]))
+    for k, (lie, why) in enumerate([("overlaps", "came twice in one sync"), ("no range", "came twice in one sync"),
+                                    ("outside", f"a piece of positions [{cut}, {2 * cut + 1}) it does not hold")]):
+        ok, msg = sender.update([segment(states[1], states[2 + k], lie)])[0]
+        assert not ok and why in msg, (lie, msg)
+        assert_params_equal(engine.host.model, reference(cfg, states[1]))
     sender.transport.close()

@@ -19,6 +19,7 @@ import traceback
 import pytest
 
 SLIME = os.environ.get("SLIME_PATCHED_DIR")
+EMBED = "model.embed_tokens.weight"  # the HF name slime's conversion gives the embedding
 pytestmark = pytest.mark.skipif(
     not SLIME, reason="slime tests need a patched slime checkout: run `make test-slime SLIME_DIR=/path/to/slime`")
 
@@ -145,13 +146,21 @@ def test_every_element_of_a_shard_lands_where_slimes_conversion_puts_it():
 
 
 def _merged(found):
-    """The source's changes as {HF name: (positions, values)}, names with a change only."""
-    out = {}
+    """The source's changes as {HF name: (positions, values)}, names with a change only; a name that came in pieces
+    joined in their order, each piece's positions in its range, past the last piece's."""
+    import torch
+
+    out, upto = {}, {}
     for p in found:
         for j, name in enumerate(p.names):
             pos, val, _ = p.run.share(j)
+            lo, hi = (p.ranges or {}).get(name, (0, 1 << 62))
+            assert name not in upto or (name in (p.ranges or {}) and lo >= upto[name]), (name, lo, upto.get(name))
+            assert not pos.numel() or lo <= int(pos.min()) <= int(pos.max()) < hi, (name, lo, hi)
+            upto[name] = hi
             if pos.numel():
-                out[name] = (pos, val)
+                was = out.get(name)
+                out[name] = (pos, val) if was is None else (torch.cat([was[0], pos]), torch.cat([was[1], val]))
     return out
 
 
@@ -234,7 +243,8 @@ def _rank_diff(rank, tp, dp, cp, port, errors):
 
         import slime_harness as H
         from slime.backends.megatron_utils.update_weight.common import named_params_and_buffers
-        from slime.backends.megatron_utils.update_weight.delta_shard_diff import ShardDiffer, send_changes
+        from slime.backends.megatron_utils.update_weight.delta_shard_diff import ShardDiffer
+        from slime.backends.megatron_utils.update_weight.delta_shard_rounds import send_changes
         from slime.backends.megatron_utils.update_weight.delta_shard_map import build_shard_maps
         from sglang.srt.weight_sync.delta.diff import changed_positions
         from sglang.srt.weight_sync.delta.fingerprint import tensor_fingerprint
@@ -258,7 +268,7 @@ def _rank_diff(rank, tp, dp, cp, port, errors):
         assert differ.snapshot_bytes <= model_bytes // (tp * dp * cp) + 4096, (differ.snapshot_bytes, model_bytes)
         trainer = H.StageTrainer(model, seed=0)  # one seed: replicas step alike
         carried = {}  # positions a staged (unacknowledged) diff sent: the next one carries them again
-        said = 0  # names a round was raised for
+        split = set()  # names some sync sent in pieces
         for step in range(3):
             trainer.step()
             new = H.hf_state(args, model)
@@ -266,23 +276,25 @@ def _rank_diff(rank, tp, dp, cp, port, errors):
             got, want_local = _by_name(small.changes(params)), _by_name(changes)
             assert got.keys() == want_local.keys() and all(torch.equal(got[n][0], want_local[n][0]) and torch.equal(
                 got[n][1].view(torch.int16), want_local[n][1].view(torch.int16)) for n in got), step
-            # in rounds of a few hundred changes (the source holds one at a time): a name's changes in one round;
-            # a name with more is a round alone, and said (the sync goes on)
-            raised = []
-            rounds = list(send_changes(changes, dst=0, shares=differ.shares(params), round_changes=300,
+            # in rounds of a few hundred changes (the source holds one at a time): a name with more is split by
+            # position into pieces (ascending and disjoint: _merged checks), unless an engine loads it whole (the
+            # embedding, at step 2); a piece with more is a round alone, and said (the sync goes on)
+            raised, whole = [], frozenset({EMBED} if step == 2 else ())
+            rounds = list(send_changes(changes, dst=0, shares=differ.shares(params), round_changes=300, whole=whole,
                                        raised=lambda *a: raised.append(a)))
             sent = sum(n for _, n in rounds)
             if rank == 0:
                 assert len(rounds) > 1 and all(got is not None for got, _ in rounds), len(rounds)
                 found = [p for got, _ in rounds for p in got]
-                names = [n for p in found for n in p.names]
-                assert len(names) == len(set(names)), names[:5]
-                totals = {n: c for p in found for n, c in zip(p.names, p.run.counts)}
-                assert raised == [(n, c, 300) for n, c in sorted(totals.items()) if c > 300], raised
-                said += len(raised)
                 for got, _ in rounds:
-                    held = {n: totals[n] for p in got for n in p.names}
-                    assert sum(held.values()) <= 300 or len(held) == 1, held
+                    held = [(n, c) for p in got for n, c in zip(p.names, p.run.counts)]
+                    assert len({n for n, _ in held}) == len(held), held  # a name once per round
+                    assert sum(c for _, c in held) <= 300 or (len(held) == 1 and (*held[0], 300) in raised), held
+                now = {n for p in found for n in p.ranges or {}}
+                assert not now & whole, now & whole
+                split |= now
+                embed = sum(c for p in found for n, c in zip(p.names, p.run.counts) if n == EMBED)
+                assert ((EMBED, embed, 300) in raised) == (step == 2 and embed > 300), (raised, embed)
             total = torch.tensor([sent])
             dist.all_reduce(total)
             if rank == 0:
@@ -309,7 +321,7 @@ def _rank_diff(rank, tp, dp, cp, port, errors):
             differ.commit()
             small.commit()
             old, carried = new, {}
-        assert rank or said, said  # some name had more changes than a round
+        assert rank or split, split  # some name had more changes than a round
         if tp == 2:  # per sync a constant number of kernels and host reads, whatever the layer count (the diff, and
             # xor_ctx's facts of its changes)
             assert _counts(args, 2) == _counts(args, 6), (_counts(args, 2), _counts(args, 6))

@@ -104,6 +104,11 @@ class DeltaBucket:
         if span is not None:
             self.entries.setdefault(dtype, []).append(span.gathered())
 
+    def holds(self, name: str) -> bool:
+        """Whether ``name`` is in this flush already (a piece of a param split over rounds starts the next one)."""
+        return any(name in s.names for s in self._open.values()) or \
+            any(name in g.names for entries in self.entries.values() for g in entries)
+
     def should_flush(self, next_name: str) -> bool:
         """Before adding ``next_name``: full, and that param starts another module."""
         return self.nbytes >= self.max_bytes and _module(next_name) != _module(self.last)

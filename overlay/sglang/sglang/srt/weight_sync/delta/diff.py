@@ -106,12 +106,14 @@ class Prediffed:
     """Changes of HF params found outside the sender (a trainer's ranks diff their own shards), which the sender keeps
     no snapshot of: ``names`` with their ``shapes``, and ``run`` (its ``ks`` index ``names``, sorted positions and the
     new values; with ``xor_zstd`` base_version's values as ``olds``). ``shares``: their weight-fingerprint shares
-    (name -> ``fingerprint.NameSum``), when the sync checks fingerprints."""
+    (name -> ``fingerprint.NameSum``), when the sync checks fingerprints. ``ranges``: a name whose changes come in
+    pieces (one per Prediffed, in position order) -> the HF flat positions ``[lo, hi)`` this piece covers."""
 
     names: List[str]
     shapes: List[List[int]]
     run: ChangeRun
     shares: Optional[dict] = None
+    ranges: Optional[Dict[str, Tuple[int, int]]] = None
 
 
 _SHAPE, _DTYPE, _NBYTES = operator.attrgetter("shape"), operator.attrgetter("dtype"), operator.attrgetter("nbytes")

@@ -67,7 +67,7 @@ from sglang.srt.weight_sync.delta.views import (
 )
 from sglang.srt.weight_sync.delta.ops import gc_paused
 from sglang.srt.weight_sync.delta.positions import Positions
-from sglang.srt.weight_sync.delta.validate import validate_payload
+from sglang.srt.weight_sync.delta.validate import check_pieces, check_pieces_ascend, validate_payload
 from sglang.srt.weight_sync.delta.wire import (
     POSITIONS,
     VALUES,
@@ -183,14 +183,13 @@ def _apply_request(self, payloads: Sequence[DeltaPayload], weight_version: Optio
             _refuse_unsupported(self)
             head, starts = check_version(state, [p.spec for p in payloads], weight_version, files=not received)
             manifest = state.manifest
+            check_pieces(payloads, head.full, state.direct)
             if xor:
                 check_xor_base(state, head)
             else:
                 decoded = [validate_payload(p, manifest) for p in payloads]
-            names = [q.name for p in payloads for q in p.spec.params]
-            if len(set(names)) != len(names):
-                raise DeltaError(f"param {next(n for n in names if names.count(n) > 1)!r} appears in two files of one request")
-            check_names(names)
+                check_pieces_ascend(payloads, decoded)
+            check_names(q.name for p in payloads for q in p.spec.params)
             finals = (set() if starts else state.finals) | {p.spec.source for p in payloads if p.spec.final}
             if not head.full:
                 _check_writable(state, head, [q for p in payloads for q in p.spec.params], starts,
@@ -205,6 +204,7 @@ def _apply_request(self, payloads: Sequence[DeltaPayload], weight_version: Optio
         try:
             payloads = (rebuild_ctx if payloads[0].coded else rebuild_xor)(state.plan, manifest, payloads, device)
             decoded = [validate_payload(p, manifest) for p in payloads]
+            check_pieces_ascend(payloads, decoded)
         except DeltaError as e:
             error = e
         if not tp_agree(error is None) and error is None:
@@ -311,8 +311,9 @@ def _apply_request(self, payloads: Sequence[DeltaPayload], weight_version: Optio
                                                                  state.unheld)
             state.copies, state.recorder, state.pending_manifest = state.recorder.copies, None, {}
     kind = "full sync" if head.full else "delta"
+    params = sum(len(p.spec.params) for p in payloads)
     return True, (f"Succeeded to apply {kind} version {head.version} flush {head.flush} "
-                  f"({len(names)} params, {nnz} values){' (final)' if state.pending is None else ''}.")
+                  f"({params} params, {nnz} values){' (final)' if state.pending is None else ''}.")
 
 
 def _paths(manifest: dict, copies: dict, direct: dict, unheld: frozenset) -> Tuple[List[str], bool, List[str]]:

@@ -40,6 +40,7 @@ class SyncRun:
         self.fingerprints: Optional[Dict[str, "fingerprint.Pending"]] = {} if fingerprint_on else None
         self.found_shares: Optional[Dict[str, "fingerprint.NameSum"]] = None  # shares that came with Prediffed
         self.found_names: set = set()  # names whose changes came as Prediffed
+        self.found_upto: Dict[str, int] = {}  # a name split in pieces: the end of the last piece's positions
         self.found_elsewhere: frozenset = frozenset()  # the names kept elsewhere when they came: the ranks' diff's
         self.fingerprint_s = 0.0  # trainer-side hashing, reported apart from encode
         self.shares: Optional[Dict[str, "fingerprint.NameSum"]] = None  # the fingerprint's per-name sums, once read
@@ -112,17 +113,27 @@ class SyncRun:
 
     def found_pass(self, found: Prediffed) -> None:
         """Changes found outside the sender into the delta bucket: per param only host bookkeeping (flush boundaries,
-        spans of the run), no tensor op; nothing recorded, since their snapshot is kept where they were found."""
+        spans of the run), no tensor op; nothing recorded, since their snapshot is kept where they were found. A
+        param may come in pieces (``found.ranges``), each past the last; a piece never shares a flush with another
+        piece of its param."""
         if "delta" not in self.buckets:
             raise DeltaError("every engine of this sync gets a full sync: changes found elsewhere have no target")
-        if self.found_names & set(found.names):
-            raise DeltaError(f"changes of {sorted(self.found_names & set(found.names))[:3]} came twice in one sync")
+        ranges = found.ranges or {}
+        for name, (lo, hi) in ranges.items():
+            j = found.names.index(name) if name in found.names else -1
+            if j < 0 or not 0 <= lo < hi <= math.prod(found.shapes[j]):
+                raise DeltaError(f"changes of {name}: a piece of positions [{lo}, {hi}) it does not hold")
+        again = self.found_names & set(found.names)
+        for name in sorted(again):  # a later piece of a split name: past the last one, never over it
+            if name not in ranges or ranges[name][0] < self.found_upto.get(name, 1 << 62):
+                raise DeltaError(f"changes of {name} came twice in one sync")
         if not self.found_names:  # what the ranks diffed: a gathering sync re-maps them later, for the next sync
             self.found_elsewhere = self.s.state.elsewhere
         stray = [n for n in found.names if n not in self.found_elsewhere]
         if stray:  # its base is this sender's snapshot, which these changes would bypass
             raise DeltaError(f"changes of {stray[:3]} came as found elsewhere, but this sender keeps their base itself")
         self.found_names.update(found.names)
+        self.found_upto.update((name, hi) for name, (_, hi) in ranges.items())
         delta, f = self.buckets.get("delta"), found.run
         xor = self.encodings.get("delta") == DeltaEncoding.XOR_ZSTD.value
         dtype = f.values.dtype
@@ -141,11 +152,11 @@ class SyncRun:
             self.found_shares = {**(self.found_shares or {}), **found.shares}
         for j, (name, shape) in enumerate(zip(found.names, found.shapes)):
             n = f.counts[j]
-            self.elements += math.prod(shape)
+            self.elements += 0 if name in again else math.prod(shape)
             self.nnz += n
             if delta is None:
                 continue
-            if delta.should_flush(name):
+            if delta.should_flush(name) or (name in again and delta.holds(name)):  # a flush names a param once
                 self._flush("delta")
             if not n:
                 continue

@@ -65,6 +65,54 @@ def validate_payload(payload: DeltaPayload, manifest: Optional[Dict[str, Tuple[L
     return positions
 
 
+def _repeated(names: List[str]) -> set:
+    if len(set(names)) == len(names):
+        return set()
+    seen, repeated = set(), set()
+    for n in names:
+        (repeated if n in seen else seen).add(n)
+    return repeated
+
+
+def check_pieces(payloads: Sequence[DeltaPayload], full: bool, direct) -> None:
+    """A request may name a param in several of its files only as pieces of a sparse delta written through this
+    engine's recorded views (``direct``): a sender splits a param with more changes than a round by position. A
+    loader would take each piece as a whole tensor, and a full sync's file is the param. Host work for the repeated
+    names only."""
+    repeated = _repeated([q.name for p in payloads for q in p.spec.params])
+    for p in payloads if repeated else ():
+        for q in p.spec.params:
+            if q.name in repeated and (full or not q.pos_width or q.name not in (direct or {})):
+                raise DeltaError(f"param {q.name!r} appears in two files of one request, which only a sparse delta "
+                                 "of a param written through recorded views may (in pieces)")
+
+
+def check_pieces_ascend(payloads: Sequence[DeltaPayload], decoded) -> None:
+    """A param in several files of one request: each file's positions all past the last file's (pieces never
+    overlap or come out of order). One host read, for the repeated names only; ``decoded``: each payload's
+    checked positions (``validate_payload``)."""
+    repeated = _repeated([q.name for p in payloads for q in p.spec.params])
+    if not repeated:
+        return
+    seen: Dict[str, List[torch.Tensor]] = {}
+    for p, positions in zip(payloads, decoded):
+        for q in p.spec.params:
+            at = positions.of(q) if q.name in repeated else None
+            if at is not None and at.numel():
+                seen.setdefault(q.name, []).append(torch.stack([at.min(), at.max()]))
+    pieces = {n: e for n, e in seen.items() if len(e) > 1}
+    if not pieces:
+        return
+    bounds = host_values(torch.cat([t for e in pieces.values() for t in e]))
+    at = 0
+    for name, e in pieces.items():
+        b = bounds[at:at + 2 * len(e)]
+        at += 2 * len(e)
+        if any(b[2 * k + 2] <= b[2 * k + 1] for k in range(len(e) - 1)):
+            raise DeltaError(f"param {name!r}: its pieces in the files of one request overlap or come out of order "
+                             "(each file's positions must all follow the last file's)")
+
+
 def check_structure(payload: DeltaPayload, manifest=None) -> List[DeltaParam]:
     """The checks that need no checksum: blob shapes, the spec's own rules and its fit to the blobs, names, shapes
     and dtypes against ``manifest``; returns the sparse params in spec order."""

@@ -12,24 +12,19 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import pickle
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 from megatron.core import mpu
 from torch._utils import _flatten_dense_tensors
 
 from sglang.srt.weight_sync.delta import ctx, mix64
-from sglang.srt.weight_sync.delta.diff import ChangeRun, Prediffed, changes_many
+from sglang.srt.weight_sync.delta.diff import changes_many
 from sglang.srt.weight_sync.delta.fingerprint import NameSum, name_seed
 from sglang.srt.weight_sync.delta.ops import INT_VIEW, host_values, repeat_counts, to_device
 from sglang.srt.weight_sync.delta.snapshot import HostLink
 from sglang.srt.weight_sync.delta.wire import dtype_to_str
 from slime.backends.megatron_utils.update_weight.delta_shard_map import ParamMap, locate
-
-_I32 = (1 << 31) - 1
-
 
 @dataclasses.dataclass
 class Changes:
@@ -175,7 +170,7 @@ class ShardDiffer:
         most ``chunk_bytes`` (its snapshot on the device while the next one's is on its way): one joined diff
         (:func:`changes_many`), then per run of it one search over the joined map, one sort and one host read. What
         it finds moves to host memory as it is found (pinned, off the default stream, on CUDA): the device holds one
-        chunk's changes, the rounds of :func:`send_changes` bring them back a round at a time."""
+        chunk's changes, the rounds of ``delta_shard_rounds.send_changes`` bring them back a round at a time."""
         named = self._owned(params)
         if named and (self.link is None or self.link.device != named[0][1].device):
             self.link = HostLink(named[0][1].device)
@@ -336,152 +331,3 @@ def _blocks(items: List[Tuple[str, torch.Tensor]]):
         size += item[1].numel()
     if batch:
         yield batch
-
-
-def data_device(data_group) -> torch.device:
-    """Where a data group's tensors live: the host for gloo, this rank's GPU for NCCL."""
-    return torch.device("cpu") if dist.get_backend(data_group) == "gloo" else \
-        torch.device("cuda", torch.cuda.current_device())
-
-
-# the source's bytes per change of a round as it merges them (received bytes, joined, sorted): rounds of at most
-# the buffer over this in changes keep its merge within about the buffer (make bench-memory measures it)
-MERGE_BYTES = 64
-
-
-def round_plan(totals: Dict[str, int], limit: int) -> List[List[str]]:
-    """The stage's changed HF names in sorted order, cut into rounds of at most ``limit`` changes (a name with more
-    is a round alone: a name's changes travel together)."""
-    rounds, now, size = [], [], 0
-    for name in sorted(totals):
-        if now and size + totals[name] > limit:
-            rounds.append(now)
-            now, size = [], 0
-        now.append(name)
-        size += totals[name]
-    return rounds + [now] if now else rounds
-
-
-def send_changes(changes: Changes, dst: int, group=None, data_group=None, shares: Optional[Dict[str, NameSum]] = None,
-                 round_changes: int = (512 << 20) // MERGE_BYTES, raised: Optional[Callable[[str, int, int], None]] = None
-                 ) -> Iterator[Tuple[Optional[List[Prediffed]], int]]:
-    """Every rank's changes to ``dst`` (a global rank), in rounds of at most ``round_changes`` changes of the stage
-    (the source holds one round at a time, never the stage's whole change): per round ``dst`` gets one
-    :class:`Prediffed` per values dtype, HF names in sorted order (a module's params stay together), the others
-    None; beside it the tensor bytes this rank sent in it. One small object gather over ``group`` first (gloo:
-    names, counts, shapes, dtypes; fingerprint ``shares``, which ride with the first round), from which every rank
-    plans the same rounds; then per round the positions and values bytes point to point over ``data_group`` (NCCL:
-    device to device): bytes follow the changed elements. The source merges a round's blocks of one dtype with one
-    sort. ``raised(name, changes, round_changes)`` hears of each name that is a round alone because it has more."""
-    me = dist.get_rank()
-    data_group = group if data_group is None else data_group
-    device = data_device(data_group)
-    meta, blocks = [], []
-    for names, counts, pos, val, olds in changes.blocks:
-        wide = bool(pos.numel()) and int(pos.max()) > _I32
-        meta.append((names, counts, str(val.dtype).removeprefix("torch."), wide, olds is not None))
-        blocks.append((names, counts, pos if wide else pos.to(torch.int32), val, olds))
-    shapes = {n: changes.shapes[n] for names, *_ in changes.blocks for n in names}
-    metas: List = [None] * dist.get_world_size(group)
-    dist.all_gather_object(metas, (me, pickle.dumps((meta, shapes, shares))), group=group)
-    unpacked = [(rank, *pickle.loads(blob)) for rank, blob in metas]
-    totals: Dict[str, int] = {}
-    for _, rank_meta, _, _ in unpacked:
-        for names, counts, *_ in rank_meta:
-            for name, c in zip(names, counts):
-                totals[name] = totals.get(name, 0) + c
-    rounds = round_plan(totals, max(1, round_changes)) or [[]]
-    for name in sorted(n for n, c in totals.items() if c > round_changes) if raised is not None else ():
-        raised(name, totals[name], round_changes)
-    round_of = {name: k for k, names_in in enumerate(rounds) for name in names_in}
-    if me == dst:
-        every = sorted(totals)
-        ids = {n: j for j, n in enumerate(every)}
-        all_shapes = {n: tuple(sh) for _, _, rank_shapes, _ in unpacked for n, sh in rank_shapes.items()}
-        found_shares: Optional[Dict[str, NameSum]] = None
-        for _, _, _, rank_shares in unpacked:
-            if rank_shares is not None and found_shares is None:
-                found_shares = {}
-            for name, share in (rank_shares or {}).items():
-                acc = found_shares.setdefault(name, NameSum(dtype=share.dtype))
-                acc.total, acc.count = (acc.total + share.total) & mix64.M64, acc.count + share.count
-    picks = {rank: _picks(rank_meta, round_of, len(rounds)) for rank, rank_meta, _, _ in unpacked
-             if rank == me or me == dst}
-    for k in range(len(rounds)):
-        mine = _round_payload(blocks, picks[me][k], device)
-        if me != dst:
-            if mine.numel():
-                dist.send(mine, dst, group=data_group)
-            yield None, mine.numel()
-            continue
-        by_dtype: Dict[str, List] = {}  # dtype -> [(name ids, counts, positions, values, olds)]
-        for rank, blob_meta, _, _ in unpacked:
-            parts = [([b[0][j] for j in js], [b[1][j] for j in js]) for b, js in zip(blob_meta, picks[rank][k])]
-            size = sum(sum(c) * ((8 if b[3] else 4) + getattr(torch, b[2]).itemsize * (1 + b[4]))
-                       for b, (_, c) in zip(blob_meta, parts))
-            data = mine if rank == me else torch.empty(size, dtype=torch.uint8, device=device)
-            if rank != me and size:
-                dist.recv(data, rank, group=data_group)
-            at = 0
-            for (names, counts, dtype, wide, has_olds), (sel_names, sel_counts) in zip(blob_meta, parts):
-                n, w, dt = sum(sel_counts), 8 if wide else 4, getattr(torch, dtype)
-                if not n:
-                    continue
-                pos = data[at:at + n * w].clone().view(torch.int64 if wide else torch.int32).to(torch.int64)
-                at += n * w
-                val = data[at:at + n * dt.itemsize].clone().view(dt)
-                at += n * dt.itemsize
-                olds = None
-                if has_olds:
-                    olds = data[at:at + n * dt.itemsize].clone().view(dt)
-                    at += n * dt.itemsize
-                by_dtype.setdefault(dtype, []).append(([ids[m] for m in sel_names], sel_counts, pos, val, olds))
-            del data
-        out = [_merged(parts, every, all_shapes, device) for parts in by_dtype.values()]
-        if found_shares is not None:  # every name's shares ride with the first round (a sync may find nothing
-            if k == 0 and not out:  # changed); the others' blocks carry none
-                out.append(Prediffed([], [], ChangeRun([], [], torch.zeros(0, dtype=torch.int64), torch.zeros(0))))
-            for j, p in enumerate(out):
-                p.shares = found_shares if k == j == 0 else {}
-        yield out, 0
-
-
-def _picks(meta, round_of: Dict[str, int], rounds: int) -> List[List[List[int]]]:
-    """Per round, per block of one rank's ``meta``, the indices of the block's names that round takes: each block's
-    names read once for every round (the sender cuts its bytes by them, the source its reads)."""
-    picks = [[[] for _ in meta] for _ in range(rounds)]
-    for b, (names, *_) in enumerate(meta):
-        for j, name in enumerate(names):
-            picks[round_of[name]][b].append(j)
-    return picks
-
-
-def _round_payload(blocks, picks: List[List[int]], device) -> torch.Tensor:
-    """This rank's bytes of a round: per block the runs of the names it picks (positions, values, base values), as
-    one byte tensor on the data device."""
-    parts = []
-    for (names, counts, pos, val, olds), js in zip(blocks, picks):
-        if not js:
-            continue
-        ends = list(itertools.accumulate(counts))
-        runs = [(ends[j] - counts[j], ends[j]) for j in js]
-        for t in (pos, val, olds):
-            if t is not None:
-                parts += [t[a:b].reshape(-1).view(torch.uint8) for a, b in runs]
-    return (torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)).to(device)  # one copy per round
-
-
-def _merged(parts, every, shapes, device) -> Prediffed:
-    """One dtype's blocks of a round from every rank as one :class:`Prediffed`: one sort by (name, position)."""
-    nid = torch.cat([repeat_counts(to_device(i, device), c) for i, c, *_ in parts])
-    order = torch.argsort(nid * (1 << 40) + torch.cat([p[2] for p in parts]))
-    pos, val = torch.cat([p[2] for p in parts])[order], torch.cat([p[3] for p in parts])[order]
-    olds = torch.cat([p[4] for p in parts])[order] if parts[0][4] is not None else None
-    totals: Dict[int, int] = {}
-    for i, c, *_ in parts:
-        for j, n in zip(i, c):
-            totals[j] = totals.get(j, 0) + n
-    names = [every[j] for j in sorted(totals)]
-    counts = [totals[j] for j in sorted(totals)]
-    return Prediffed(names, [list(shapes[n]) for n in names],
-                     ChangeRun(list(range(len(names))), counts, pos, val, olds))

@@ -22,8 +22,8 @@ from megatron.core import mpu
 
 from sglang.srt.weight_sync.delta.diff import Prediffed
 from sglang.srt.weight_sync.delta.wire import DeltaEncoding
-from slime.backends.megatron_utils.update_weight.delta_shard_diff import (MERGE_BYTES, ShardDiffer, StaleShardMap,
-                                                                             data_device, send_changes)
+from slime.backends.megatron_utils.update_weight.delta_shard_diff import ShardDiffer, StaleShardMap
+from slime.backends.megatron_utils.update_weight.delta_shard_rounds import MERGE_BYTES, data_device, send_changes
 from slime.backends.megatron_utils.update_weight.delta_shard_facts import find_facts
 from slime.backends.megatron_utils.update_weight.delta_shard_map import build_shard_maps
 from slime.utils.delta_sync_args import shard_chunk_bytes
@@ -92,7 +92,8 @@ class ShardedSync:
                     "fingerprint": run.fingerprints is not None,
                     "xor": run.encodings.get("delta") == DeltaEncoding.XOR_ZSTD.value, "ctx": ctx_on,
                     # the segments the flushes will code in (the bucket's bound may be below the buffer)
-                    "seg_log2": run.buckets["delta"].seg_log2 if ctx_on else None}
+                    "seg_log2": run.buckets["delta"].seg_log2 if ctx_on else None,
+                    "whole": sorted(run.dense)}  # names an engine loads whole: never split over rounds
         self.last = self._share(mine)
         return self.last
 
@@ -152,7 +153,9 @@ class ShardedSync:
             raise ShardDiffFailed(f"a trainer rank could not diff its shard{f': {error!r}' if error else ''}")
         sent, self.facts_bytes, error, failed = 0, 0, None, torch.tensor([0])
         limit = max(1, shard_chunk_bytes(self.args) // MERGE_BYTES)
-        for out, n in send_changes(changes, self.src, self.group, self.data_group, shares, limit, self._raised):
+        align = 1 << plan["seg_log2"] if plan["ctx"] else 1  # a segment's changes in one piece of a split name
+        for out, n in send_changes(changes, self.src, self.group, self.data_group, shares, limit,
+                                   frozenset(plan["whole"]), align, self._raised):
             sent += n
             error = self._facts(out, sender) if plan["ctx"] else None
             failed = torch.tensor([int(error is not None)])
@@ -186,10 +189,11 @@ class ShardedSync:
             return repr(e)
 
     def _raised(self, name: str, changes: int, limit: int) -> None:
-        """A name with more changes than a round holds is a round alone: said once per name, on the source."""
+        """A piece with more changes than a round holds (a name an engine loads whole, or one position range of a
+        split name) is a round alone: said once per name, on the source."""
         if self.source and name not in self._warned:
             self._warned.add(name)
-            logger.warning("sharded delta sync: %s has %d changes, more than a round of %d "
+            logger.warning("sharded delta sync: %s has %d changes in one piece, more than a round of %d "
                            "(--update-weight-delta-shard-chunk-bytes / %d B): its round is raised to hold them, and "
                            "the source holds about %d B for it", name, changes, limit, MERGE_BYTES,
                            2 * changes * MERGE_BYTES)
