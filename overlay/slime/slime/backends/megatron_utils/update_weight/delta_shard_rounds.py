@@ -30,6 +30,7 @@ _I32 = (1 << 31) - 1
 # the chunk over this in changes keep its merge within about the chunk (make bench-memory measures it)
 MERGE_BYTES = 64
 RANGES = 4096  # a split name's changes are counted in at most this many position ranges: the finest cut
+_HIST_BATCH = 1 << 20  # changes counted into those ranges at once
 
 
 def data_device(data_group) -> torch.device:
@@ -87,7 +88,7 @@ def send_changes(changes: Changes, dst: int, group=None, data_group=None, shares
     for names, counts, pos, val, olds in changes.blocks:
         wide = bool(pos.numel()) and int(pos.max()) > _I32
         meta.append((names, counts, str(val.dtype).removeprefix("torch."), wide, olds is not None))
-        blocks.append((names, counts, pos if wide else pos.to(torch.int32), val, olds))
+        blocks.append((pos, val, olds, wide))
     shapes = {n: changes.shapes[n] for names, *_ in changes.blocks for n in names}
     unpacked = [(rank, *pickle.loads(blob)) for rank, blob in _gather((me, pickle.dumps((meta, shapes, shares))),
                                                                        group)]
@@ -175,10 +176,11 @@ def _ranges(changes: Changes, split: Dict[str, int], shapes, me: int, group) -> 
         ends = list(itertools.accumulate(counts))
         for j, name in enumerate(names):
             if name in split:
-                width = split[name]
-                got = torch.bincount(pos[ends[j] - counts[j]:ends[j]] // width,
-                                     minlength=-(-math.prod(shapes[name]) // width))
-                mine[(b, j)] = (name, got.cpu().numpy())
+                width, got = split[name], np.zeros(-(-math.prod(shapes[name]) // split[name]), dtype=np.int64)
+                for a in range(ends[j] - counts[j], ends[j], _HIST_BATCH):  # a bounded transient per batch
+                    part = torch.bincount(pos[a:min(ends[j], a + _HIST_BATCH)] // width, minlength=got.size)
+                    got += part.cpu().numpy()
+                mine[(b, j)] = (name, got)
     return dict(_gather((me, mine), group))
 
 
@@ -208,11 +210,15 @@ def _picks(meta, ranges: Dict, pieces, rounds: List[List[int]], split) -> List[L
 
 
 def _round_payload(blocks, picks: List[List[Tuple[int, int, int]]], device) -> torch.Tensor:
-    """This rank's bytes of a round: per block the runs it picks (positions, values, base values), as one byte
-    tensor on the data device."""
+    """This rank's bytes of a round: per block the runs it picks (positions, int32 where the block allows; values;
+    base values), as one byte tensor on the data device. What it converts or joins is this round's only."""
     parts = []
-    for (names, counts, pos, val, olds), runs in zip(blocks, picks):
-        for t in (pos, val, olds) if runs else ():
+    for (pos, val, olds, wide), runs in zip(blocks, picks):
+        if not runs:
+            continue
+        at = torch.cat([pos[a:e] for _, a, e in runs])
+        parts.append((at if wide else at.to(torch.int32)).view(torch.uint8))
+        for t in (val, olds):
             if t is not None:
                 parts += [t[a:e].reshape(-1).view(torch.uint8) for _, a, e in runs]
     return (torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)).to(device)  # one copy per round
