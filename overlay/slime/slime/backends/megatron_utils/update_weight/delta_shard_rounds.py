@@ -4,8 +4,9 @@ stage's change, never all of it, whatever the density.
 Every rank plans the same rounds from small object gathers: the stage's changed HF names in sorted order, each cut
 into pieces of at most a round's changes (a name with more changes than a round is split by HF position, at bounds
 every rank derives from the ranks' counts per position range), the pieces cut into rounds. A piece's bounds are
-multiples of ``align`` (``xor_ctx``'s segment: a segment's changes never span two pieces), and a name an engine
-loads whole (its loader path) is never split.
+multiples of ``align`` (``xor_ctx``'s segment: a segment's changes never span two pieces). Only names every engine
+writes through recorded views are split (an engine refuses pieces of any other): never a name an engine loads whole
+or does not store, and none while some engine writes some param through its loader.
 """
 
 from __future__ import annotations
@@ -70,16 +71,16 @@ def _cut(counts: np.ndarray, width: int, numel: int, limit: int) -> List[Tuple[i
 
 
 def send_changes(changes: Changes, dst: int, group=None, data_group=None, shares: Optional[Dict[str, NameSum]] = None,
-                 round_changes: int = (512 << 20) // MERGE_BYTES, whole: FrozenSet[str] = frozenset(), align: int = 1,
-                 raised: Optional[Callable[[str, int, int], None]] = None
+                 round_changes: int = (512 << 20) // MERGE_BYTES, whole: Optional[FrozenSet[str]] = frozenset(),
+                 align: int = 1, raised: Optional[Callable[[str, int, int], None]] = None
                  ) -> Iterator[Tuple[Optional[List[Prediffed]], int]]:
     """Every rank's changes to ``dst`` (a global rank), in rounds of at most ``round_changes`` changes of the stage:
     per round ``dst`` gets one :class:`Prediffed` per values dtype, HF names in sorted order (a module's params stay
     together; a split name's piece with its position range in ``ranges``), the others None; beside it the tensor
     bytes this rank sent in it. One small object gather over ``group`` first (gloo: names, counts, shapes, dtypes;
     fingerprint ``shares``, which ride with the first round), and where a name outnumbers a round and is not in
-    ``whole``, one more (each rank's changes of it per position range); then per round the positions and values
-    bytes point to point over ``data_group`` (NCCL: device to device). ``raised(name, changes, round_changes)``
+    ``whole`` (None: no name is split), one more (each rank's changes of it per position range); then per round the
+    positions and values bytes point to point over ``data_group`` (NCCL: device to device). ``raised(name, changes, round_changes)``
     hears of each piece that is a round alone because it has more (a name in ``whole``, or one position range)."""
     me = dist.get_rank()
     data_group = group if data_group is None else data_group
@@ -99,7 +100,8 @@ def send_changes(changes: Changes, dst: int, group=None, data_group=None, shares
                 totals[name] = totals.get(name, 0) + c
     all_shapes = {n: tuple(sh) for _, _, rank_shapes, _ in unpacked for n, sh in rank_shapes.items()}
     limit = max(1, round_changes)
-    split = {n: _width(math.prod(all_shapes[n]), align) for n, c in totals.items() if c > limit and n not in whole}
+    split = {n: _width(math.prod(all_shapes[n]), align) for n, c in totals.items()
+             if c > limit and whole is not None and n not in whole}
     ranges = _ranges(changes, split, all_shapes, me, group) if split else {}
     pieces: List[Tuple[str, int, int, int]] = []
     for name in sorted(totals):

@@ -93,7 +93,10 @@ class ShardedSync:
                     "xor": run.encodings.get("delta") == DeltaEncoding.XOR_ZSTD.value, "ctx": ctx_on,
                     # the segments the flushes will code in (the bucket's bound may be below the buffer)
                     "seg_log2": run.buckets["delta"].seg_log2 if ctx_on else None,
-                    "whole": sorted(run.dense)}  # names an engine loads whole: never split over rounds
+                    # names never split over rounds: an engine's loader takes them whole, or none is written
+                    # through views; None: some engine writes some name through its loader, so none is split
+                    "whole": sorted(run.dense | run.xor_raw)
+                    if all(sender.status[i].xor for i in run.targets["delta"]) else None}
         self.last = self._share(mine)
         return self.last
 
@@ -155,7 +158,8 @@ class ShardedSync:
         limit = max(1, shard_chunk_bytes(self.args) // MERGE_BYTES)
         align = 1 << plan["seg_log2"] if plan["ctx"] else 1  # a segment's changes in one piece of a split name
         for out, n in send_changes(changes, self.src, self.group, self.data_group, shares, limit,
-                                   frozenset(plan["whole"]), align, self._raised):
+                                   None if plan["whole"] is None else frozenset(plan["whole"]), align,
+                                   self._raised):
             sent += n
             error = self._facts(out, sender) if plan["ctx"] else None
             failed = torch.tensor([int(error is not None)])
