@@ -295,6 +295,25 @@ def test_a_param_in_two_files_of_one_request(engine):
     assert_untouched(engine, before)
 
 
+def test_pieces_of_a_param_this_rank_does_not_hold_are_taken():
+    """Pieces of a param this rank does not hold (a tied lm_head here; another rank's experts at EP > 1, which a
+    sender splits as it splits any param every engine writes through views): taken, and nothing of them written."""
+    cfg = hf_config("qwen3-tied")
+    s = rl_states(cfg, 1, seed=0)
+    host = Host(sglang_model(cfg))
+    assert host.call("_apply_delta_payload", full_flushes(s[0], version=1))[0]
+    name = "lm_head.weight"
+    assert receiver_state(host.model).unheld == {name}
+    before = weights(host)
+    at = changed_positions(s[0][name], s[1][name])
+    half = at.numel() // 2
+    pieces = [encode_flush([(name, s[1][name], part)], "indices", version=2, base_version=1)
+              for part in (at[:half], at[half:])]
+    ok, msg = host.call("_apply_delta_payload", as_parts(pieces))
+    assert ok, msg
+    assert_untouched(host, before)
+
+
 def _updater():
     """SGLang's ``WeightUpdater`` module where this pin has one (0.5.23), else None (0.5.15 has no weight cache and no
     derived-weight caches: nothing for a delta to guard against)."""

@@ -175,7 +175,7 @@ def _apply_request(self, payloads: Sequence[DeltaPayload], weight_version: Optio
     received = (payloads[0].source == "broadcast" or None) if payloads else None
     continuing = head is not None and state.pending == head.version  # part of this version is written
     xor = any(p.xored or p.coded for p in payloads)  # rebuilt from the committed bytes before any check
-    error = failure
+    error, pieces = failure, set()  # pieces: params this request names in several files (check_pieces)
     if error is None:
         try:
             if not payloads:
@@ -183,12 +183,12 @@ def _apply_request(self, payloads: Sequence[DeltaPayload], weight_version: Optio
             _refuse_unsupported(self)
             head, starts = check_version(state, [p.spec for p in payloads], weight_version, files=not received)
             manifest = state.manifest
-            check_pieces(payloads, head.full, state.direct)
+            pieces = check_pieces(payloads, head.full, state.direct, state.unheld)
             if xor:
                 check_xor_base(state, head)
             else:
                 decoded = [validate_payload(p, manifest) for p in payloads]
-                check_pieces_ascend(payloads, decoded)
+                check_pieces_ascend(payloads, decoded, pieces)
             check_names(q.name for p in payloads for q in p.spec.params)
             finals = (set() if starts else state.finals) | {p.spec.source for p in payloads if p.spec.final}
             if not head.full:
@@ -204,7 +204,7 @@ def _apply_request(self, payloads: Sequence[DeltaPayload], weight_version: Optio
         try:
             payloads = (rebuild_ctx if payloads[0].coded else rebuild_xor)(state.plan, manifest, payloads, device)
             decoded = [validate_payload(p, manifest) for p in payloads]
-            check_pieces_ascend(payloads, decoded)
+            check_pieces_ascend(payloads, decoded, pieces)
         except DeltaError as e:
             error = e
         if not tp_agree(error is None) and error is None:

@@ -74,24 +74,26 @@ def _repeated(names: List[str]) -> set:
     return repeated
 
 
-def check_pieces(payloads: Sequence[DeltaPayload], full: bool, direct) -> None:
+def check_pieces(payloads: Sequence[DeltaPayload], full: bool, direct, unheld) -> set:
     """A request may name a param in several of its files only as pieces of a sparse delta written through this
-    engine's recorded views (``direct``): a sender splits a param with more changes than a round by position. A
-    loader would take each piece as a whole tensor, and a full sync's file is the param. Host work for the repeated
-    names only."""
+    rank's recorded views (``direct``), or that this rank does not hold (``unheld``: another rank's experts; it
+    writes nothing of them): a sender splits a param with more changes than a round by position. A loader would take
+    each piece as a whole tensor, and a full sync's file is the param. Returns the repeated names (host work for
+    them only), for :func:`check_pieces_ascend`."""
     repeated = _repeated([q.name for p in payloads for q in p.spec.params])
     for p in payloads if repeated else ():
         for q in p.spec.params:
-            if q.name in repeated and (full or not q.pos_width or q.name not in (direct or {})):
+            if q.name in repeated and (full or not q.pos_width or (q.name not in (direct or {}) and
+                                                                   q.name not in unheld)):
                 raise DeltaError(f"param {q.name!r} appears in two files of one request, which only a sparse delta "
-                                 "of a param written through recorded views may (in pieces)")
+                                 "of a param written through recorded views, or not held here, may (in pieces)")
+    return repeated
 
 
-def check_pieces_ascend(payloads: Sequence[DeltaPayload], decoded) -> None:
-    """A param in several files of one request: each file's positions all past the last file's (pieces never
-    overlap or come out of order). One host read, for the repeated names only; ``decoded``: each payload's
-    checked positions (``validate_payload``)."""
-    repeated = _repeated([q.name for p in payloads for q in p.spec.params])
+def check_pieces_ascend(payloads: Sequence[DeltaPayload], decoded, repeated: set) -> None:
+    """The ``repeated`` names of a request's files (:func:`check_pieces`): each file's positions all past the last
+    file's (pieces never overlap or come out of order). One host read; ``decoded``: each payload's checked positions
+    (``validate_payload``)."""
     if not repeated:
         return
     seen: Dict[str, List[torch.Tensor]] = {}
