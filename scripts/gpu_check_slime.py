@@ -209,12 +209,11 @@ def _rank(rank: int, ranks: int, device_type: str, port: int, root: str, sizes, 
             seconds = time.perf_counter() - t0
             if k == SYNCS - 1:  # a sharded delta: the device steps of docs/memory.md that coexist, at their bounds
                 from slime.backends.megatron_utils.update_weight.delta_shard_rounds import MERGE_BYTES
-
                 from slime.utils.delta_sync_args import shard_chunk_bytes
 
                 buf = shard_chunk_bytes(args)  # the sharded steps' chunk (unset: the buffer)
-                # a round: the chunk's worth of changes, or every element of the largest param (``gather`` holds 2
-                # B each) at MERGE_BYTES each
+                # a round: the chunk's worth of changes, or a piece that cannot be cut smaller, at most every element
+                # of the largest param (``gather`` holds 2 B each) at MERGE_BYTES each (xor_ctx cuts at segments)
                 modeled = 3 * buf + 2 * max(buf, MERGE_BYTES * gather // 2) + 2 * buf \
                     + (4 * max(SENDER_BUFFER, gather) if source else 0)
                 lines.append(("figure",  # a figure, not a check: a model this small is its fixed costs

@@ -26,6 +26,7 @@ from sglang.srt.weight_sync.delta.snapshot import HostLink
 from sglang.srt.weight_sync.delta.wire import dtype_to_str
 from slime.backends.megatron_utils.update_weight.delta_shard_map import ParamMap, locate
 
+
 @dataclasses.dataclass
 class Changes:
     """What one rank found changed: blocks of one value dtype, each its HF targets' ``names`` with ``counts``, and

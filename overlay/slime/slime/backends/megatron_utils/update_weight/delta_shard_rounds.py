@@ -80,8 +80,9 @@ def send_changes(changes: Changes, dst: int, group=None, data_group=None, shares
     bytes this rank sent in it. One small object gather over ``group`` first (gloo: names, counts, shapes, dtypes;
     fingerprint ``shares``, which ride with the first round), and where a name outnumbers a round and is not in
     ``whole`` (None: no name is split), one more (each rank's changes of it per position range); then per round the
-    positions and values bytes point to point over ``data_group`` (NCCL: device to device). ``raised(name, changes, round_changes)``
-    hears of each piece that is a round alone because it has more (a name in ``whole``, or one position range)."""
+    positions and values bytes point to point over ``data_group`` (NCCL: device to device).
+    ``raised(name, changes, round_changes)`` hears of each piece that is a round alone because it has more (a name
+    that is not split, or one position range)."""
     me = dist.get_rank()
     data_group = group if data_group is None else data_group
     device = data_device(data_group)
@@ -103,12 +104,15 @@ def send_changes(changes: Changes, dst: int, group=None, data_group=None, shares
     split = {n: _width(math.prod(all_shapes[n]), align) for n, c in totals.items()
              if c > limit and whole is not None and n not in whole}
     ranges = _ranges(changes, split, all_shapes, me, group) if split else {}
+    summed: Dict[str, np.ndarray] = {}  # a split name's changes per position range, every rank's and block's
+    for per_rank in ranges.values():
+        for name, counts in per_rank.values():
+            summed[name] = summed[name] + counts if name in summed else counts
     pieces: List[Tuple[str, int, int, int]] = []
     for name in sorted(totals):
         numel = math.prod(all_shapes[name])
         if name in split:
-            summed = sum(c for per_rank in ranges.values() for n, c in per_rank.values() if n == name)
-            pieces += [(name, lo, hi, c) for lo, hi, c in _cut(summed, split[name], numel, limit)]
+            pieces += [(name, lo, hi, c) for lo, hi, c in _cut(summed[name], split[name], numel, limit)]
         else:
             pieces.append((name, 0, numel, totals[name]))
     for name, _, _, c in pieces if raised is not None else ():

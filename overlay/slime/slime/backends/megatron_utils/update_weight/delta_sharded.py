@@ -72,7 +72,7 @@ class ShardedSync:
         self.last: Optional[dict] = None  # this pass's plan
         self.sent_bytes = 0
         self.facts_bytes = 0  # xor_ctx: what this rank's part of the facts' exchange moved, the last sync
-        self._warned: set = set()  # names whose changes were once more than a round
+        self._warned: set = set()  # names a round was once raised for (a piece with more changes than a round)
 
     def _share(self, obj):
         box = [obj]
