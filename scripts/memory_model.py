@@ -17,7 +17,7 @@ from bench_memory import BUDGETS, PER_CHANGE  # noqa: E402  (beside this script)
 from md_pages import write_page  # noqa: E402
 
 from sglang.srt.weight_sync.delta.fingerprint import _BLOCK as FP_BLOCK  # noqa: E402  (elements hashed at once)
-from sglang.srt.weight_sync.delta.receiver import DEFAULT_CHUNK_BYTES as ENGINE_CHUNK  # noqa: E402
+from sglang.srt.weight_sync.delta.commit import DEFAULT_CHUNK_BYTES as ENGINE_CHUNK  # noqa: E402
 
 GiB = 1 << 30
 DENSITY = 0.0423  # the largest share of bf16 elements one AdamW step at lr 1e-6 changed in `make bench`

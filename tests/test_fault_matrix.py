@@ -285,6 +285,28 @@ def test_a_write_that_sets_a_wrong_value(world, traffic, caplog):
     assert status.version == world.sender.version and status.applied["full"] == fulls + 1, status
 
 
+def test_a_dirty_engine_answers_no_generation_until_a_full_sync(world):
+    """A write that sets a wrong value, and the sender's repair kept from the engine: the engine holds part of a
+    version (dirty), and every generation request is refused with 503 while it does (never an answer from a mix of
+    versions); the next sync's full sync repairs it, and it serves again."""
+    world.engine.drop_full = True
+    world.bad_write_file.write_text("")
+    try:
+        ok, msg, _ = world.sync()
+    finally:
+        world.engine.drop_full = False
+    assert not ok and not world.bad_write_file.exists(), msg
+    status = world.engine.status()[0]
+    assert status.needs_full and status.reason == "dirty", status
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
+    r = world.server.post("/generate", body)
+    assert r.status_code == 503 and "partly written weight version" in r.text, (r.status_code, r.text)
+    world.sender.pop_metrics()
+    world.recovers()
+    r = world.server.post("/generate", body)
+    assert r.status_code == 200 and len(r.json()["output_ids"]) == 3, r.text
+
+
 def test_engine_unreachable_for_one_sync(world):
     world.engine.http.url = f"http://127.0.0.1:{free_port()}"
     try:

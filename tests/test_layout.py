@@ -5,8 +5,8 @@ import sys
 
 import sglang.srt.weight_sync.delta as pkg
 
-ENGINE = ("receiver", "validate", "ingest", "versions", "views", "engine_state", "write_guard", "quant", "prefix_cache",
-          "store.catch_up", "store.watch")
+ENGINE = ("receiver", "stage", "commit", "validate", "ingest", "versions", "views", "engine_state", "write_guard",
+          "quant", "prefix_cache", "store.catch_up", "store.watch")
 
 
 def test_engine_modules_import_nothing_of_the_sender():

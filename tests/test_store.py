@@ -1,5 +1,6 @@
 """The version store against a real S3 server (SeaweedFS) and a POSIX directory: the trainer publishes every sync,
 engines that start late, restart or fall behind catch up by themselves, and nothing unverified touches a weight."""
+import json
 import os
 
 import pytest
@@ -135,6 +136,9 @@ def raw_store(url):
         def keys(self, prefix=""):
             return [k for k, _ in store.list(prefix)]
 
+        def delete(self, key):
+            store.delete([key])
+
     return Raw()
 
 
@@ -257,6 +261,89 @@ def test_every_attack_on_the_store_is_refused_with_a_code_and_weights_untouched(
     assert_params_equal(b.host.model, reference(cfg, states[3]))
     transport.close()
     foreign.close()
+
+
+# ---------------------------------------------------------------- a version is taken whole or not at all
+
+
+def segments_of(state, n):
+    """The state as ``n`` segments: a version of ``n`` requests (each segment is one publish)."""
+    items = list(state.items())
+    k = -(-len(items) // n)
+    return [lambda part=items[i:i + k]: [part] for i in range(0, len(items), k)]
+
+
+def untouched_nan(model):
+    """Every weight still as the engine started (NaN-filled): nothing of a refused version was written."""
+    return all(torch.isnan(p).all() for n, p in model.named_parameters()
+               if p.is_floating_point() and not n.endswith((".k_scale", ".v_scale")))
+
+
+@pytest.mark.parametrize("bound", [None, 4 << 10], ids=["staged", "past-the-bound"])
+def test_a_version_broken_in_its_last_object_is_taken_whole_or_not_at_all(store_url, bound):
+    """A version of several requests whose last flush file is bit-flipped, then deleted: the catch-up stops at the
+    last whole version, nothing of the broken one written (weights, version and status as before, not dirty). An
+    anchor of several shards broken in its last one leaves a fresh engine as it started. Past the staging bound
+    (``--update-weight-delta-stage-bytes``) the rest of a version is digest-checked before the first write too; the
+    honest store then brings every engine to HEAD bit-identically."""
+    cfg = hf_config("qwen2")
+    trainer = hf_model(cfg)
+    a = Engine(cfg)
+    transport = StoreTransport(store_url, [a], zstd=3)
+    sender = DeltaSender(transport, [a], encoding="xor_zstd", buffer_bytes=16 << 10)
+    states, steps = [bf16_state(trainer)], rl_steps(trainer, 3)
+    for k in range(3):
+        if k:
+            states.append(next(steps))
+        assert sender.update(segments_of(states[-1], 3))[0][0]
+    raw = raw_store(store_url)
+
+    def objects(prefix):
+        d = next(k.rsplit("/", 1)[0] for k in raw.keys(prefix) if k.endswith("manifest.json"))
+        return sorted(k for k in raw.keys(d) if k.endswith(".safetensors"))
+
+    last = objects("weight_v000003")[-1]  # the last request's last file
+    shards = objects("anchor_v000001")
+    assert len(json.loads(raw.get(f"{last.rsplit('/', 1)[0]}/manifest.json"))["requests"]) == 3
+    assert len(shards) > 2
+    blob = raw.get(last)
+    flipped = bytearray(blob)
+    flipped[len(flipped) // 2] ^= 0x10
+
+    def engine():
+        e = Engine(cfg)
+        if bound is not None:
+            e.host.server_args.update_weight_delta_stage_bytes = bound
+        return e
+
+    b = engine()
+    assert b.catch_up(store_url, "1")[0]
+    for name, code, fault in [("bit flip", "unverified", lambda: raw.put(last, bytes(flipped))),
+                              ("deleted", "store_unavailable", lambda: raw.delete(last))]:
+        fault()
+        ok, msg = b.catch_up(store_url)
+        status = delta_status(b.host.model)
+        assert not ok and status.code == code, (name, msg, status)
+        assert "stopped at version 3" in msg, msg
+        assert status.version == 2 and status.pending is None and not status.needs_full, (name, status)
+        assert_params_equal(b.host.model, reference(cfg, states[1]))
+        raw.put(last, blob)
+
+    shard = shards[-1]  # an anchor broken in its last shard: a fresh engine stays as it started
+    data = raw.get(shard)
+    raw.put(shard, data[:len(data) // 2])
+    c = engine()
+    ok, msg = c.catch_up(store_url)
+    status = delta_status(c.host.model)
+    assert not ok and status.code == "unverified" and status.reason == "fresh", (msg, status)
+    assert untouched_nan(c.host.model)
+    raw.put(shard, data)
+
+    for e in (b, c):  # the honest store: to HEAD, bit-identical
+        ok, msg = e.catch_up(store_url)
+        assert ok, msg
+        assert_params_equal(e.host.model, reference(cfg, states[2]))
+    transport.close()
 
 
 # ---------------------------------------------------------------- faults: racing, dying and slow publishers

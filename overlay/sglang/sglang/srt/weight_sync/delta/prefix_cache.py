@@ -1,5 +1,5 @@
-"""The engine's prefix cache across a weight update: no later request reuses KV the old weights computed, and no
-pause mode stops the engine.
+"""What requests see across a weight update: no later request reuses KV the old weights computed, none is admitted
+while the engine holds a partly written version, and no pause mode stops the engine.
 
 SGLang flushes its radix cache after an update only when the scheduler is fully idle; v0.5.15 then exits on a refused
 flush (``assert``), which is what a ``retract`` pause (requests back in the waiting queue) or an ``in_place`` pause
@@ -38,7 +38,20 @@ _EPOCHS: "weakref.WeakKeyDictionary[object, _CacheEpoch]" = weakref.WeakKeyDicti
 
 
 def admit(scheduler, req) -> None:
-    """Namespace a new request by the current epoch (requests keep their key until an update meets held KV)."""
+    """Where a request enters the scheduler. Refused (503) while the engine holds weights no version explains: a
+    sync failed after part of it was written (``dirty``) until a full sync or a store catch-up replaces them. Else
+    namespaced by the current epoch (requests keep their key until an update meets held KV)."""
+    state = receiver_state(scheduler.tp_worker.model_runner.model)
+    if state.dirty:
+        from http import HTTPStatus
+
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+        msg = (f"this engine holds a partly written weight version (a sync over version {state.version} failed after "
+               "its first write): it serves again after a full sync or a store catch-up")
+        req.set_finish_with_abort(msg)
+        req.to_finish = FINISH_ABORT(msg, HTTPStatus.SERVICE_UNAVAILABLE, "ServiceUnavailableError")
+        return
     st = _EPOCHS.get(scheduler)
     if st is not None and st.epoch:
         _tag(req, st.epoch)

@@ -14,6 +14,10 @@ Catch-up (``/update_weights_from_disk`` with ``load_format: delta``, ``model_pat
    in ``[base_version, version)``; ``xor_zstd`` only at exactly ``base_version``), else the newest anchor at or
    below the target (a full version of the trainer's, or one made by compaction), loaded as a full sync through
    the model's own loader, then the chain. Each publish of a version is applied as the request it was.
+4. A version is taken whole or not at all: every request of it (every anchor shard) is staged (``stage``: read,
+   digest-checked, checked, rebuilt, decoded) before the first is committed (``commit``); one broken object leaves
+   the engine at the last whole version of the walk. Past ``--update-weight-delta-stage-bytes`` the rest is read
+   and digest-checked before that first write too, then read again and applied request by request.
 
 With tensor parallelism the first rank plans and reads; the plan and each request's blobs reach the other ranks
 over the TP group, and every rank applies through the same receiver path as a pushed request.
@@ -26,9 +30,11 @@ import logging
 from typing import Dict, List, Optional, Tuple
 
 from sglang.srt.weight_sync.delta.collectives import broadcast_json, tp_group
+from sglang.srt.weight_sync.delta.commit import apply_request, commit_request, refused
 from sglang.srt.weight_sync.delta.engine_state import host_model, receiver_state, server_arg
 from sglang.srt.weight_sync.delta.files import maybe_zstd_decompress, read_safetensors
 from sglang.srt.weight_sync.delta.ingest import DEFAULT_READ_WORKERS, max_request_bytes, read_files_once
+from sglang.srt.weight_sync.delta.stage import Progress, StageRefused, request_bytes, stage_bytes, stage_request
 from sglang.srt.weight_sync.delta.store.anchor import read_hf_shard
 from sglang.srt.weight_sync.delta.store.manifest import RECORD_CAP, StoreKey, digest, open_record, read_head
 from sglang.srt.weight_sync.delta.store.objects import ObjectStore, StoreUnavailable, open_store
@@ -76,8 +82,6 @@ def read_flushes(host, store: ObjectStore, prefix: str, entries: List[list]) -> 
 
 def apply_pushed(host, url: str, files: List[str], weight_version: Optional[str], digests: Dict[str, str]):
     """A request the trainer pushed, its files in the store: the announcement's digests cover them."""
-    from sglang.srt.weight_sync.delta.receiver import _apply_delta_payload
-
     try:
         missing = [f for f in files or [] if f not in digests]
         if missing or not files:
@@ -87,8 +91,8 @@ def apply_pushed(host, url: str, files: List[str], weight_version: Optional[str]
         payloads = read_files_once(host, url, files, reader=lambda: read_flushes(
             host, store, prefix, [[f, 0, digests[f]] for f in files]))
     except DeltaError as e:
-        return _apply_delta_payload(host, [], weight_version, failure=e)
-    return _apply_delta_payload(host, payloads, weight_version)
+        return apply_request(host, [], weight_version, failure=e)
+    return apply_request(host, payloads, weight_version)
 
 
 # ---------------------------------------------------------------- catch-up
@@ -107,8 +111,6 @@ def catch_up(host, url: str, weight_version: Optional[str]) -> Tuple[bool, str]:
 
 
 def _catch_up(host, url: str, weight_version: Optional[str]) -> Tuple[bool, str]:
-    from sglang.srt.weight_sync.delta.receiver import _apply_delta_payload, _refused
-
     state = receiver_state(host_model(host))
     group = tp_group()
     plan, error, store = None, None, None  # the first TP rank plans and reads; the others take what it sends
@@ -128,30 +130,76 @@ def _catch_up(host, url: str, weight_version: Optional[str]) -> Tuple[bool, str]
             error = DeltaError(shared["error"][0], Refusal(shared["error"][1]))
         plan = shared.get("plan")
     if error is not None:
-        return _refused(state, error)
+        return refused(state, error)
     if not plan["steps"]:
         return True, f"already at version {state.version}"
     for step in plan["steps"]:
-        if step["kind"] == "anchor":  # an anchor replaces every weight: the chain starts again from it
-            state.version = None
-        for request in _requests(host, store, step):
-            ok, msg = _apply_delta_payload(host, request["payloads"], str(step["version"]),
-                                           failure=request.get("error"))
-            if not ok:
-                return False, f"catch-up to version {plan['target']} stopped at version {step['version']}: {msg}"
-        if state.version != step["version"]:  # its requests never committed it (a final request missing)
-            return _refused(state, DeltaError(f"version {step['version']} in the store did not complete (no final "
-                                              "request): the engine holds no version of it", Refusal.UNVERIFIED))
+        ok, msg = _take_version(host, store, step)
+        if not ok:
+            return False, f"catch-up to version {plan['target']} stopped at version {step['version']}: {msg}"
         state.store_chain, state.store_manifest = plan["chain"], (step["version"], step["digest"])
     return True, (f"caught up to version {plan['target']} from the store ({plan['how']}, "
                   f"{len(plan['steps'])} step(s))")
 
 
-def _requests(host, store: Optional[ObjectStore], step: dict):
-    """Each request of one step as the receiver takes it: its payloads, or the error that refuses it."""
+def _take_version(host, store: Optional[ObjectStore], step: dict) -> Tuple[bool, str]:
+    """One version of a catch-up, whole or not at all: every request staged (read, digest-checked, checked, rebuilt,
+    decoded) before the first is committed. Past ``--update-weight-delta-stage-bytes`` the rest of the version is
+    read and digest-checked before that first write too, then read again, staged and committed one request at a
+    time; a failure there leaves the engine dirty (it refuses generation, and the catch-up plans again)."""
+    state = receiver_state(host_model(host))
+    version = str(step["version"])
+    progress, staged, held, rest, counts = Progress.of(state), [], 0, None, {}
+    if step["kind"] == "anchor":  # an anchor replaces every weight: staged as a full sync of its version
+        progress = Progress.replacing()
+    for k, request in enumerate(_requests(host, store, step, counts=counts)):
+        failure, size = request.get("error"), request_bytes(request["payloads"])
+        if rest is None and failure is None and staged and held + size > stage_bytes(host):
+            rest = k  # past the bound: from here on only read and digest-checked, nothing held
+        if rest is not None:
+            if failure is not None:
+                return refused(state, failure)
+            continue
+        try:
+            one = stage_request(host, request["payloads"], version, failure, progress)
+        except StageRefused as e:
+            return refused(state, e, e.request, e.received)
+        progress.advance(one)
+        staged.append(one)
+        held += size
+    if not staged or (rest is None and not staged[-1].complete):  # no final request: nothing of it is written
+        return refused(state, DeltaError(f"version {step['version']} in the store did not complete (no final "
+                                         "request): the engine holds no version of it", Refusal.UNVERIFIED))
+    if step["kind"] == "anchor":  # the chain starts again from it
+        state.version = None
+    for one in staged:
+        ok, msg = commit_request(host, one)
+        if not ok:
+            return False, msg
+    for request in () if rest is None else _requests(host, store, step, skip=rest, counts=counts):
+        ok, msg = apply_request(host, request["payloads"], version, failure=request.get("error"))
+        if not ok:
+            return False, msg
+    if state.version != step["version"]:  # its requests never committed it (a final request missing)
+        state.dirty, state.pending = True, None
+        return refused(state, DeltaError(f"version {step['version']} in the store did not complete (no final "
+                                         "request): the engine is dirty", Refusal.UNVERIFIED))
+    return True, f"version {step['version']}"
+
+
+def _requests(host, store: Optional[ObjectStore], step: dict, skip: int = 0, counts: Optional[dict] = None):
+    """Each request of one step as the receiver takes it, from the ``skip``-th on: its payloads, or the error that
+    refuses it. An anchor's shards are read from the first holding a request from ``skip`` on (``counts``: the
+    requests of each shard, as a first pass found them)."""
     if step["kind"] == "anchor":  # each shard's dense flushes, the last of all marked final (held back one)
-        held, flush = None, 0
-        for okey, _, sha in (o for o in step["objects"] if o[0].endswith(".safetensors")):
+        held, flush, index = None, 0, 0
+        shards = [(okey, sha) for okey, _, sha in step["objects"] if okey.endswith(".safetensors")]
+        for j, (okey, sha) in enumerate(shards):
+            n = (counts or {}).get(j)
+            if n is not None and index + n <= skip:  # every request of this shard is before ``skip``: not read
+                flush, index = flush + n, index + n
+                continue
+
             def reader(okey=okey, sha=sha, first=flush):
                 data = read_object(store, okey, sha, max_request_bytes(host_model(host)))
                 return read_hf_shard(data, okey, version=step["version"], first_flush=first)
@@ -161,11 +209,15 @@ def _requests(host, store: Optional[ObjectStore], step: dict):
             except DeltaError as e:
                 yield {"payloads": [], "error": e}
                 return
+            if counts is not None:
+                counts[j] = len(payloads)
             flush += len(payloads)
             for p in payloads:
-                if held is not None:
-                    yield {"payloads": [held]}
-                held = p
+                if index >= skip:
+                    if held is not None:
+                        yield {"payloads": [held]}
+                    held = p
+                index += 1
         if held is None:
             yield {"payloads": [], "error": DeltaError(f"the anchor of version {step['version']} holds no weights",
                                                        Refusal.UNVERIFIED)}
@@ -174,7 +226,7 @@ def _requests(host, store: Optional[ObjectStore], step: dict):
         held.seal(spec_only=True)
         yield {"payloads": [held]}
         return
-    for entries in step["requests"]:
+    for entries in step["requests"][skip:]:
         try:
             payloads = read_files_once(host, step["dir"], [e[0] for e in entries],
                                        reader=lambda entries=entries: read_flushes(host, store, step["dir"], entries))
