@@ -346,6 +346,76 @@ def test_a_version_broken_in_its_last_object_is_taken_whole_or_not_at_all(store_
     transport.close()
 
 
+def test_a_follower_stages_the_next_version_while_it_serves_and_its_commit_reads_nothing(store_url):
+    """``delta_stage`` fetches and digest-checks the next versions on a thread, touching no weight; the catch-up that
+    commits them takes them from the stage (reading nothing from the store: it would now read a broken object) and
+    is bit-identical. A stage of an object that no longer matches its manifest stages nothing, and the commit's own
+    read refuses it with its code, untouched; a stage under a bound holds only what fits."""
+    from sglang.srt.weight_sync.delta.receiver import checker_action
+    from sglang.srt.weight_sync.delta.store import staging
+    from sglang.srt.weight_sync.delta.wire import DeltaStatus
+
+    cfg = hf_config("qwen2")
+    trainer = hf_model(cfg)
+    a = Engine(cfg)
+    transport = StoreTransport(store_url, [a], zstd=3)
+    sender = DeltaSender(transport, [a], encoding="xor_zstd", buffer_bytes=16 << 10)
+    states, steps = [bf16_state(trainer)], rl_steps(trainer, 4)
+    assert sender.update(segments_of(states[-1], 2))[0][0]
+    b = Engine(cfg)
+    assert b.catch_up(store_url)[0]
+    for _ in range(2):
+        states.append(next(steps))
+        assert sender.update(segments_of(states[-1], 2))[0][0]
+    raw = raw_store(store_url)
+
+    def stage(engine):
+        at = delta_status(engine.host.model).version
+        reply = checker_action("delta_stage", engine.host.model)
+        assert DeltaStatus.from_checker([reply])[0].staging == at + 1  # under way once asked
+        staging.stage_of(engine.host.model).thread.join(60)
+        return delta_status(engine.host.model)
+
+    status = stage(b)
+    assert status.staged == 3 and status.staging is None and status.version == 1, status
+    assert_params_equal(b.host.model, reference(cfg, states[0]))  # staging wrote nothing
+    flushes = [k for k in raw.keys("weight_v") if k.endswith(".safetensors")]
+    kept = {k: raw.get(k) for k in flushes}
+    for k, data in kept.items():  # the store breaks after the stage: the commit reads none of it
+        raw.put(k, data[:-1] + bytes([data[-1] ^ 1]))
+    ok, msg = b.catch_up(store_url)
+    assert ok, msg
+    timing = delta_status(b.host.model).timing
+    assert timing["staged_bytes"] == sum(map(len, kept.values())) and timing["in_pause_bytes"] == 0, timing
+    assert_params_equal(b.host.model, reference(cfg, states[2]))
+    assert delta_status(b.host.model).staged is None  # a stage serves one commit
+
+    states.append(next(steps))
+    assert sender.update(segments_of(states[-1], 2))[0][0]  # written over the broken store: version 4 is whole
+    for k, data in kept.items():
+        raw.put(k, data)
+    v4 = [k for k in raw.keys("weight_v000004") if k.endswith(".safetensors")]
+    good = raw.get(v4[-1])
+    raw.put(v4[-1], good[:-1] + bytes([good[-1] ^ 1]))
+    status = stage(b)
+    assert status.staged is None and status.version == 3, status  # nothing staged of a broken version
+    ok, msg = b.catch_up(store_url)
+    assert not ok and delta_status(b.host.model).code == "unverified", msg
+    assert_params_equal(b.host.model, reference(cfg, states[2]))
+    raw.put(v4[-1], good)
+    first = len(raw.get(sorted(v4)[0]))
+    b.host.server_args.update_weight_delta_stage_bytes = first  # the first object's worth: the rest at the commit
+    assert b.catch_up(store_url, "3")[0]  # records the bound for the next stage
+    status = stage(b)
+    assert status.staged is None, status
+    ok, msg = b.catch_up(store_url)
+    assert ok, msg
+    timing = delta_status(b.host.model).timing
+    assert timing["staged_bytes"] == first and timing["in_pause_bytes"] > 0, timing
+    assert_params_equal(b.host.model, reference(cfg, states[3]))
+    transport.close()
+
+
 # ---------------------------------------------------------------- faults: racing, dying and slow publishers
 
 

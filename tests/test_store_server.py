@@ -60,6 +60,8 @@ def test_a_server_follows_the_store_and_is_unhealthy_while_stale(tmp_path):
             sender.update(one_segment(state))
         wait_for(lambda: weight_version(server) == "4", what="the server did not follow HEAD to 4")
         assert engine_mismatch(server, state) is None
+        timing = HttpEngine(server.url).status()[0].timing  # fetched while it served: the commit read nothing
+        assert timing["staged_bytes"] > 0 and timing["in_pause_bytes"] == 0, timing
         at4 = state
 
         raw, kept = raw_store(url), {}

@@ -43,6 +43,7 @@ class ReceiverState:
     applied: Dict[str, int] = dataclasses.field(default_factory=dict)  # versions committed, by kind (full, delta)
     store_chain: Optional[str] = None  # the version store's chain id this engine follows (once it caught up from one)
     store_manifest: Optional[Tuple[int, str]] = None  # (version, manifest digest) it last applied from the store
+    timing: Dict[str, float] = dataclasses.field(default_factory=dict)  # the last catch-up's stage and commit
 
 
 _STATES: "weakref.WeakKeyDictionary[torch.nn.Module, ReceiverState]" = weakref.WeakKeyDictionary()

@@ -52,7 +52,7 @@ from sglang.srt.weight_sync.delta.ingest import (
     update_group_timeout,
 )
 from sglang.srt.weight_sync.delta.ops import gc_paused
-from sglang.srt.weight_sync.delta.store import catch_up
+from sglang.srt.weight_sync.delta.store import catch_up, staging
 from sglang.srt.weight_sync.delta.versions import full_reason
 from sglang.srt.weight_sync.delta.wire import (
     POSITIONS,
@@ -81,11 +81,13 @@ def delta_status(model: torch.nn.Module) -> DeltaStatus:
     state = receiver_state(model)
     reason = full_reason(state)
     request, code, received = state.last
+    stage = staging.report(model)
     return DeltaStatus(version=state.version, needs_full=reason is not None, reason=reason, pending=state.pending,
                        request=request, code=code, received=received, max_request_bytes=max_request_bytes(model),
                        xor=state.xor_ready and reason is None, xor_raw=list(state.xor_raw), dense=list(state.dense),
                        ctx=state.xor_ready and reason is None,
-                       applied=dict(state.applied), wire_format=WIRE_FORMAT)
+                       applied=dict(state.applied), wire_format=WIRE_FORMAT,
+                       staged=stage["staged"], staging=stage["fetching"], timing=dict(state.timing))
 
 
 def checker_action(action: str, model: torch.nn.Module, parallelism_info=None) -> dict:
@@ -94,7 +96,10 @@ def checker_action(action: str, model: torch.nn.Module, parallelism_info=None) -
         return fingerprint_payload(model, parallelism_info)
     if action == "delta_status":
         return delta_status(model).checker_rank(parallelism_info)
-    raise DeltaError(f"unknown weights_checker action {action!r} (have: delta_fingerprint, delta_status)")
+    if action == "delta_stage":  # a store follower fetches its next version while it serves (store.staging)
+        staging.start(model)
+        return delta_status(model).checker_rank(parallelism_info)
+    raise DeltaError(f"unknown weights_checker action {action!r} (have: delta_fingerprint, delta_status, delta_stage)")
 
 
 _apply_delta_payload = apply_request  # the name the patches bind on the runner (and the tests call)

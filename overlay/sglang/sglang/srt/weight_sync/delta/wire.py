@@ -137,6 +137,9 @@ class DeltaStatus:
     dense: List[str] = dataclasses.field(default_factory=list)  # names that must travel dense (see nan_sentinel)
     applied: Dict[str, int] = dataclasses.field(default_factory=dict)  # versions committed by kind: {"full", "delta"}
     wire_format: int = 1  # the spec layout this rank reads (:data:`WIRE_FORMAT`; an engine that does not say reads 1)
+    staged: Optional[int] = None  # a version fetched and digest-checked from the store while serving, not committed
+    staging: Optional[int] = None  # the version being fetched from the store now (None: no stage under way)
+    timing: Dict[str, float] = dataclasses.field(default_factory=dict)  # stage_s, commit_s, staged/in_pause_bytes
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import time
 from typing import Dict, List, Optional, Tuple
 
 from sglang.srt.weight_sync.delta.collectives import broadcast_json, tp_group
@@ -35,6 +36,7 @@ from sglang.srt.weight_sync.delta.engine_state import host_model, receiver_state
 from sglang.srt.weight_sync.delta.files import maybe_zstd_decompress, read_safetensors
 from sglang.srt.weight_sync.delta.ingest import DEFAULT_READ_WORKERS, max_request_bytes, read_files_once
 from sglang.srt.weight_sync.delta.stage import Progress, StageRefused, request_bytes, stage_bytes, stage_request
+from sglang.srt.weight_sync.delta.store import staging
 from sglang.srt.weight_sync.delta.store.anchor import read_hf_shard
 from sglang.srt.weight_sync.delta.store.manifest import RECORD_CAP, StoreKey, digest, open_record, read_head
 from sglang.srt.weight_sync.delta.store.objects import ObjectStore, StoreUnavailable, open_store
@@ -73,7 +75,10 @@ def read_flushes(host, store: ObjectStore, prefix: str, entries: List[list]) -> 
         name, _, sha = entry
         if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
             raise DeltaError(f"file {name!r}: must be a plain file name inside the version")
-        data = read_object(store, f"{prefix}/{name}", sha, max_bytes)
+        data = staging.take(host_model(host), f"{prefix}/{name}", sha)  # staged while the engine served
+        if data is None:
+            data = read_object(store, f"{prefix}/{name}", sha, max_bytes)
+            staging.count_read(host_model(host), len(data))
         return read_safetensors(maybe_zstd_decompress(data, max_bytes, name), name)
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
@@ -102,11 +107,20 @@ def catch_up(host, url: str, weight_version: Optional[str]) -> Tuple[bool, str]:
     """Bring this engine to ``weight_version`` (None: ``HEAD``) from the store at ``url``; see the module docstring.
     A chain collected under it (an object gone mid-way), or a version that failed part-way, is planned again once:
     from a newer anchor, which replaces every weight."""
+    model = host_model(host)
+    t0 = time.perf_counter()
+    staging.remember(host, url)
     ok, msg = _catch_up(host, url, weight_version)
-    state = receiver_state(host_model(host))
+    state = receiver_state(model)
     if not ok and (state.last[1] == Refusal.STORE_UNAVAILABLE.value or state.dirty):  # dirty: it stopped part-way
         logger.warning("catch-up from %s: %s; planning again", url, msg)
         ok, msg = _catch_up(host, url, weight_version)
+    stage = staging.stage_of(model)
+    if ok:
+        state.timing = {"stage_s": stage.stage_s if stage.taken_bytes else 0.0,
+                        "commit_s": round(time.perf_counter() - t0, 6), "staged_bytes": stage.taken_bytes,
+                        "in_pause_bytes": stage.read_bytes}
+    stage.drop()  # committed, or refused: a stage is for one commit
     return ok, msg
 
 
@@ -117,7 +131,7 @@ def _catch_up(host, url: str, weight_version: Optional[str]) -> Tuple[bool, str]
     if group is None or group.rank_in_group == 0:
         try:
             store = open_store(url)
-            plan = _plan(store, store_key(host), state, weight_version)
+            plan = plan_catch_up(store, store_key(host), state, weight_version)
         except DeltaError as e:
             error = e
         except Exception as e:  # a store that cannot answer is an availability fault, never a weight change
@@ -202,6 +216,7 @@ def _requests(host, store: Optional[ObjectStore], step: dict, skip: int = 0, cou
 
             def reader(okey=okey, sha=sha, first=flush):
                 data = read_object(store, okey, sha, max_request_bytes(host_model(host)))
+                staging.count_read(host_model(host), len(data))
                 return read_hf_shard(data, okey, version=step["version"], first_flush=first)
 
             try:
@@ -236,7 +251,7 @@ def _requests(host, store: Optional[ObjectStore], step: dict, skip: int = 0, cou
         yield {"payloads": payloads}
 
 
-def _plan(store: ObjectStore, key: StoreKey, state, weight_version: Optional[str]) -> dict:
+def plan_catch_up(store: ObjectStore, key: StoreKey, state, weight_version: Optional[str]) -> dict:
     head, _ = read_head(store, key)
     if head is None:
         raise StoreUnavailable(f"store {store.url_root} holds no version yet")

@@ -2,8 +2,10 @@
 the store's anchors), in its HTTP server's process.
 
 A task polls the store's ``HEAD`` every ``--update-weight-store-poll-s`` seconds and, whenever the engine is behind,
-asks it to catch up through the ordinary update path (``/update_weights_from_disk`` with ``store: catch_up``: the
-tokenizer manager's writer lock keeps generation off the model while the whole catch-up applies). Until its first
+first has it fetch and digest-check the next version while it serves (``/weights_checker`` action ``delta_stage``,
+``store.staging``), then asks it to catch up through the ordinary update path (``/update_weights_from_disk`` with
+``store: catch_up``: the tokenizer manager's writer lock keeps generation off the model while the catch-up commits
+what was staged). Until its first
 catch-up succeeds, and whenever it is more than ``--update-weight-store-max-lag`` versions behind ``HEAD`` (-1: no
 bound), the engine is *stale*: ``/health`` answers 503 with the lag (a router takes it out), and new generation
 requests are refused; so is an engine a failed catch-up left holding a mix of versions (its status: dirty). An RL
@@ -76,6 +78,8 @@ class StoreWatch:
             return
         from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
 
+        if self.caught_up:  # serving: the next version is fetched while it does; the lock is taken to commit it
+            await self._stage()
         req = UpdateWeightFromDiskReqInput(model_path=self.url, load_format="delta", files=[],
                                            weight_version=str(self.head), store={"catch_up": True})
         out = await self.tm.update_weights_from_disk(req, None)
@@ -88,6 +92,23 @@ class StoreWatch:
             logger.error("version store watch: catch-up to version %s refused: %s", self.head, msg)
             if await self._needs_full():  # it stopped part-way: a mix of versions is nothing to serve
                 self.caught_up = False
+
+    async def _stage(self) -> None:
+        """Have the engine fetch and digest-check ``HEAD``'s version (``store.staging``) and wait until it has,
+        serving all along; whatever it could not stage, the commit reads itself."""
+        from sglang.srt.managers.io_struct import CheckWeightsReqInput
+        from sglang.srt.weight_sync.delta.wire import DeltaStatus
+
+        action = "delta_stage"
+        while True:
+            out = await self.tm.check_weights(CheckWeightsReqInput(action=action), None)
+            if not out[0]:
+                logger.warning("version store watch: the engine did not stage: %s", out[1])
+                return
+            if all(r.staging is None for r in DeltaStatus.from_checker(out[2] or [])):
+                return
+            action = "delta_status"
+            await asyncio.sleep(min(self.poll_s, 0.05))
 
     async def _needs_full(self) -> bool:
         """Whether any rank of the engine holds weights no version explains (dirty, or never synced)."""
