@@ -12,7 +12,7 @@ TRANSPORT ?= disk
 ENCODING  ?=
 IMAGE     ?= delta-weight-sync:latest
 
-.PHONY: venvs test test-slime slime-tree bench-slime bench-memory soak soak-fleet demo bench gpu-check gpu-bundle image image-lint check-image-tree clean
+.PHONY: venvs test test-slime slime-tree bench-slime bench-memory bench-pause soak soak-fleet demo bench gpu-check gpu-bundle image image-lint check-image-tree clean
 
 venvs:
 	@for p in $(PINS); do scripts/build_venv.sh $$p $(BUILD) || exit 1; done
@@ -95,6 +95,14 @@ bench:
 	$(BUILD)/venv-$(PIN)/bin/python scripts/bench.py --workdir $(BUILD)/bench $(BENCH_ARGS)
 	$(BUILD)/venv-$(PIN)/bin/python scripts/bench_store.py --workdir $(BUILD)/bench $(BENCH_ARGS)
 	$(BUILD)/venv-$(PIN)/bin/python scripts/bench_coding.py --workdir $(BUILD)/bench $(BENCH_ARGS)
+
+# How long generation stands still while a store follower takes a version (root: a network namespace and tc tbf
+# emulate the link): a real CPU server, a streaming client, a directory store and S3 at 200 and 20 Mbit/s, each with
+# and without staging -> one `pause:` line per case and a section of docs/benchmarks.md.
+BENCH_PAUSE_ARGS ?=
+bench-pause:
+	@scripts/build_venv.sh $(PIN) $(BUILD)
+	$(BUILD)/venv-$(PIN)/bin/python scripts/bench_pause.py --workdir $(BUILD)/bench-pause $(BENCH_PAUSE_ARGS)
 
 # On a GPU host: the CUDA sender and receiver paths checked and measured (scripts/gpu_check.py; exits 2 without
 # CUDA). Where SGLang is not installed it runs from build/gpu-bundle/site.zip (`make gpu-bundle` on a machine

@@ -28,7 +28,8 @@ def weed_binary() -> str:
 class SeaweedS3:
     """``weed server`` with its S3 gateway; ``bucket()`` makes a fresh bucket; ``env``: what clients need."""
 
-    def __init__(self, workdir: str):
+    def __init__(self, workdir: str, ip: str = "127.0.0.1", netns: str = ""):
+        """``netns``: run it in that network namespace, listening on ``ip`` there (a store behind a link)."""
         import json
 
         self.dir = workdir
@@ -41,10 +42,11 @@ class SeaweedS3:
         while len(set(ports)) < 4 or any(p + 10000 > 65535 for p in ports):  # weed binds port + 10000 for gRPC
             ports = [free_port(40000) for _ in range(4)]
         master, volume, filer, self.port = ports
-        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.endpoint = f"http://{ip}:{self.port}"
         self.log = open(os.path.join(workdir, "weed.log"), "wb")
         self.proc = subprocess.Popen(
-            [weed_binary(), "server", f"-dir={workdir}/data", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+            (["ip", "netns", "exec", netns] if netns else []) +
+            [weed_binary(), "server", f"-dir={workdir}/data", f"-ip={ip}", f"-ip.bind={ip}",
              f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}", "-s3",
              f"-s3.port={self.port}", f"-s3.config={config}", "-master.volumeSizeLimitMB=16", "-volume.max=400",
              "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false",

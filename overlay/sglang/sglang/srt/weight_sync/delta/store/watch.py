@@ -29,8 +29,8 @@ logger = logging.getLogger(__name__)
 class StoreWatch:
     """What the server process knows of its engine against the store: ``HEAD``, the engine's version, the lag."""
 
-    def __init__(self, tokenizer_manager, url: str, key: StoreKey, max_lag: int, poll_s: float):
-        self.tm, self.url, self.max_lag, self.poll_s = tokenizer_manager, url, max_lag, poll_s
+    def __init__(self, tokenizer_manager, url: str, key: StoreKey, max_lag: int, poll_s: float, stage: bool = True):
+        self.tm, self.url, self.max_lag, self.poll_s, self.stage = tokenizer_manager, url, max_lag, poll_s, stage
         self.store, self.key = open_store(url), key
         self.head: Optional[int] = None
         self.caught_up = False  # the first catch-up succeeded: the engine holds a version of this store
@@ -78,7 +78,7 @@ class StoreWatch:
             return
         from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
 
-        if self.caught_up:  # serving: the next version is fetched while it does; the lock is taken to commit it
+        if self.caught_up and self.stage:  # serving: the next version is fetched while it does; the lock: the commit
             await self._stage()
         req = UpdateWeightFromDiskReqInput(model_path=self.url, load_format="delta", files=[],
                                            weight_version=str(self.head), store={"catch_up": True})
@@ -152,7 +152,8 @@ def start(tokenizer_manager, server_args) -> None:
         return
     _WATCH = StoreWatch(tokenizer_manager, url, key,
                         int(getattr(server_args, "update_weight_store_max_lag", -1)),
-                        float(getattr(server_args, "update_weight_store_poll_s", 5.0)))
+                        float(getattr(server_args, "update_weight_store_poll_s", 5.0)),
+                        not getattr(server_args, "update_weight_store_no_stage", False))
     _WATCH.task = asyncio.get_event_loop().create_task(_WATCH.run())
 
 

@@ -1,0 +1,208 @@
+"""How long generation stands still while an engine takes a version, as a streaming client sees it (``make
+bench-pause``, root: network namespaces): its longest gap between tokens during a sync, less that gap without syncs,
+against the sync's time and the engine's commit.
+
+A real patched CPU SGLang server follows a version store (``--update-weight-store``): a local directory, and a real S3
+server (SeaweedFS) in a network namespace whose interface a token bucket limits (``tc tbf``) at 200 and 20 Mbit/s.
+The trainer's sender publishes versions while one client streams greedy tokens back to back. Every case runs twice
+in one run: staging as shipped, and before staging (``--update-weight-store-no-stage``: the catch-up reads every
+object under the update lock, as it did before). One ``pause:`` line per case, and a section of
+docs/benchmarks.md. Pushed syncs (``disk``, ``nccl``) still stage nothing before the pause: not measured here yet.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+NETNS, HOST_IP, STORE_IP = "dws-pause", "10.77.0.2", "10.77.0.1"
+
+
+def link_up(rate: str) -> None:
+    """A namespace holding the store, joined to this one by a veth pair; the store's side sends at ``rate``."""
+    link_down()
+    for cmd in (["ip", "netns", "add", NETNS], ["ip", "link", "add", "dws-h", "type", "veth", "peer", "name", "dws-s"],
+                ["ip", "link", "set", "dws-s", "netns", NETNS], ["ip", "addr", "add", f"{HOST_IP}/24", "dev", "dws-h"],
+                ["ip", "-n", NETNS, "addr", "add", f"{STORE_IP}/24", "dev", "dws-s"], ["ip", "link", "set", "dws-h", "up"],
+                ["ip", "-n", NETNS, "link", "set", "dws-s", "up"], ["ip", "-n", NETNS, "link", "set", "lo", "up"],
+                ["ip", "netns", "exec", NETNS, "tc", "qdisc", "add", "dev", "dws-s", "root", "tbf", "rate", rate,
+                 "burst", "32kb", "latency", "400ms"]):
+        subprocess.run(cmd, check=True)
+
+
+def link_down() -> None:
+    subprocess.run(["ip", "netns", "del", NETNS], capture_output=True)
+    subprocess.run(["ip", "link", "del", "dws-h"], capture_output=True)
+
+
+class Stream(threading.Thread):
+    """Greedy streamed requests back to back; ``times``: when each token arrived."""
+
+    def __init__(self, url: str, tokens: int):
+        super().__init__(daemon=True)
+        self.url, self.tokens, self.times, self.stop = url, tokens, [], threading.Event()
+
+    def run(self):
+        import requests
+
+        while not self.stop.is_set():
+            body = {"input_ids": [5, 6, 7, 8], "stream": True,
+                    "sampling_params": {"max_new_tokens": self.tokens, "temperature": 0, "ignore_eos": True}}
+            with requests.post(self.url + "/generate", json=body, stream=True, timeout=600) as r:
+                for line in r.iter_lines():
+                    if line.startswith(b"data: {"):
+                        self.times.append(time.perf_counter())
+
+    def longest_gap(self, t0: float, t1: float) -> float:
+        """The longest gap between two tokens that ends after ``t0`` and starts before ``t1``."""
+        ts = list(self.times)
+        return max((b - a for a, b in zip(ts, ts[1:]) if b > t0 and a < t1), default=0.0)
+
+
+def weight_version(url: str):
+    import requests
+
+    for path in ("/model_info", "/get_model_info"):
+        r = requests.get(url + path, timeout=10)
+        if r.status_code == 200 and "weight_version" in r.json():
+            return r.json()["weight_version"]
+    return requests.get(url + "/get_weight_version", timeout=10).json()
+
+
+def run_case(store_url: str, boot: str, states, staged: bool, workdir: str, tokens: int) -> dict:
+    """One server following ``store_url``; the sender publishes ``states`` (the first as an anchor)."""
+    from cpu_harness import Server
+    from sglang.srt.weight_sync.delta.sender import DeltaSender
+    from sglang.srt.weight_sync.delta.store.publish import StoreTransport
+    from sglang.srt.weight_sync.delta.transport import HttpEngine
+
+    sender = DeltaSender(StoreTransport(store_url, [], zstd=3), [], encoding="xor_zstd")
+    sender.update([lambda: [list(states[0].items())]])
+    extra = ["--update-weight-store", store_url, "--update-weight-store-poll-s", "0.2"]
+    if not staged:
+        extra += ["--update-weight-store-no-stage"]
+    server = Server(boot, os.path.join(workdir, f"server-{time.time():.0f}.log"), extra=extra).wait_healthy(600)
+    stream = Stream(server.url, tokens)
+    try:
+        stream.start()
+        time.sleep(3)
+        t0 = time.perf_counter()
+        time.sleep(8)
+        baseline = stream.longest_gap(t0, time.perf_counter())
+        rows = []
+        for v, state in enumerate(states[1:], start=2):
+            t0 = time.perf_counter()
+            sender.update([lambda state=state: [list(state.items())]])
+            while weight_version(server.url) != str(v):
+                time.sleep(0.02)
+            t1 = time.perf_counter()
+            time.sleep(1.0)  # the stream's next token after the commit
+            timing = HttpEngine(server.url).status()[0].timing
+            rows.append({"sync_s": t1 - t0, "gap_s": stream.longest_gap(t0, t1 + 0.5), "commit_s": timing["commit_s"],
+                         "staged_bytes": timing["staged_bytes"], "in_pause_bytes": timing["in_pause_bytes"]})
+        stream.stop.set()
+        return {"baseline_gap_s": baseline, "syncs": rows}
+    finally:
+        stream.stop.set()
+        server.stop()
+        sender.transport.close()
+
+
+def summary(case: dict) -> dict:
+    rows = case["syncs"]
+    mean = lambda k: sum(r[k] for r in rows) / len(rows)  # noqa: E731
+    return {"sync_s": mean("sync_s"), "pause_s": max(0.0, mean("gap_s") - case["baseline_gap_s"]),
+            "commit_s": mean("commit_s"), "staged_bytes": mean("staged_bytes"), "in_pause_bytes": mean("in_pause_bytes")}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workdir", default="build/bench-pause")
+    ap.add_argument("--doc", default="docs/benchmarks.md")
+    ap.add_argument("--syncs", type=int, default=3)
+    ap.add_argument("--density", type=float, default=0.3)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--links", default="local,200mbit,20mbit")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        print("make bench-pause: needs root (a network namespace and tc for the emulated link)")
+        return 2
+    import torch
+
+    from cpu_harness import bf16_state, hf_config, hf_model, write_hf_checkpoint
+    from store_server import SeaweedS3
+    from test_store import nudged
+
+    os.makedirs(args.workdir, exist_ok=True)
+    torch.manual_seed(0)
+    cfg = hf_config("qwen3", vocab=8192, hidden=256, layers=4)
+    first = bf16_state(hf_model(cfg))
+    states = [first]
+    for k in range(args.syncs):
+        states.append(nudged(states[-1], 100 + k, density=args.density))
+    boot = write_hf_checkpoint(os.path.join(args.workdir, "boot"), cfg, bf16_state(hf_model(cfg, seed=2)))
+    params = sum(t.numel() for t in first.values())
+    results = {}
+    for link in args.links.split(","):
+        s3 = None
+        try:
+            if link != "local":
+                link_up(link)
+                s3 = SeaweedS3(os.path.join(args.workdir, f"seaweed-{link}"), ip=STORE_IP, netns=NETNS)
+            for staged in (False, True):
+                url = s3.url() if s3 else os.path.join(args.workdir, f"store-{link}-{int(staged)}-{time.time():.0f}")
+                if not s3:
+                    os.makedirs(url)
+                case = run_case(url, boot, states, staged, args.workdir, args.tokens)
+                results[(link, staged)] = case
+                print(json.dumps({"link": link, "staged": staged, **summary(case)}), flush=True)
+        finally:
+            if s3 is not None:
+                s3.stop()
+            link_down()
+    lines = []
+    for link in args.links.split(","):
+        before, after = summary(results[(link, False)]), summary(results[(link, True)])
+        line = (f"pause: store xor_zstd {link}: sync {after['sync_s']:.2f} s, pause {after['pause_s']:.2f} s "
+                f"(before staging {before['pause_s']:.2f} s), commit {after['commit_s']:.2f} s")
+        lines.append((link, before, after))
+        print(line)
+    write_section(args.doc, lines, params, args)
+    return 0
+
+
+def write_section(path: str, lines, params: int, args) -> None:
+    from bench_store import with_section
+
+    begin, end = "<!-- bench-pause:begin -->", "<!-- bench-pause:end -->"
+    local = next((a["pause_s"] for link, _, a in lines if link == "local"), None)
+    text = [begin, "## Generation during a sync (`make bench-pause`)", "",
+            f"Written by `make bench-pause` (`scripts/bench_pause.py`, root): a real patched CPU SGLang server "
+            f"({params / 1e6:.1f}M-param Qwen3 shape) follows a version store while one client streams greedy tokens "
+            f"back to back; the trainer publishes {args.syncs} `xor_zstd` versions (about {args.density:.0%} of the "
+            "elements changed each). The pause is the client's longest gap between tokens during a sync, less that gap "
+            "without syncs; the sync, from the trainer's publish to the engine at the version; the commit, the engine's "
+            "catch-up under its update lock. Before staging: the same run with `--update-weight-store-no-stage` "
+            "(the catch-up reads every object under the lock). One run, this machine; means over the syncs.", "",
+            "| store, link | sync | pause | pause before staging | commit | read inside the commit | vs local |",
+            "|---|---:|---:|---:|---:|---:|---:|"]
+    for link, before, after in lines:
+        ratio = f"{after['pause_s'] / local:.2f}x" if local else "—"
+        text.append(f"| {'directory' if link == 'local' else 'S3 over ' + link} | {after['sync_s']:.2f} s | "
+                    f"{after['pause_s']:.2f} s | {before['pause_s']:.2f} s | {after['commit_s']:.2f} s | "
+                    f"{after['in_pause_bytes'] / 1e6:.2f} MB (before: {before['in_pause_bytes'] / 1e6:.2f} MB) | "
+                    f"{ratio} |")
+    text += ["", "Pushed syncs over `disk` and `nccl` stage nothing before the pause yet: the whole sync is in the "
+             "pause there.", end]
+    with_section(path, "\n".join(text), begin, end)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
