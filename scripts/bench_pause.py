@@ -55,10 +55,14 @@ class Stream(threading.Thread):
         while not self.stop.is_set():
             body = {"input_ids": [5, 6, 7, 8], "stream": True,
                     "sampling_params": {"max_new_tokens": self.tokens, "temperature": 0, "ignore_eos": True}}
-            with requests.post(self.url + "/generate", json=body, stream=True, timeout=600) as r:
-                for line in r.iter_lines():
-                    if line.startswith(b"data: {"):
-                        self.times.append(time.perf_counter())
+            try:
+                with requests.post(self.url + "/generate", json=body, stream=True, timeout=600) as r:
+                    for line in r.iter_lines():
+                        if line.startswith(b"data: {"):
+                            self.times.append(time.perf_counter())
+            except requests.RequestException:
+                if not self.stop.is_set():  # the server went away under the bench, not at its end
+                    raise
 
     def longest_gap(self, t0: float, t1: float) -> float:
         """The longest gap between two tokens that ends after ``t0`` and starts before ``t1``."""

@@ -279,13 +279,13 @@ def untouched_nan(model):
                if p.is_floating_point() and not n.endswith((".k_scale", ".v_scale")))
 
 
-@pytest.mark.parametrize("bound", [None, 4 << 10], ids=["staged", "past-the-bound"])
+@pytest.mark.parametrize("bound", [None, 4 << 10], ids=["staged-whole", "past-the-bound"])
 def test_a_version_broken_in_its_last_object_is_taken_whole_or_not_at_all(store_url, bound):
     """A version of several requests whose last flush file is bit-flipped, then deleted: the catch-up stops at the
     last whole version, nothing of the broken one written (weights, version and status as before, not dirty). An
-    anchor of several shards broken in its last one leaves a fresh engine as it started. Past the staging bound
-    (``--update-weight-delta-stage-bytes``) the rest of a version is digest-checked before the first write too; the
-    honest store then brings every engine to HEAD bit-identically."""
+    anchor of several shards broken in its last one leaves a fresh engine as it started. Past the bound on decoded
+    requests (``--update-weight-delta-chunk-bytes``) the rest of a version is digest-checked before the first write
+    too; the honest store then brings every engine to HEAD bit-identically."""
     cfg = hf_config("qwen2")
     trainer = hf_model(cfg)
     a = Engine(cfg)
@@ -310,10 +310,9 @@ def test_a_version_broken_in_its_last_object_is_taken_whole_or_not_at_all(store_
     flipped = bytearray(blob)
     flipped[len(flipped) // 2] ^= 0x10
 
-    def engine():
+    def engine():  # the decoded requests a catch-up holds before its first write: every one, or a few KiB
         e = Engine(cfg)
-        if bound is not None:
-            e.host.server_args.update_weight_delta_stage_bytes = bound
+        e.host.server_args.update_weight_delta_chunk_bytes = bound or 64 << 20
         return e
 
     b = engine()

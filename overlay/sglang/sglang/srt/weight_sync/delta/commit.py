@@ -35,7 +35,7 @@ from sglang.srt.weight_sync.delta.write_guard import delta_apply_context, full_s
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "apply_request", "commit_request", "refused"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "apply_request", "chunk_bytes", "commit_request", "refused"]
 
 DEFAULT_CHUNK_BYTES = 512 << 20
 
@@ -72,6 +72,12 @@ def _dirty_note(state: ReceiverState, payloads: Sequence[DeltaPayload]) -> str:
     return f"; engine is dirty (part of version {state.pending} was written): it needs a full sync"
 
 
+def chunk_bytes(host) -> int:
+    """The engine's bound on dense bytes handed to the loader at once, and on the decoded requests a catch-up holds
+    before its first write (``--update-weight-delta-chunk-bytes``)."""
+    return int(server_arg(host, "update_weight_delta_chunk_bytes", DEFAULT_CHUNK_BYTES))
+
+
 def commit_request(host, staged: StagedRequest) -> Tuple[bool, str]:
     """Write one staged request; commit its version if it completes it. ``(False, message)``: the engine is dirty."""
     model = host_model(host)
@@ -80,8 +86,7 @@ def commit_request(host, staged: StagedRequest) -> Tuple[bool, str]:
     head = staged.head
     # A full sync's sources are views of the received blobs (nothing densified): the whole request goes to the
     # loader in one call, so pairs a loader fuses (DeepSeek's q_a/kv_a, cached per call) stay together.
-    chunk_cap = float("inf") if head.full else int(server_arg(host, "update_weight_delta_chunk_bytes",
-                                                               DEFAULT_CHUNK_BYTES))
+    chunk_cap = float("inf") if head.full else chunk_bytes(host)
     if staged.starts:
         _await_forward(device)
         state.pending_manifest = {}
@@ -118,14 +123,14 @@ def commit_request(host, staged: StagedRequest) -> Tuple[bool, str]:
             ready = _dense_sources(staged.via_loader) if head.full else None
             with torch.no_grad(), (full_sync_context(model, state.recorder) if head.full else
                                    delta_apply_context(model)):
-                chunk, chunk_bytes = ready or [], 0
+                chunk, held = ready or [], 0
                 for p, positions, values in [] if head.full else staged.via_loader:
                     size = p.numel * values.element_size()
-                    if chunk and chunk_bytes + size > chunk_cap:
+                    if chunk and held + size > chunk_cap:
                         load(chunk)
-                        chunk, chunk_bytes = [], 0
+                        chunk, held = [], 0
                     chunk.append((p.name, _decode_delta_one_param(p, positions, values, device)))
-                    chunk_bytes += size
+                    held += size
                 if chunk:
                     load(chunk)
                     del chunk

@@ -37,11 +37,7 @@ from sglang.srt.weight_sync.delta.wire import (
     sparse_allowed,
 )
 
-__all__ = ["DEFAULT_STAGE_BYTES", "Progress", "StagedRequest", "StageRefused", "request_bytes", "stage_bytes",
-           "stage_request"]
-
-DEFAULT_STAGE_BYTES = 2 << 30
-
+__all__ = ["Progress", "StagedRequest", "StageRefused", "request_bytes", "stage_request"]
 
 @dataclasses.dataclass
 class Progress:
@@ -97,11 +93,6 @@ class StageRefused(DeltaError):
     def __init__(self, cause: DeltaError, request, received):
         super().__init__(str(cause), cause.code)
         self.request, self.received = request, received
-
-
-def stage_bytes(host) -> int:
-    """The most bytes of blobs an engine stages before a commit (``--update-weight-delta-stage-bytes``)."""
-    return int(server_arg(host, "update_weight_delta_stage_bytes", DEFAULT_STAGE_BYTES))
 
 
 def stage_request(host, payloads: Sequence[DeltaPayload], weight_version: Optional[str],

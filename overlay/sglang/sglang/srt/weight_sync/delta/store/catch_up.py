@@ -16,8 +16,9 @@ Catch-up (``/update_weights_from_disk`` with ``load_format: delta``, ``model_pat
    the model's own loader, then the chain. Each publish of a version is applied as the request it was.
 4. A version is taken whole or not at all: every request of it (every anchor shard) is staged (``stage``: read,
    digest-checked, checked, rebuilt, decoded) before the first is committed (``commit``); one broken object leaves
-   the engine at the last whole version of the walk. Past ``--update-weight-delta-stage-bytes`` the rest is read
-   and digest-checked before that first write too, then read again and applied request by request.
+   the engine at the last whole version of the walk. Past ``--update-weight-delta-chunk-bytes`` of decoded requests
+   every object of the rest is digest-checked before that first write too, then applied request by request. Objects
+   a follower fetched while it served (``staging``) are not read again.
 
 With tensor parallelism the first rank plans and reads; the plan and each request's blobs reach the other ranks
 over the TP group, and every rank applies through the same receiver path as a pushed request.
@@ -31,11 +32,11 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 from sglang.srt.weight_sync.delta.collectives import broadcast_json, tp_group
-from sglang.srt.weight_sync.delta.commit import apply_request, commit_request, refused
+from sglang.srt.weight_sync.delta.commit import apply_request, chunk_bytes, commit_request, refused
 from sglang.srt.weight_sync.delta.engine_state import host_model, receiver_state, server_arg
 from sglang.srt.weight_sync.delta.files import maybe_zstd_decompress, read_safetensors
 from sglang.srt.weight_sync.delta.ingest import DEFAULT_READ_WORKERS, max_request_bytes, read_files_once
-from sglang.srt.weight_sync.delta.stage import Progress, StageRefused, request_bytes, stage_bytes, stage_request
+from sglang.srt.weight_sync.delta.stage import Progress, StageRefused, request_bytes, stage_request
 from sglang.srt.weight_sync.delta.store import staging
 from sglang.srt.weight_sync.delta.store.anchor import read_hf_shard
 from sglang.srt.weight_sync.delta.store.manifest import RECORD_CAP, StoreKey, digest, open_record, read_head
@@ -158,22 +159,21 @@ def _catch_up(host, url: str, weight_version: Optional[str]) -> Tuple[bool, str]
 
 def _take_version(host, store: Optional[ObjectStore], step: dict) -> Tuple[bool, str]:
     """One version of a catch-up, whole or not at all: every request staged (read, digest-checked, checked, rebuilt,
-    decoded) before the first is committed. Past ``--update-weight-delta-stage-bytes`` the rest of the version is
-    read and digest-checked before that first write too, then read again, staged and committed one request at a
-    time; a failure there leaves the engine dirty (it refuses generation, and the catch-up plans again)."""
+    decoded) before the first is committed. Past the engine's ``--update-weight-delta-chunk-bytes`` of decoded
+    requests, every object of the rest is digest-checked before that first write too (kept in the host stage where
+    ``--update-weight-delta-stage-bytes`` allows, else read again), then staged and committed one request at a time;
+    a failure there leaves the engine dirty (it refuses generation, and the catch-up plans again)."""
     state = receiver_state(host_model(host))
     version = str(step["version"])
     progress, staged, held, rest, counts = Progress.of(state), [], 0, None, {}
     if step["kind"] == "anchor":  # an anchor replaces every weight: staged as a full sync of its version
         progress = Progress.replacing()
+    bound = chunk_bytes(host)
     for k, request in enumerate(_requests(host, store, step, counts=counts)):
         failure, size = request.get("error"), request_bytes(request["payloads"])
-        if rest is None and failure is None and staged and held + size > stage_bytes(host):
-            rest = k  # past the bound: from here on only read and digest-checked, nothing held
-        if rest is not None:
-            if failure is not None:
-                return refused(state, failure)
-            continue
+        if failure is None and staged and held + size > bound:
+            rest = k  # past the bound: the rest's objects are only checked, then taken request by request
+            break
         try:
             one = stage_request(host, request["payloads"], version, failure, progress)
         except StageRefused as e:
@@ -181,6 +181,9 @@ def _take_version(host, store: Optional[ObjectStore], step: dict) -> Tuple[bool,
         progress.advance(one)
         staged.append(one)
         held += size
+    error = None if rest is None else _check_objects(host, store, _objects_from(step, rest, counts))
+    if error is not None:
+        return refused(state, error)
     if not staged or (rest is None and not staged[-1].complete):  # no final request: nothing of it is written
         return refused(state, DeltaError(f"version {step['version']} in the store did not complete (no final "
                                          "request): the engine holds no version of it", Refusal.UNVERIFIED))
@@ -199,6 +202,46 @@ def _take_version(host, store: Optional[ObjectStore], step: dict) -> Tuple[bool,
         return refused(state, DeltaError(f"version {step['version']} in the store did not complete (no final "
                                          "request): the engine is dirty", Refusal.UNVERIFIED))
     return True, f"version {step['version']}"
+
+
+def _objects_from(step: dict, first: int, counts: dict) -> List[Tuple[str, str]]:
+    """(key, digest) of every object holding a request of ``step`` from the ``first``-th on (``counts``: the requests
+    of each anchor shard read so far; a shard not read yet holds later ones)."""
+    if step["kind"] != "anchor":
+        return [(f"{step['dir']}/{name}", sha) for entries in step["requests"][first:] for name, _, sha in entries]
+    out, index = [], 0
+    for j, (okey, _, sha) in enumerate(o for o in step["objects"] if o[0].endswith(".safetensors")):
+        n = counts.get(j)
+        if n is None or index + n > first:
+            out.append((okey, sha))
+        index += n or 0
+    return out
+
+
+def _check_objects(host, store: Optional[ObjectStore], objects: List[Tuple[str, str]]) -> Optional[DeltaError]:
+    """Every object present and matching its digest, before a version's first write: the first TP rank reads (into
+    the host stage where it fits), every rank gets the verdict."""
+    group = tp_group()
+    error = None
+    if group is None or group.rank_in_group == 0:
+        model = host_model(host)
+        try:
+            for key, sha in objects:
+                if not staging.holds(model, key, sha):
+                    data = read_object(store, key, sha, max_request_bytes(model))
+                    staging.count_read(model, len(data))
+                    staging.keep(model, key, sha, data)
+        except DeltaError as e:
+            error = e
+        except Exception as e:  # a store that cannot answer is an availability fault
+            error = StoreUnavailable(f"store: {e!r}")
+        if group is not None:
+            broadcast_json(group, {"error": [str(error), error.code.value]} if error else {})
+    else:
+        shared = broadcast_json(group)
+        if "error" in shared:
+            error = DeltaError(shared["error"][0], Refusal(shared["error"][1]))
+    return error
 
 
 def _requests(host, store: Optional[ObjectStore], step: dict, skip: int = 0, counts: Optional[dict] = None):

@@ -23,14 +23,21 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from sglang.srt.weight_sync.delta.collectives import tp_group
-from sglang.srt.weight_sync.delta.engine_state import host_model, receiver_state
+from sglang.srt.weight_sync.delta.engine_state import host_model, receiver_state, server_arg
 from sglang.srt.weight_sync.delta.ingest import max_request_bytes
-from sglang.srt.weight_sync.delta.stage import stage_bytes
 from sglang.srt.weight_sync.delta.wire import DeltaError, Refusal
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StoreStage", "count_read", "remember", "report", "stage_of", "start", "take"]
+__all__ = ["DEFAULT_STAGE_BYTES", "StoreStage", "count_read", "holds", "keep", "remember", "report", "stage_bytes",
+           "stage_of", "start", "take"]
+
+DEFAULT_STAGE_BYTES = 4 << 30
+
+
+def stage_bytes(host) -> int:
+    """The most object bytes an engine holds staged in host memory (``--update-weight-delta-stage-bytes``)."""
+    return int(server_arg(host, "update_weight_delta_stage_bytes", DEFAULT_STAGE_BYTES))
 
 
 @dataclasses.dataclass
@@ -45,13 +52,14 @@ class StoreStage:
     error: Optional[str] = None  # the last stage's failure (a refusal of the commit's own walk will say it again)
     source: Optional[tuple] = None  # (url, key, bound, max object bytes) of the engine's last catch-up
     taken_bytes: int = 0  # the current catch-up's objects taken from the stage
+    kept: set = dataclasses.field(default_factory=set)  # objects the commit itself read and keeps (not staged)
     read_bytes: int = 0  # and read from the store inside it
     thread: Optional[threading.Thread] = None
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     def drop(self) -> None:
         with self.lock:
-            self.objects, self.version, self.staged_bytes = {}, None, 0
+            self.objects, self.kept, self.version, self.staged_bytes = {}, set(), None, 0
 
 
 _STAGES: "weakref.WeakKeyDictionary[torch.nn.Module, StoreStage]" = weakref.WeakKeyDictionary()
@@ -104,8 +112,25 @@ def take(model: torch.nn.Module, key: str, sha: str) -> Optional[bytes]:
         return None
     with stage.lock:
         data = stage.objects.get((key, sha))
-        stage.taken_bytes += len(data) if data is not None else 0
+        if data is not None and (key, sha) not in stage.kept:
+            stage.taken_bytes += len(data)
     return data
+
+
+def holds(model: torch.nn.Module, key: str, sha: str) -> bool:
+    stage = _STAGES.get(model)
+    return stage is not None and (key, sha) in stage.objects
+
+
+def keep(model: torch.nn.Module, key: str, sha: str, data: bytes) -> None:
+    """An object a commit read and digest-checked: held for the same commit to take, where the bound allows."""
+    stage = stage_of(model)
+    bound = stage.source[2] if stage.source else 0
+    with stage.lock:
+        if stage.staged_bytes + len(data) <= bound:
+            stage.objects[(key, sha)] = data
+            stage.kept.add((key, sha))
+            stage.staged_bytes += len(data)
 
 
 def count_read(model: torch.nn.Module, nbytes: int) -> None:
@@ -149,7 +174,7 @@ def _run(stage: StoreStage, held, url: str, key, bound: int, max_bytes: int) -> 
     finally:
         stage.fetching = None
     with stage.lock:
-        stage.objects, stage.staged_bytes = objects, size
+        stage.objects, stage.kept, stage.staged_bytes = objects, set(), size
         stage.version = plan["target"] if complete else None
         stage.stage_s, stage.error = time.perf_counter() - t0, None
     logger.info("delta stage: version %s, %d bytes in %.3f s%s", plan["target"], size, stage.stage_s,
