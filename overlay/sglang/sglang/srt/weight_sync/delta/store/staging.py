@@ -51,8 +51,8 @@ class StoreStage:
     stage_s: float = 0.0
     error: Optional[str] = None  # the last stage's failure (a refusal of the commit's own walk will say it again)
     source: Optional[tuple] = None  # (url, key, bound, max object bytes) of the engine's last catch-up
-    taken_bytes: int = 0  # the current catch-up's objects taken from the stage
     kept: set = dataclasses.field(default_factory=set)  # objects the commit itself read and keeps (not staged)
+    taken_bytes: int = 0  # the current catch-up's objects taken from the stage
     read_bytes: int = 0  # and read from the store inside it
     thread: Optional[threading.Thread] = None
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
