@@ -4,7 +4,7 @@ process, ``deltas_zstd``, ``xor_zstd`` and ``xor_ctx`` over disk): after each, e
 load of the same state on that rank. Names a rank does not hold (another rank's experts) cost nothing: no loader call
 at all in a delta. A file one rank cannot read, and a request naming an expert no rank has, are refused alike on
 every rank, untouched. And a real ``launch_server --tp 2`` (SGLang's CPU backend runs no expert parallelism) through
-a training loop."""
+a training loop, and following a version store (whole versions, staged while it serves)."""
 import multiprocessing as mp
 import os
 import traceback
@@ -171,3 +171,78 @@ def test_a_tp2_server_takes_a_training_loop_over_disk_then_gloo(tmp_path):
             transport.close()
     finally:
         srv.stop()
+
+
+def test_a_tp2_server_follows_a_store_whole_versions_staged_while_it_serves(tmp_path):
+    """A real server with ``--tp 2`` following a directory store, its decoded-request bound a few KiB (so every
+    version goes past it: the first rank digest-checks the rest and both ranks take the verdict): it stages each
+    version on its first rank while it serves, both ranks end bit-identical at HEAD (every rank's fingerprint share),
+    the commit reads nothing from the store. A version broken in its last object is not written on any rank: both stay
+    at the last whole version, not dirty, serving; repaired, the store brings them to HEAD."""
+    import time
+
+    from sglang.srt.weight_sync.delta import fingerprint
+    from sglang.srt.weight_sync.delta.store.publish import StoreTransport
+
+    cfg = config("qwen3-moe", None)
+    store = str(tmp_path / "store")
+    os.makedirs(store)
+    trainer = hf_model(cfg, seed=1)
+    state = bf16_state(trainer)
+    sender = DeltaSender(StoreTransport(store, [], zstd=3), [], encoding="xor_zstd", buffer_bytes=64 << 10)
+    sender.update(segments(state))  # version 1: the anchor (no engine pushed to: the store's HEAD is the result)
+    assert sender.transport.head_version == 1
+    boot = write_hf_checkpoint(str(tmp_path / "boot"), cfg, bf16_state(hf_model(cfg, seed=2)))
+    srv = Server(boot, str(tmp_path / "server.log"), env={"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}, extra=[
+        "--tp", "2", "--update-weight-store", store, "--update-weight-store-poll-s", "0.3",
+        "--update-weight-delta-chunk-bytes", "4096"]).wait_healthy()
+    engine = HttpEngine(srv.url)
+
+    def at(version, state, timeout=180):
+        t0 = time.time()
+        while [s.version for s in engine.status()] != [version] * 2:
+            assert time.time() - t0 < timeout, engine.status()
+            time.sleep(0.3)
+        theirs = fingerprint.merge_ranks(fingerprint.check_version(engine.fingerprint(), version))
+        assert fingerprint.compare(state, theirs) == ([], []), version
+
+    try:
+        at(1, state)
+        steps = rl_steps(trainer, 3)
+        for v in (2, 3):
+            state = next(steps)
+            sender.update(segments(state))
+            at(v, state)
+            timing = engine.status()[0].timing  # the first rank staged it; its commit read nothing
+            assert timing["staged_bytes"] > 0 and timing["in_pause_bytes"] == 0, timing
+        kept = {}
+
+        def break_last(vdir):  # after each publish of the version, its newest file flipped (the one before mended)
+            for path, data in kept.items():
+                with open(path, "wb") as f:
+                    f.write(data)
+            last = os.path.join(vdir, sorted(f for f in os.listdir(vdir) if f.endswith(".safetensors"))[-1])
+            with open(last, "rb") as f:
+                data = f.read()
+            kept.clear()
+            kept[last] = data
+            with open(last, "wb") as f:
+                f.write(data[:-1] + bytes([data[-1] ^ 1]))
+
+        sender.transport.hook = break_last
+        at3, state = state, next(steps)
+        sender.update(segments(state))
+        sender.transport.hook = None
+        time.sleep(3)  # the follower tries, and refuses, several times
+        statuses = engine.status()
+        assert [(s.version, s.needs_full) for s in statuses] == [(3, False)] * 2, statuses
+        at(3, at3)
+        r = srv.post("/generate", {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}})
+        assert r.status_code == 200, r.text
+        for path, data in kept.items():
+            with open(path, "wb") as f:
+                f.write(data)
+        at(4, state)
+    finally:
+        srv.stop()
+        sender.transport.close()
