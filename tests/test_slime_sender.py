@@ -363,6 +363,22 @@ def test_the_example_parses_with_slimes_own_arguments():
         resolve_delta_args(ns)
 
 
+def test_the_engines_staging_flags_pass_through_slimes_own_sglang_arguments():
+    """The engine flags staging adds reach slime's engines as slime passes every SGLang flag: ``--sglang-<flag>``,
+    through slime's own argument definitions for SGLang."""
+    import argparse
+
+    from slime.backends.sglang_utils.arguments import add_sglang_arguments
+
+    parser = argparse.ArgumentParser()
+    parser = add_sglang_arguments(parser) or parser
+    ns, _ = parser.parse_known_args(["--sglang-update-weight-delta-stage-bytes", "1048576",
+                                     "--sglang-update-weight-store-no-stage"])
+    assert (ns.sglang_update_weight_delta_stage_bytes, ns.sglang_update_weight_store_no_stage) == (1048576, True)
+    ns, _ = parser.parse_known_args([])
+    assert (ns.sglang_update_weight_delta_stage_bytes, ns.sglang_update_weight_store_no_stage) == (4 << 30, False)
+
+
 @pytest.mark.parametrize("transport", ["nccl", "disk"])
 def test_slimes_glm_example_runs_our_encodings(transport):
     """slime's own GLM-4.7-Flash delta script as examples/glm47_flash_delta.py rewrites it: every argument array it
