@@ -279,6 +279,15 @@ def untouched_nan(model):
                if p.is_floating_point() and not n.endswith((".k_scale", ".v_scale")))
 
 
+def publishing(store_url):
+    """A trainer publishing ``xor_zstd`` versions of a small Qwen2 into the store, pushing to engine ``a``."""
+    cfg = hf_config("qwen2")
+    trainer = hf_model(cfg)
+    a = Engine(cfg)
+    transport = StoreTransport(store_url, [a], zstd=3)
+    return cfg, trainer, a, transport, DeltaSender(transport, [a], encoding="xor_zstd", buffer_bytes=16 << 10)
+
+
 @pytest.mark.parametrize("bound", [None, 4 << 10], ids=["staged-whole", "past-the-bound"])
 def test_a_version_broken_in_its_last_object_is_taken_whole_or_not_at_all(store_url, bound):
     """A version of several requests whose last flush file is bit-flipped, then deleted: the catch-up stops at the
@@ -286,11 +295,7 @@ def test_a_version_broken_in_its_last_object_is_taken_whole_or_not_at_all(store_
     anchor of several shards broken in its last one leaves a fresh engine as it started. Past the bound on decoded
     requests (``--update-weight-delta-chunk-bytes``) the rest of a version is digest-checked before the first write
     too; the honest store then brings every engine to HEAD bit-identically."""
-    cfg = hf_config("qwen2")
-    trainer = hf_model(cfg)
-    a = Engine(cfg)
-    transport = StoreTransport(store_url, [a], zstd=3)
-    sender = DeltaSender(transport, [a], encoding="xor_zstd", buffer_bytes=16 << 10)
+    cfg, trainer, a, transport, sender = publishing(store_url)
     states, steps = [bf16_state(trainer)], rl_steps(trainer, 3)
     for k in range(3):
         if k:
@@ -354,11 +359,7 @@ def test_a_follower_stages_the_next_version_while_it_serves_and_its_commit_reads
     from sglang.srt.weight_sync.delta.store import staging
     from sglang.srt.weight_sync.delta.wire import DeltaStatus
 
-    cfg = hf_config("qwen2")
-    trainer = hf_model(cfg)
-    a = Engine(cfg)
-    transport = StoreTransport(store_url, [a], zstd=3)
-    sender = DeltaSender(transport, [a], encoding="xor_zstd", buffer_bytes=16 << 10)
+    cfg, trainer, a, transport, sender = publishing(store_url)
     states, steps = [bf16_state(trainer)], rl_steps(trainer, 4)
     assert sender.update(segments_of(states[-1], 2))[0][0]
     b = Engine(cfg)

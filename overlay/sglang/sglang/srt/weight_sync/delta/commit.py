@@ -58,13 +58,13 @@ def apply_request(host, payloads: Sequence[DeltaPayload], weight_version: Option
         try:
             staged = stage_request(host, payloads, weight_version, failure, Progress.of(state))
         except StageRefused as e:
-            return refused(state, e, e.request, e.received, _dirty_note(state, payloads))
+            return refused(state, e, e.request, e.received, _mark_mid_version_dirty(state, payloads))
         return commit_request(host, staged)
 
 
-def _dirty_note(state: ReceiverState, payloads: Sequence[DeltaPayload]) -> str:
+def _mark_mid_version_dirty(state: ReceiverState, payloads: Sequence[DeltaPayload]) -> str:
     """A refused request of a version whose earlier requests are written (or one that cannot say which version it
-    is, while one is): the engine holds a mix, marked dirty."""
+    is, while one is): the engine holds a mix and is marked dirty; returns what the refusal adds to its message."""
     head = payloads[0].spec if payloads else None
     if state.pending is None or (head is not None and head.version != state.pending):
         return ""

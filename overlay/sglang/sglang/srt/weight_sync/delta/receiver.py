@@ -37,14 +37,14 @@ How the loader is watched (per thread, aten-level bypasses, foreign threads): se
 from __future__ import annotations
 
 import logging
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
 from sglang.srt.weight_sync.delta import fingerprint
 from sglang.srt.weight_sync.delta.collectives import tp_agree
 from sglang.srt.weight_sync.delta.commit import apply_request, refused
-from sglang.srt.weight_sync.delta.engine_state import ReceiverState, host_model, receiver_state
+from sglang.srt.weight_sync.delta.engine_state import host_model, receiver_state
 from sglang.srt.weight_sync.delta.ingest import (
     max_request_bytes,
     read_files_once,

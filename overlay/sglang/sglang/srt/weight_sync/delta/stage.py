@@ -18,7 +18,6 @@ import dataclasses
 import importlib
 from typing import List, Optional, Sequence, Tuple
 
-import torch
 
 from sglang.srt.weight_sync.delta.collectives import tp_agree
 from sglang.srt.weight_sync.delta.engine_state import ReceiverState, host_device, host_model, receiver_state, server_arg
@@ -84,7 +83,6 @@ class StagedRequest:
     payloads: List[DeltaPayload]
     via_views: list  # (a flush's positions, its values, its params written through recorded views)
     via_loader: list  # (param, its flush's positions, its values) for the model's loader
-    nbytes: int  # the request's blobs as staged
 
 
 class StageRefused(DeltaError):
@@ -147,7 +145,7 @@ def stage_request(host, payloads: Sequence[DeltaPayload], weight_version: Option
         raise StageRefused(error, request, received)
     via_views, via_loader = _plan(state, head, payloads, decoded)
     return StagedRequest(head, request, received, starts, len(finals) == head.sources, finals, set(view.changed),
-                         payloads, via_views, via_loader, request_bytes(payloads))
+                         payloads, via_views, via_loader)
 
 
 def request_bytes(payloads: Sequence[DeltaPayload]) -> int:

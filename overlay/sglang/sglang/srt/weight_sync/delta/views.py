@@ -85,7 +85,7 @@ def direct_plan(model: torch.nn.Module, recorder: fingerprint.FingerprintRecorde
     """Names whose view copies can take deltas directly: all of them, if the full sync saw the loader write
     nothing else into the model; none otherwise (then every delta goes through the loader). A model's
     ``post_load_weights`` derives tensors that are no params (MLA's ``w_kc``/``w_vc``): the receiver re-runs it
-    after direct writes (``receiver._post_process``)."""
+    after direct writes (``commit._post_process``)."""
     if recorder.unexplained is not None:
         logger.info("delta: the loader wrote %s outside a view copy; deltas go through its loader",
                     recorder.unexplained)
