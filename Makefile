@@ -42,7 +42,7 @@ test: venvs
 	@rc=0; skip=""; for p in $(PINS); do \
 	  echo "=== tests against patched sglang $$p ==="; \
 	  $(BUILD)/venv-$$p/bin/python -m pytest tests --ignore=tests/test_slime_sender.py --ignore=tests/test_slime_shard_map.py \
-	    --ignore=tests/test_slime_store.py $$skip \
+	    --ignore=tests/test_slime_store.py --ignore=tests/test_slime_upstream.py $$skip \
 	    $(PYTEST_ARGS) || rc=1; \
 	  skip="$(addprefix --ignore=,$(ONE_PIN_TESTS)) $(addprefix --deselect=,$(FIRST_PIN_CASES))"; \
 	done; exit $$rc
@@ -60,11 +60,24 @@ slime-tree: $(if $(filter $(BUILD)/slime,$(SLIME_DIR)),$(BUILD)/slime/.stamp)
 	rm -rf $(BUILD)/slime-tree && cp -a "$(SLIME_DIR)" $(BUILD)/slime-tree
 	SLIME_COMMIT=$(SLIME_COMMIT) scripts/apply_patches.sh $(BUILD)/slime-tree
 
-# slime's patched updater with a tiny Megatron model on CPU into a server on the image's SGLang tree.
+# slime's own unit tests of what the patches touch (arguments and their validation, SGLang arguments and config,
+# Megatron server arguments and role overrides, external engines, colocated weight buckets), on the pristine and the
+# patched tree; SLIME_UPSTREAM_TESTS=tests runs slime's whole suite both ways.
+SLIME_UPSTREAM_TESTS ?= tests/test_megatron_argument_validation.py tests/utils/test_sglang_arguments.py \
+  tests/utils/test_sglang_config.py tests/test_sglang_config_mixed_offload.py tests/test_sglang_config_mixed_offload_ft.py \
+  tests/utils/test_megatron_server_arguments.py tests/utils/test_megatron_role_config.py \
+  tests/test_external_sglang_engines.py tests/test_empty_colocated_weight_bucket.py
+
+# slime's patched updater with a tiny Megatron model on CPU into a server on the image's SGLang tree; then slime's own
+# tests, pristine against patched (a test that passes pristine must pass patched, or be an intended difference listed
+# in docs/compatibility.md).
 test-slime: slime-tree
-	SLIME_PATCHED_DIR=$(abspath $(BUILD)/slime-tree) PYTHONPATH=$(abspath $(BUILD)/slime-tree) \
+	SLIME_PATCHED_DIR=$(abspath $(BUILD)/slime-tree) SLIME_PRISTINE_DIR=$(abspath $(SLIME_DIR)) \
+	  PYTHONPATH=$(abspath $(BUILD)/slime-tree) \
 	  $(BUILD)/venv-0.5.15.post1-slime/bin/python -m pytest tests/test_slime_sender.py tests/test_slime_shard_map.py \
-	  tests/test_slime_store.py $(PYTEST_ARGS)
+	  tests/test_slime_store.py tests/test_slime_upstream.py $(PYTEST_ARGS)
+	$(BUILD)/venv-0.5.15.post1-slime/bin/python scripts/upstream_suite.py --pristine $(SLIME_DIR) \
+	  --patched $(BUILD)/slime-tree $(SLIME_UPSTREAM_TESTS)
 
 # slime's own disk delta (xor, overwrite) and ours (deltas_zstd, planes_zstd, xor_zstd) on the same Megatron steps
 # into a real server, side by side -> a section of docs/benchmarks.md (same slime checkout as test-slime).

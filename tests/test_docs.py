@@ -150,3 +150,34 @@ def test_memory_md_tables_are_the_models_output_of_the_benchs_formulas():
     want = memory_model.section().split(memory_model.MARK[0], 1)[1].split(memory_model.MARK[1], 1)[0]
     assert " ".join(got.split()) == " ".join(want.split())
     assert all(f"### {name}" in got for name in ("Qwen3-235B-A22B", "DeepSeek-V3 671B", "Kimi-K2 1T"))
+
+
+def test_upstreams_intended_differences_name_tests_of_ours_and_the_comparison_judges_by_them():
+    """docs/compatibility.md's table of slime tests a patched tree changes on purpose: each row names a test of ours
+    that exists. The comparison (scripts/upstream_suite.py) fails a test that passes pristine and not patched unless a
+    row lists it, a row whose test no longer differs, and a row that names a test of ours this repository lacks."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("upstream_suite", os.path.join(ROOT, "scripts", "upstream_suite.py"))
+    suite = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(suite)
+    rows = suite.intended_rows(read("docs", "compatibility.md"))
+    assert rows, "no intended differences parsed from docs/compatibility.md"
+    up = "tests/test_megatron_argument_validation.py::test_update_weight_delta_requires_disk_transport"
+    assert up in rows
+    same = {"tests/t.py::a": "passed", "tests/t.py::gpu": "failed"}
+    differs = {**same, up: "passed"}
+    assert suite.compare(differs, {**same, up: "failed"}, rows) == ([], [])
+    assert suite.compare(differs, {**same, up: "failed"}, {}) == \
+        ([f"{up}: passes pristine, failed patched (not in the table of intended differences)"], [])
+    assert suite.compare(differs, {**same, up: "passed"}, rows)[0] == \
+        [f"{up}: listed as an intended difference, but it is passed pristine and passed patched: remove the row"]
+    assert suite.compare(differs, {"tests/t.py::gpu": "failed"}, {})[0] == \
+        ["tests/t.py::a: passes pristine, absent patched (not in the table of intended differences)",
+         f"{up}: passes pristine, absent patched (not in the table of intended differences)"]
+    gone = {up: ("tests/test_slime_upstream.py", "test_no_such_test")}
+    assert suite.compare(differs, {**same, up: "failed"}, gone)[0] == \
+        [f"{up}: its row names tests/test_slime_upstream.py::test_no_such_test, which does not exist"]
+    assert suite.compare(same, same, rows) == ([], [])  # a listed test among no path run is not judged
+    assert suite.compare({"tests/t.py::b": "error"}, {"tests/t.py::b": "passed"}, {}) == \
+        ([], ["tests/t.py::b: error pristine, passes patched"])

@@ -351,7 +351,7 @@ def test_the_example_parses_with_slimes_own_arguments():
     with pytest.raises(SystemExit):
         parser.parse_known_args(argv + ["--update-weight-delta-encoding", "lz4"])
     # the sharded sender's chunk: unset, the buffer; set, apart from it; not positive, refused by name
-    from slime.utils.delta_sync_args import resolve_delta_args, shard_chunk_bytes
+    from slime.utils.delta_sync_args import resolve_delta_args, shard_chunk_bytes, validate_delta_args
 
     for extra, chunk in (([], ns.update_weight_buffer_size),
                          (["--update-weight-delta-shard-chunk-bytes", "65536"], 65536)):
@@ -359,8 +359,9 @@ def test_the_example_parses_with_slimes_own_arguments():
         resolve_delta_args(ns)
         assert shard_chunk_bytes(ns) == chunk, (extra, shard_chunk_bytes(ns))
     ns, _ = parser.parse_known_args(argv + ["--update-weight-delta-shard-chunk-bytes", "0"])
+    resolve_delta_args(ns)
     with pytest.raises(ValueError, match=r"--update-weight-delta-shard-chunk-bytes=0: give a positive number"):
-        resolve_delta_args(ns)
+        validate_delta_args(ns)
 
 
 def test_the_engines_staging_flags_pass_through_slimes_own_sglang_arguments():
@@ -468,7 +469,7 @@ def test_unset_flags_say_which_delta_runs():
     ``--update-weight-delta-sharded``: on with the sparse encodings, off with slime's own; set where it cannot run,
     refused with the reason."""
     import slime_harness as H
-    from slime.utils.delta_sync_args import resolve_delta_args, runs_sparse_delta
+    from slime.utils.delta_sync_args import resolve_delta_args, validate_delta_args
 
     args = H.make_args(update_weight_transport="nccl", update_weight_delta_encoding=None,
                        update_weight_delta_sharded=None)
@@ -476,9 +477,10 @@ def test_unset_flags_say_which_delta_runs():
     assert (args.update_weight_delta_encoding, args.update_weight_delta_sharded) == ("deltas", True)
     args = H.make_args(update_weight_transport="disk", update_weight_delta_encoding=None,
                        update_weight_delta_sharded=None)
-    with pytest.raises(ValueError, match=r"needs --update-weight-delta-encoding: xor_zstd \(this project.*or xor "
-                                         r"\(slime's own delta"):
-        resolve_delta_args(args)
+    resolve_delta_args(args)
+    with pytest.raises(ValueError, match=r"needs --update-weight-delta-encoding: xor_ctx or xor_zstd \(this project.*"
+                                         r"or xor \(slime's own delta"):
+        validate_delta_args(args)
     args = H.make_args(update_weight_mode="full", update_weight_transport="disk", update_weight_delta_encoding=None,
                        update_weight_delta_sharded=None)
     resolve_delta_args(args)  # no delta runs: slime's own default stands
@@ -489,9 +491,10 @@ def test_unset_flags_say_which_delta_runs():
     assert (args.update_weight_delta_encoding, args.update_weight_delta_sharded) == ("deltas_zstd", False)
     for over in ({"update_weight_delta_encoding": "xor"}, {"update_weight_mode": "full"}):
         args = H.make_args(update_weight_transport="disk", update_weight_delta_sharded=True, **over)
+        resolve_delta_args(args)
         with pytest.raises(ValueError, match="--update-weight-delta-sharded runs with --update-weight-mode=delta and a "
                                              "sparse encoding"):
-            resolve_delta_args(args)
+            validate_delta_args(args)
 
 
 @pytest.mark.parametrize("mode", ["retract", "in_place"])

@@ -1,33 +1,73 @@
 """Argument rules of sparse delta weight sync (``--update-weight-mode delta`` with our sparse encodings).
 
-Kept free of torch/megatron imports at module level: ``slime.utils.arguments`` imports it at parse time.
+Kept free of torch/megatron imports at module level: ``slime.utils.arguments`` imports it at parse time. Every flag
+the patched parser adds has its default in :data:`DELTA_ARG_DEFAULTS`: slime and its callers also build argument
+namespaces without the parser (tests, role overrides), and those must run as they do upstream.
 """
+
+import argparse
 
 SPARSE_DELTA_ENCODINGS = ("indices", "deltas", "deltas_zstd", "planes_zstd", "xor_zstd", "xor_ctx")
 NCCL_ENCODINGS = ("indices", "deltas")
 
+# what the patched parser adds (and the encoding, whose upstream default 'xor' becomes "unset" here)
+DELTA_ARG_DEFAULTS = {
+    "update_weight_delta_encoding": None,
+    "update_weight_delta_fingerprint_interval": 10,
+    "update_weight_delta_zstd_level": None,
+    "update_weight_delta_sharded": None,
+    "update_weight_delta_shard_chunk_bytes": None,
+    "update_weight_pause_mode": "abort",
+    "update_weight_store": None,
+    "update_weight_store_key_file": None,
+    "update_weight_store_anchor_every": 0,
+}
+
+
+def with_delta_defaults(args):
+    """``args`` with every attribute of :data:`DELTA_ARG_DEFAULTS` it lacks set to its default."""
+    for name, default in DELTA_ARG_DEFAULTS.items():
+        if not hasattr(args, name):
+            setattr(args, name, default)
+    return args
+
 
 def resolve_delta_args(args) -> None:
-    """Unset flags take their defaults here. ``--update-weight-delta-encoding``: 'deltas' over nccl (slime's own
-    delta cannot run there); over disk two implementations answer to ``--update-weight-mode delta``, so an unset
-    encoding is refused with both named (a patched tree never picks one silently); unused in ``full`` mode.
-    ``--update-weight-delta-sharded``: on wherever it runs (:func:`runs_sparse_delta`); set where it cannot, it is
-    refused."""
-    if getattr(args, "update_weight_delta_encoding", None) is None:
+    """Before slime's own delta checks: our defaults on any namespace, and an unset ``--update-weight-delta-encoding``
+    over nccl becomes 'deltas' (slime's own delta cannot run there, so slime's checks are for xor|overwrite and an
+    unset encoding over disk); unused in ``full`` mode, it becomes slime's 'xor'. An unset
+    ``--update-weight-delta-sharded``: on wherever it runs (:func:`runs_sparse_delta`)."""
+    with_delta_defaults(args)
+    if args.update_weight_delta_encoding is None:
         if args.update_weight_mode == "delta" and args.update_weight_transport == "nccl":
             args.update_weight_delta_encoding = "deltas"
-        elif args.update_weight_mode == "delta":
-            raise ValueError(
-                "--update-weight-mode=delta over disk needs --update-weight-delta-encoding: xor_zstd (this project: "
-                "sparse delta files a delta-patched SGLang applies in place, fewest bytes; or deltas_zstd, "
-                "planes_zstd) or xor (slime's own delta: a per-host checkpoint patch, then a reload)."
-            )
-        else:
+        elif args.update_weight_mode != "delta":
             args.update_weight_delta_encoding = "xor"  # slime's own default; no delta runs in this mode
-    if getattr(args, "update_weight_delta_sharded", None) is None:
+    if args.update_weight_delta_sharded is None:
         args.update_weight_delta_sharded = runs_sparse_delta(args)
+
+
+def validate_delta_args(args) -> None:
+    """After slime's own checks (they keep their messages): over disk an unset encoding is refused with both
+    implementations named (a patched tree never picks one silently); the sparse encodings' rules; a store, the pause
+    modes and ``--update-weight-delta-sharded`` only where the sparse updater runs."""
+    if args.update_weight_delta_encoding is None:
+        raise ValueError(
+            "--update-weight-mode=delta over disk needs --update-weight-delta-encoding: xor_ctx or xor_zstd (this "
+            "project: sparse delta files a delta-patched SGLang applies in place; xor_ctx the fewest bytes, or "
+            "deltas_zstd, planes_zstd) or xor (slime's own delta: a per-host checkpoint patch, then a reload)."
+        )
+    if runs_sparse_delta(args):
+        validate_sparse_delta_args(args)
+    elif args.update_weight_store:
+        raise ValueError(
+            f"--update-weight-store publishes with --update-weight-mode=delta and a sparse encoding "
+            f"({', '.join(SPARSE_DELTA_ENCODINGS)}); with --update-weight-mode={args.update_weight_mode} "
+            f"(encoding {args.update_weight_delta_encoding}) nothing would be published."
+        )
+    validate_pause_mode(args)
     _check_sharded(args)
-    chunk = getattr(args, "update_weight_delta_shard_chunk_bytes", None)
+    chunk = args.update_weight_delta_shard_chunk_bytes
     if chunk is not None and chunk <= 0:
         raise ValueError(f"--update-weight-delta-shard-chunk-bytes={chunk}: give a positive number of bytes "
                          "(unset: --update-weight-buffer-size)")
@@ -44,7 +84,8 @@ def shard_chunk_bytes(args) -> int:
 def runs_sparse_delta(args) -> bool:
     """Whether our sparse delta updater runs (``--update-weight-mode delta``, a sparse encoding): where the pause
     modes other than 'abort' and the sharded sender run."""
-    return args.update_weight_mode == "delta" and args.update_weight_delta_encoding in SPARSE_DELTA_ENCODINGS
+    return (args.update_weight_mode == "delta"
+            and getattr(args, "update_weight_delta_encoding", None) in SPARSE_DELTA_ENCODINGS)
 
 
 def _check_sharded(args) -> None:
@@ -53,11 +94,65 @@ def _check_sharded(args) -> None:
                          f"({', '.join(SPARSE_DELTA_ENCODINGS)}); slime's own updaters gather every param")
 
 
-def add_store_arguments(parser) -> None:
-    """The version store's flags (``sglang.srt.weight_sync.delta.store``)."""
+def add_delta_arguments(parser) -> None:
+    """The flags sparse delta sync adds beside slime's own ``--update-weight-*`` (defaults: :data:`DELTA_ARG_DEFAULTS`)."""
+    d = DELTA_ARG_DEFAULTS
+    parser.add_argument(
+        "--update-weight-delta-fingerprint-interval",
+        type=int,
+        default=d["update_weight_delta_fingerprint_interval"],
+        help=(
+            "the sparse encodings: every K syncs (default 10), compare each engine's weight fingerprint "
+            "with the trainer's; a mismatch gives that engine a full sync. 0 never checks."
+        ),
+    )
+    parser.add_argument(
+        "--update-weight-delta-zstd-level",
+        type=int,
+        default=d["update_weight_delta_zstd_level"],
+        help=(
+            "zstd level of the sparse delta files (deltas_zstd|planes_zstd|xor_zstd|xor_ctx); unset: the measured "
+            "default, 1 (sglang.srt.weight_sync.delta.wire.ZSTD_LEVELS)."
+        ),
+    )
+    parser.add_argument(
+        "--update-weight-delta-sharded",
+        action=argparse.BooleanOptionalAction,
+        default=d["update_weight_delta_sharded"],
+        help=(
+            "the sparse encodings (on by default with them): every trainer rank diffs the slice of its own "
+            "Megatron shard it owns and sends its stage's source rank only what changed (no rank keeps or "
+            "scans a snapshot of the whole stage); params whose HF conversion is not a permutation "
+            "(trainer-side FP8) keep the gather path. --no-update-weight-delta-sharded: the source rank "
+            "diffs the gathered HF params of its whole stage."
+        ),
+    )
+    parser.add_argument(
+        "--update-weight-delta-shard-chunk-bytes",
+        type=int,
+        default=d["update_weight_delta_shard_chunk_bytes"],
+        help=(
+            "the sharded sender: what it holds on a trainer GPU per step beside the flush (default: "
+            "--update-weight-buffer-size): the snapshot chunks the diff moves to the device, the rounds "
+            "the stage's source merges (this / 64 B changes; a name with more is split by position), "
+            "the xor_ctx facts' batches and the shard map build's working blocks. Lower it when the "
+            "buffer is raised for gather throughput (docs/memory.md)."
+        ),
+    )
+    parser.add_argument(
+        "--update-weight-pause-mode",
+        choices=["abort", "retract", "in_place"],
+        default=d["update_weight_pause_mode"],
+        help=(
+            "What a weight sync does to requests in flight on the engines. 'abort' (default): they return "
+            "and the cache is flushed before the sync. The sparse encodings also take 'retract': they wait "
+            "without KV and are recomputed on the new weights; 'in_place': they keep their KV (computed by "
+            "the old weights) and continue, while every later request starts from the new weights."
+        ),
+    )
     parser.add_argument(
         "--update-weight-store",
-        default=None,
+        default=d["update_weight_store"],
         help=(
             "the sparse encodings: publish every sync as a version of this store (s3://bucket/prefix, credentials "
             "and endpoint from the environment as boto3 reads them, or a directory); over disk instead of "
@@ -68,13 +163,13 @@ def add_store_arguments(parser) -> None:
     )
     parser.add_argument(
         "--update-weight-store-key-file",
-        default=None,
+        default=d["update_weight_store_key_file"],
         help="a shared secret (>= 16 bytes) both sides read: every manifest and HEAD carries its HMAC-SHA256.",
     )
     parser.add_argument(
         "--update-weight-store-anchor-every",
         type=int,
-        default=0,
+        default=d["update_weight_store_anchor_every"],
         help=(
             "also write a full anchor (an HF checkpoint) every K versions from the trainer (0, the default: only "
             "the first; later anchors come from `python -m sglang.srt.weight_sync.delta store compact` off the "
@@ -110,6 +205,7 @@ def validate_pause_mode(args) -> None:
 
 def sparse_delta_updater_cls(args):
     """The updater class for the sparse encodings, or None so slime's own selection (full, xor|overwrite) stands."""
+    with_delta_defaults(args)
     _check_sharded(args)
     if not runs_sparse_delta(args):
         return None

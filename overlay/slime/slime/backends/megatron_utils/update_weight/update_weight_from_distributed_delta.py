@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from slime.observability.timer import Timer
 from slime.backends.megatron_utils.update_weight.common import named_params_and_buffers
+from slime.utils.delta_sync_args import with_delta_defaults
 from slime.utils.distributed_utils import get_gloo_group
 from sglang.srt.weight_sync.delta.collectives import StageGroup
 from sglang.srt.weight_sync.delta.sender import _EXPERT_SUBPASSES, DeltaSender
@@ -87,7 +88,8 @@ class UpdateWeightFromDistributedDelta(UpdateWeightFromDistributed):
         if method not in (None, "fp8"):  # FP8: slime's convert_to_hf quantizes, the engine checks its scheme
             raise ValueError(f"sparse delta sync serves bf16 and block-FP8 rollout engines, not {method!r} "
                              f"({quantization_config!r})")
-        super().__init__(args, model, weights_getter, model_name=model_name, quantization_config=quantization_config)
+        super().__init__(with_delta_defaults(args), model, weights_getter, model_name=model_name,
+                         quantization_config=quantization_config)
         self._sender: DeltaSender | None = None
         self._disk = args.update_weight_transport == "disk"
         self._stages: StageGroup | None | bool = None  # False: created, and this rank is no stage's source
@@ -105,18 +107,18 @@ class UpdateWeightFromDistributedDelta(UpdateWeightFromDistributed):
             super().connect_rollout_engines(rollout_engines, rollout_engine_lock, engine_gpu_counts,
                                             engine_gpu_offsets, engine_parallel_configs)
         stages = self._stage_group()
-        if getattr(self.args, "update_weight_delta_sharded", False) and self._sharded is None:  # collective
+        if self.args.update_weight_delta_sharded and self._sharded is None:  # collective
             self._sharded = ShardedSync(self.args, self.model, self.model_name, self.quantization_config,
                                         self._is_pp_src_rank)
         if not self._is_pp_src_rank:
             return
         engines = [_RayEngine(e) for e in rollout_engines]
-        store = getattr(self.args, "update_weight_store", None)
-        level = getattr(self.args, "update_weight_delta_zstd_level", None)
+        store = self.args.update_weight_store
+        level = self.args.update_weight_delta_zstd_level
         side = None
         if store:  # every sync a version of the store: late and restarted engines catch up from it
             side = StoreTransport(store, engines, stages=stages, key=StoreKey.from_file(
-                                      getattr(self.args, "update_weight_store_key_file", None)),
+                                      self.args.update_weight_store_key_file),
                                   # the store's files are compressed whatever the group carries
                                   zstd=zstd_level(self.args.update_weight_delta_encoding if self._disk
                                                   else DeltaEncoding.DELTAS_ZSTD.value, level),
@@ -137,9 +139,9 @@ class UpdateWeightFromDistributedDelta(UpdateWeightFromDistributed):
             return
         self._sender = DeltaSender(transport, engines, encoding=self.args.update_weight_delta_encoding,
                                    buffer_bytes=self.args.update_weight_buffer_size,
-                                   fingerprint_every=getattr(self.args, "update_weight_delta_fingerprint_interval", 0),
+                                   fingerprint_every=self.args.update_weight_delta_fingerprint_interval,
                                    stages=stages, repair_dirty=False,  # every rank repairs in step: _send_weights
-                                   anchor_every=getattr(self.args, "update_weight_store_anchor_every", 0))
+                                   anchor_every=self.args.update_weight_store_anchor_every)
         self._sender.version = self.weight_version  # continue the engines' version chain
 
     def _stage_group(self) -> StageGroup | None:
