@@ -181,3 +181,39 @@ def test_upstreams_intended_differences_name_tests_of_ours_and_the_comparison_ju
     assert suite.compare(same, same, rows) == ([], [])  # a listed test among no path run is not judged
     assert suite.compare({"tests/t.py::b": "error"}, {"tests/t.py::b": "passed"}, {}) == \
         ([], ["tests/t.py::b: error pristine, passes patched"])
+
+
+def test_every_documented_server_and_tool_command_line_parses(tmp_path):
+    """Each command line of the docs' ``bash`` blocks through its real parser: SGLang's server arguments (a tiny real
+    model at ``--model-path``; ``...`` dropped) and the delta tools' command line. slime's flag sets go through slime's
+    own ``parse_args`` in ``make test-slime`` (tests/test_slime_upstream.py). No line that names one of our flags
+    escapes a parser."""
+    import contextlib
+    import io
+
+    from cpu_harness import bf16_state, hf_config, hf_model, write_hf_checkpoint
+    from doc_commands import documented_commands
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.weight_sync.delta.tools import parser
+
+    cfg = hf_config("qwen2")
+    model_dir = write_hf_checkpoint(str(tmp_path / "model"), cfg, bf16_state(hf_model(cfg)))
+    commands = documented_commands()
+    assert {kind for _, kind, _ in commands} >= {"slime", "sglang", "tools"}
+    stray = [where for where, kind, argv in commands if kind == "shell" and any("--update-weight" in a for a in argv)]
+    assert not stray, f"command lines with our flags that no parser reads: {stray}"
+    for where, kind, argv in commands:
+        argv = [a for a in argv if a != "..."]
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                if kind == "sglang":
+                    if "--model-path" in argv:
+                        argv[argv.index("--model-path") + 1] = model_dir
+                    else:
+                        argv = ["--model-path", model_dir, *argv]
+                    prepare_server_args(argv + ["--device", "cpu"])
+                elif kind == "tools":
+                    parser().parse_args(argv)
+        except SystemExit:
+            raise AssertionError(f"{where}: {' '.join(argv)}: {err.getvalue().strip().splitlines()[-1]}")

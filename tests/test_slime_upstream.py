@@ -3,6 +3,7 @@ checkouts): no attribute of ours is required, slime's checks run first with slim
 off a patched tree leaves exactly what a pristine one leaves. Needs both checkouts (``make test-slime``)."""
 import importlib.util
 import os
+import sys
 
 import pytest
 
@@ -100,6 +101,8 @@ def test_delta_over_nccl_with_no_encoding_is_our_sparse_delta(slime):
 
 
 def test_our_rules_come_after_slimes_and_refuse_what_would_silently_do_nothing(slime):
+    """Where slime accepts, our rules: an unset encoding over disk names both implementations; each flag of ours set
+    where nothing would use it is refused with what uses it; a store over disk takes the shared directory's place."""
     helpers, module = slime
 
     def refused(match, **over):
@@ -110,12 +113,104 @@ def test_our_rules_come_after_slimes_and_refuse_what_would_silently_do_nothing(s
     # slime's checks pass (a local checkpoint directory): an unset encoding is ours to refuse, naming both
     refused(r"^--update-weight-mode=delta over disk needs --update-weight-delta-encoding: xor_ctx or xor_zstd",
             **disk, update_weight_local_checkpoint_dir="/local/ckpt")
-    refused(r"^--update-weight-store publishes with --update-weight-mode=delta and a sparse encoding .* with "
-            r"--update-weight-mode=full \(encoding xor\) nothing would be published", update_weight_store="/store")
-    refused(r"^--update-weight-pause-mode=retract runs with --update-weight-mode=delta and a sparse encoding",
-            update_weight_pause_mode="retract")
     refused(r"^--update-weight-delta-encoding=xor_zstd compresses files and is disk-only",
             update_weight_mode="delta", update_weight_delta_encoding="xor_zstd")
-    args = helpers.make_slime_validate_args(**disk, update_weight_delta_encoding="xor_ctx")  # no local checkpoint
-    module.slime_validate_args(args)
-    assert args.update_weight_delta_sharded is True
+    sparse = "--update-weight-mode delta and a sparse encoding"
+    full = "with --update-weight-mode full nothing would use it: drop it, or run what uses it"
+    xor = "with slime's own --update-weight-delta-encoding xor nothing would use it"
+    for over, flag, where, what in (
+            ({"update_weight_store": "/store"}, "--update-weight-store=/store", sparse, full),
+            ({"update_weight_pause_mode": "retract"}, "--update-weight-pause-mode=retract", sparse, full),
+            ({"update_weight_delta_fingerprint_interval": 1}, "--update-weight-delta-fingerprint-interval=1", sparse,
+             full),
+            ({**disk, "update_weight_local_checkpoint_dir": "/ckpt", "update_weight_delta_encoding": "xor",
+              "update_weight_delta_sharded": True}, "--update-weight-delta-sharded=True", sparse, xor),
+            ({"update_weight_mode": "delta", "update_weight_delta_sharded": False,
+              "update_weight_delta_shard_chunk_bytes": 1 << 20}, "--update-weight-delta-shard-chunk-bytes=1048576",
+             r"the sharded sender \(--update-weight-delta-sharded\)",
+             "with --update-weight-delta-encoding deltas over nccl nothing"),
+            ({"update_weight_mode": "delta", "update_weight_delta_zstd_level": 3}, "--update-weight-delta-zstd-level=3",
+             r"a compressed encoding \(deltas_zstd, planes_zstd, xor_zstd, xor_ctx\) or --update-weight-store",
+             "with --update-weight-delta-encoding deltas over nccl nothing"),
+            ({"update_weight_mode": "delta", "update_weight_store_key_file": "/k"}, "--update-weight-store-key-file=/k",
+             "--update-weight-store", "with --update-weight-delta-encoding deltas over nccl nothing"),
+            ({"update_weight_mode": "delta", "update_weight_store_anchor_every": 5},
+             "--update-weight-store-anchor-every=5", "--update-weight-store", "with .* over nccl nothing")):
+        refused(rf"^{flag} is used only with {where}; {what}", **over)
+    # where they are used, the same flags pass: over nccl with a store, and a store over disk with no shared directory
+    for over in ({"update_weight_mode": "delta", "update_weight_store": "s3://w/run", "update_weight_delta_zstd_level": 3,
+                  "update_weight_store_key_file": "/k", "update_weight_store_anchor_every": 5,
+                  "update_weight_delta_fingerprint_interval": 1, "update_weight_pause_mode": "in_place",
+                  "update_weight_delta_shard_chunk_bytes": 1 << 20},
+                 {**disk, "update_weight_disk_dir": None, "update_weight_delta_encoding": "xor_ctx",
+                  "update_weight_store": "s3://w/run"}):
+        args = helpers.make_slime_validate_args(**over)
+        module.slime_validate_args(args)
+        assert args.update_weight_delta_sharded is True
+    # without a store, slime's own check for the shared directory stands, with its message
+    refused(r"^--update-weight-transport=disk requires --update-weight-disk-dir",
+            **{**disk, "update_weight_disk_dir": None}, update_weight_delta_encoding="xor_ctx")
+
+
+# what a documented flag set leaves out: a tiny model (its architecture as Megatron flags), data and the cluster
+_TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 --group-query-attention "
+         "--num-query-groups 2 --swiglu --normalization RMSNorm --disable-bias-linear "
+         "--untie-embeddings-and-output-weights --vocab-size 256 --seq-length 128 --max-position-embeddings 128")
+_RUN = ("--prompt-data /data/train.parquet --num-rollout 2 --rollout-batch-size 4 --n-samples-per-prompt 4 "
+        "--global-batch-size 16 --actor-num-nodes 1 --actor-num-gpus-per-node 1 --rollout-num-gpus 3 "
+        "--rollout-num-gpus-per-engine 1")
+
+
+@pytest.fixture
+def slimes_parse_args(tmp_path, monkeypatch):
+    """slime's own ``parse_args`` (Megatron's parser and checks, slime's, SGLang's) on a command line, with a tiny
+    real HF config at ``--hf-checkpoint``."""
+    import shlex
+    import typing
+
+    import transformers
+    import typing_extensions
+
+    monkeypatch.setattr(typing, "override", typing_extensions.override, raising=False)  # megatron-core, Python 3.11
+    hf = str(tmp_path / "hf")
+    transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             intermediate_size=128, vocab_size=256, max_position_embeddings=128, rms_norm_eps=1e-5,
+                             tie_word_embeddings=False).save_pretrained(hf)
+
+    def parse(argv: list[str]):
+        from slime.utils.arguments import parse_args
+
+        if "--hf-checkpoint" in argv:  # a whole command line: its paths, here
+            argv = list(argv)
+            argv[argv.index("--hf-checkpoint") + 1] = hf
+            if "--ref-load" in argv:
+                argv[argv.index("--ref-load") + 1] = str(tmp_path)
+        else:
+            argv = ["--hf-checkpoint", hf, *shlex.split(_RUN), *argv]
+        monkeypatch.setattr(sys, "argv", ["train.py", *shlex.split(_TINY), *argv])
+        return parse_args()
+
+    return parse
+
+
+def test_every_documented_slime_flag_set_passes_slimes_own_parse_args(slimes_parse_args):
+    """Each slime flag set of the docs' ``bash`` blocks, and the example's command lines, through slime's own
+    ``parse_args`` at the pin: accepted, and our sparse updater is what runs."""
+    import shlex
+
+    from doc_commands import documented_commands
+    from slime.utils.delta_sync_args import runs_sparse_delta
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    from delta_gsm8k import train_args
+
+    lines = [(where, argv) for where, kind, argv in documented_commands() if kind == "slime"]
+    lines += [(f"examples/delta_gsm8k.py --transport {t}", shlex.split(train_args(t, "/shared", 4)))
+              for t in ("disk", "nccl")]
+    assert len(lines) >= 5, lines
+    for where, argv in lines:
+        try:
+            args = slimes_parse_args(argv)
+        except (ValueError, AssertionError, SystemExit) as e:
+            raise AssertionError(f"{where}: {' '.join(argv)}: {e}") from e
+        assert runs_sparse_delta(args), where

@@ -32,6 +32,12 @@ def with_delta_defaults(args):
     return args
 
 
+def runs_sparse_delta(args) -> bool:
+    """Whether our sparse delta updater runs (``--update-weight-mode delta``, a sparse encoding)."""
+    return (args.update_weight_mode == "delta"
+            and getattr(args, "update_weight_delta_encoding", None) in SPARSE_DELTA_ENCODINGS)
+
+
 def resolve_delta_args(args) -> None:
     """Before slime's own delta checks: our defaults on any namespace, and an unset ``--update-weight-delta-encoding``
     over nccl becomes 'deltas' (slime's own delta cannot run there, so slime's checks are for xor|overwrite and an
@@ -47,10 +53,38 @@ def resolve_delta_args(args) -> None:
         args.update_weight_delta_sharded = runs_sparse_delta(args)
 
 
+def store_replaces_disk_dir(args) -> bool:
+    """Over disk a store takes the shared directory's place (the engines read its versions; nothing reads
+    ``--update-weight-disk-dir``), so slime's check for the directory stands aside; where nothing would publish to the
+    store, :func:`validate_delta_args` refuses it."""
+    return bool(getattr(args, "update_weight_store", None))
+
+
+def _compresses(args) -> bool:
+    return runs_sparse_delta(args) and (args.update_weight_delta_encoding not in NCCL_ENCODINGS
+                                        or bool(args.update_weight_store))
+
+
+# a flag of ours set away from its default, and where it is used: anywhere else it is refused, not ignored (the pause
+# modes retract|in_place need our updater: slime's own ones flush the cache, which fails under them)
+_USED_WITH = (
+    ("update_weight_store", runs_sparse_delta, "--update-weight-mode delta and a sparse encoding"),
+    ("update_weight_pause_mode", runs_sparse_delta, "--update-weight-mode delta and a sparse encoding"),
+    ("update_weight_delta_sharded", runs_sparse_delta, "--update-weight-mode delta and a sparse encoding"),
+    ("update_weight_delta_fingerprint_interval", runs_sparse_delta, "--update-weight-mode delta and a sparse encoding"),
+    ("update_weight_delta_shard_chunk_bytes", lambda a: bool(a.update_weight_delta_sharded),
+     "the sharded sender (--update-weight-delta-sharded)"),
+    ("update_weight_delta_zstd_level", _compresses,
+     "a compressed encoding (deltas_zstd, planes_zstd, xor_zstd, xor_ctx) or --update-weight-store"),
+    ("update_weight_store_key_file", store_replaces_disk_dir, "--update-weight-store"),
+    ("update_weight_store_anchor_every", store_replaces_disk_dir, "--update-weight-store"),
+)
+
+
 def validate_delta_args(args) -> None:
     """After slime's own checks (they keep their messages): over disk an unset encoding is refused with both
-    implementations named (a patched tree never picks one silently); the sparse encodings' rules; a store, the pause
-    modes and ``--update-weight-delta-sharded`` only where the sparse updater runs."""
+    implementations named (a patched tree never picks one silently); the sparse encodings' rules; a flag of ours set
+    where nothing would use it is refused, naming what uses it."""
     if args.update_weight_delta_encoding is None:
         raise ValueError(
             "--update-weight-mode=delta over disk needs --update-weight-delta-encoding: xor_ctx or xor_zstd (this "
@@ -59,18 +93,24 @@ def validate_delta_args(args) -> None:
         )
     if runs_sparse_delta(args):
         validate_sparse_delta_args(args)
-    elif args.update_weight_store:
-        raise ValueError(
-            f"--update-weight-store publishes with --update-weight-mode=delta and a sparse encoding "
-            f"({', '.join(SPARSE_DELTA_ENCODINGS)}); with --update-weight-mode={args.update_weight_mode} "
-            f"(encoding {args.update_weight_delta_encoding}) nothing would be published."
-        )
-    validate_pause_mode(args)
-    _check_sharded(args)
+    for name, used, where in _USED_WITH:
+        value = getattr(args, name)
+        if value not in (DELTA_ARG_DEFAULTS[name], False) and not used(args):
+            raise ValueError(f"--{name.replace('_', '-')}={value} is used only with {where}; with "
+                             f"{_what_runs(args)} nothing would use it: drop it, or run what uses it.")
     chunk = args.update_weight_delta_shard_chunk_bytes
     if chunk is not None and chunk <= 0:
         raise ValueError(f"--update-weight-delta-shard-chunk-bytes={chunk}: give a positive number of bytes "
                          "(unset: --update-weight-buffer-size)")
+
+
+def _what_runs(args) -> str:
+    if args.update_weight_mode != "delta":
+        return f"--update-weight-mode {args.update_weight_mode}"
+    if not runs_sparse_delta(args):
+        return f"slime's own --update-weight-delta-encoding {args.update_weight_delta_encoding}"
+    return (f"--update-weight-delta-encoding {args.update_weight_delta_encoding} over "
+            f"{args.update_weight_transport}{' with a store' if args.update_weight_store else ''}")
 
 
 def shard_chunk_bytes(args) -> int:
@@ -79,19 +119,6 @@ def shard_chunk_bytes(args) -> int:
     ``xor_ctx`` facts' batches, the shard map build's working blocks. Apart from the buffer, because slime's scripts
     raise the buffer for gather throughput, which the sharded steps do not need."""
     return getattr(args, "update_weight_delta_shard_chunk_bytes", None) or args.update_weight_buffer_size
-
-
-def runs_sparse_delta(args) -> bool:
-    """Whether our sparse delta updater runs (``--update-weight-mode delta``, a sparse encoding): where the pause
-    modes other than 'abort' and the sharded sender run."""
-    return (args.update_weight_mode == "delta"
-            and getattr(args, "update_weight_delta_encoding", None) in SPARSE_DELTA_ENCODINGS)
-
-
-def _check_sharded(args) -> None:
-    if getattr(args, "update_weight_delta_sharded", False) and not runs_sparse_delta(args):
-        raise ValueError("--update-weight-delta-sharded runs with --update-weight-mode=delta and a sparse encoding "
-                         f"({', '.join(SPARSE_DELTA_ENCODINGS)}); slime's own updaters gather every param")
 
 
 def add_delta_arguments(parser) -> None:
@@ -192,21 +219,9 @@ def validate_sparse_delta_args(args) -> None:
         )
 
 
-def validate_pause_mode(args) -> None:
-    """``retract``/``in_place`` need our updater (slime's own ones flush the cache, which fails under them) and a
-    delta-patched engine (whose cache rule after an update is ``sglang.srt.weight_sync.delta.prefix_cache``)."""
-    mode = args.update_weight_pause_mode
-    if mode != "abort" and not runs_sparse_delta(args):
-        raise ValueError(
-            f"--update-weight-pause-mode={mode} runs with --update-weight-mode=delta and a sparse encoding "
-            f"({', '.join(SPARSE_DELTA_ENCODINGS)}); slime's own updaters pause with 'abort'."
-        )
-
-
 def sparse_delta_updater_cls(args):
     """The updater class for the sparse encodings, or None so slime's own selection (full, xor|overwrite) stands."""
     with_delta_defaults(args)
-    _check_sharded(args)
     if not runs_sparse_delta(args):
         return None
     from slime.backends.megatron_utils.update_weight.update_weight_from_distributed_delta import (

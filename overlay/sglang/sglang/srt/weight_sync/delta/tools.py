@@ -323,7 +323,8 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:.2f} MB"
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line's parser (the docs' command lines are tested against it)."""
     ap = argparse.ArgumentParser(prog="python -m sglang.srt.weight_sync.delta", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("diff", help="two HF checkpoints -> delta files")
@@ -347,9 +348,15 @@ def main(argv=None) -> int:
     from sglang.srt.weight_sync.delta.store import tools as store_tools  # it builds on this module's apply
 
     store_tools.add_parser(sub)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     try:
         if args.cmd == "store":
+            from sglang.srt.weight_sync.delta.store import tools as store_tools
+
             store_tools.run(args)
         elif args.cmd == "diff":
             m = diff(args.old, args.new, args.out, args.encoding, args.buffer_size, level=args.zstd_level)
