@@ -374,3 +374,24 @@ def test_the_documented_contract_decodes_what_the_coder_writes(aligned):
         idx = torch.nonzero(olds[n].view(torch.int16) != news[n].view(torch.int16))[:, 0].tolist()
         want = (news[n].view(torch.int16).to(torch.int32) & 0xFFFF)[idx].tolist()
         assert ref[k] == list(zip(idx, want)), n
+
+
+def test_a_flush_without_sparse_params_carries_an_empty_table_and_nothing_else():
+    """Every param dense (integer params travel dense, their values XOR their base): ``__positions__`` are still an
+    xor_ctx header with no table entry and empty streams, and the engine reads them so: no other bytes pass unchecked
+    there (the checksum covers the logical blobs, not these)."""
+    olds = {"steps": torch.arange(64, dtype=torch.int32), "ids": torch.arange(8, dtype=torch.int32) * 3}
+    news = {"steps": olds["steps"] + 1, "ids": olds["ids"].flip(0)}
+    sent = encode_flush([(n, news[n], None) for n in news], "xor_ctx", bases=list(olds.values()), version=1,
+                        base_version=0)
+    got = read_safetensors(maybe_zstd_decompress(flush_file(sent, 1), 1 << 30))
+    read = _reader(olds, got)
+    assert all(p.dense for p in got.spec.params) and got.positions.numel() == ctx._HEADER.size
+    out = _rebuild(got, read)
+    assert torch.equal(out.values, sent.values)
+    head = bytes(got.positions.numpy())
+    for junk, words in ((b"x" * 35, "shorter than their header"), (bytes(36), "not an xor_ctx version 1 header"),
+                        (head + b"\0", "the header declares 36")):
+        bad = dataclasses.replace(got, positions=torch.frombuffer(bytearray(junk), dtype=torch.uint8))
+        with pytest.raises(DeltaError, match=words):
+            _rebuild(bad, read)

@@ -342,7 +342,7 @@ class _Table:
             self.streams.append(blob[off:off + length])
             off += length
         self.n = n
-        self.bits, self.mant, self.nctx = _layout(dtype)
+        self.bits, self.mant, self.nctx = _layout(dtype) if n else (0, 0, 0)  # no entry: no dtype is coded
         self.sparse = [k for k, q in enumerate(params) if not q.dense]
         self.space = _Space([params[k].numel for k in self.sparse], self.seg_log2, bool(flags & ALIGNED))
         self.params = params

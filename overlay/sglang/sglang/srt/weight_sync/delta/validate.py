@@ -283,8 +283,9 @@ def uncode(payload: DeltaPayload, manifest, read_base, split=None) -> DeltaPaylo
     dev = val.device
     iv = INT_VIEW[val.element_size()]
     out = torch.empty(nval, dtype=iv, device=dev)
+    # without a sparse param the streams are still read: an empty table, nothing else (the checksum does not cover them)
+    pos, new = ctx.decode(payload.positions.to(dev), params, val.dtype, read_base, where, split)
     if sparse:
-        pos, new = ctx.decode(payload.positions.to(dev), params, val.dtype, read_base, where, split)
         out[_value_slots(sparse, dev)] = new.view(iv)
         blob, ranges = encode_positions_many([pos], DeltaEncoding.DELTAS.value, dev, [[p.nnz for p in sparse]])
         for p, got in zip(sparse, ranges):
