@@ -14,7 +14,6 @@ from cpu_harness import hf_config, rl_states, write_hf_checkpoint
 from sglang.srt.weight_sync.delta import ctx
 from sglang.srt.weight_sync.delta.diff import encode_flush
 from sglang.srt.weight_sync.delta.files import flush_file, maybe_zstd_decompress, read_safetensors
-from sglang.srt.weight_sync.delta.tools import main
 from sglang.srt.weight_sync.delta.validate import uncode, validate_payload
 from sglang.srt.weight_sync.delta.wire import DeltaError
 from test_tools import tensors, tool

@@ -14,23 +14,6 @@ from sglang.srt.weight_sync.delta.store.manifest import StoreKey
 from sglang.srt.weight_sync.delta.store.publish import StoreTransport
 
 
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    from store_server import SeaweedS3
-
-    server = SeaweedS3(str(tmp_path_factory.mktemp("seaweed")))
-    yield server
-    server.stop()
-
-
-@pytest.fixture(params=["posix", "s3"])
-def store_url(request, tmp_path):
-    if request.param == "posix":
-        os.makedirs(tmp_path / "store")
-        return str(tmp_path / "store")
-    return request.getfixturevalue("s3").url()
-
-
 class Engine(InProcessEngine):
     """An in-process engine on a real SGLang model class (NaN-filled: a weight no sync wrote shows)."""
 
