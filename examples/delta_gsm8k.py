@@ -3,7 +3,7 @@ r"""GRPO on GSM8K with Qwen3.5-0.8B, non-colocated (1 actor GPU, 3 rollout GPUs)
 Run inside the image (``make image``) on a 4-GPU host::
 
     python /opt/delta-weight-sync/examples/delta_gsm8k.py --transport disk   # xor_zstd files on a shared dir
-    python /opt/delta-weight-sync/examples/delta_gsm8k.py --transport nccl   # indices over slime's NCCL group
+    python /opt/delta-weight-sync/examples/delta_gsm8k.py --transport nccl   # deltas over slime's NCCL group
 
 or on one GPU, with the rollout engine launched by hand beside the trainer (slime's external engines; disk only,
 since two processes on one GPU cannot form an NCCL group)::

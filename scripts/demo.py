@@ -119,7 +119,7 @@ def main():
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=16384)
     args = ap.parse_args()
-    encoding = args.encoding or ("xor_zstd" if args.transport == "disk" else "deltas")  # slime's defaults
+    encoding = args.encoding or ("xor_zstd" if args.transport == "disk" else "deltas")  # what the docs name
     if args.transport == "nccl" and DeltaEncoding(encoding).disk_only:
         raise SystemExit(f"{encoding} compresses files: it is disk-only (use indices or deltas with nccl)")
     os.makedirs(args.workdir, exist_ok=True)

@@ -217,3 +217,14 @@ def test_every_documented_server_and_tool_command_line_parses(tmp_path):
                     parser().parse_args(argv)
         except SystemExit:
             raise AssertionError(f"{where}: {' '.join(argv)}: {err.getvalue().strip().splitlines()[-1]}")
+
+
+def test_the_layout_table_names_every_script_and_overlay_module():
+    """development.md's layout table: each script, and each module of the overlay (but package markers), by name."""
+    table = read("docs", "development.md").split("## Layout and tests", 1)[1].split("\n\n", 2)[1]
+    names = {f for f in os.listdir(os.path.join(ROOT, "scripts")) if f.endswith((".py", ".sh"))}
+    for base in ("overlay/sglang/sglang/srt/weight_sync/delta", "overlay/sglang/sglang/srt/weight_sync/delta/store",
+                 "overlay/slime/slime/backends/megatron_utils/update_weight", "overlay/slime/slime/utils"):
+        names |= {f for f in os.listdir(os.path.join(ROOT, base)) if f.endswith(".py") and not f.startswith("__")}
+    missing = sorted(n for n in names if f"`{n}`" not in table and f"/{n}`" not in table)
+    assert not missing, f"not in development.md's layout table: {missing}"

@@ -5,10 +5,10 @@ Three records, each canonical JSON (sorted keys, no spaces) with ``format``, ``k
 * ``HEAD`` (``kind: head``): the committed version and the digest (sha256) of its manifest's bytes. Written last.
 * a version manifest (``weight_v{N:06d}/manifest.json``, ``kind: version``): ``version``, ``base_version`` (the
   wire's: the deltas are right for an engine at any version in ``[base_version, version)``), ``parent`` (the version
-  and manifest digest ``HEAD`` named before this one: the manifests chain like commits), ``base`` (base_version and
-  its manifest's digest, where known), ``encoding``, ``requests`` (the flush files of each publish in order, each
-  ``[name, size, sha256]``; an engine applies one publish as one request) and, for a full version, ``anchor`` (the
-  digest of its anchor's manifest).
+  and manifest digest ``HEAD`` named before this one: the manifests chain like commits), ``encoding``, ``requests``
+  (the flush files of each publish in order, each ``[name, size, sha256]``; an engine applies one publish as one
+  request), ``full``, ``anchor`` (the key and digest of an anchor's manifest written for this version) and
+  ``fingerprint``. docs/store.md states every field.
 * an anchor manifest (``anchor_v{N:06d}/manifest.json``, ``kind: anchor``): the objects of an HF checkpoint of
   version N (``[key, size, sha256]``), the digest of version N's manifest where the anchor was made by compaction.
 
