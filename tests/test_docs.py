@@ -228,3 +228,30 @@ def test_the_layout_table_names_every_script_and_overlay_module():
         names |= {f for f in os.listdir(os.path.join(ROOT, base)) if f.endswith(".py") and not f.startswith("__")}
     missing = sorted(n for n in names if f"`{n}`" not in table and f"/{n}`" not in table)
     assert not missing, f"not in development.md's layout table: {missing}"
+
+
+def test_the_readmes_performance_figures_are_the_benchmark_pages():
+    """Each figure of the README's performance table is the one docs/benchmarks.md holds: wire bytes (rounded MB),
+    the ratio to a full sync, and the bytes per changed element over the steps (a range, or one value)."""
+    bench = read("docs", "benchmarks.md")
+    wire = {m.group(1): (float(m.group(2)), m.group(3)) for m in re.finditer(
+        r"^\| delta `(\w+)` \| \w+ \| ([\d.]+) MB \| ([\d.]+x smaller) \|", bench, re.M)}
+    per_step = bench.split("## Bytes per changed element", 1)[1].split("\n\n")[2].splitlines()
+    head = [c.strip().strip("`") for c in per_step[0].strip("|").split("|")]
+    rows = [[c.strip() for c in r.strip("|").split("|")] for r in per_step[2:]]
+
+    def span(col):
+        vals = [float(r[head.index(col)]) for r in rows]
+        return f"{vals[0]:.1f}" if min(vals) == max(vals) else f"{min(vals):.2f}–{max(vals):.2f}"
+
+    readme = read("README.md").split("## Performance", 1)[1]
+    checked = 0
+    for m in re.finditer(r"^\| (?:`(\w+)`|slime's `xor` scheme)[^|]* \| (—|\d+ MB) \| (—|[\d.]+x smaller) \| ([\d.–]+) \|$",
+                         readme, re.M):
+        enc, mb, ratio, per = m.groups()
+        if enc is None:
+            assert per == span("whole-tensor XOR, zstd-1"), m.group(0)
+        else:
+            assert (mb, ratio, per) == (f"{round(wire[enc][0])} MB", wire[enc][1], span(enc)), m.group(0)
+        checked += 1
+    assert checked == 4, checked
