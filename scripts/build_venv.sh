@@ -31,9 +31,12 @@ patch_hash=$(cd "$ROOT" && { find scripts/apply_patches.sh scripts/slime_sglang_
 
 if [ "$(cat "$V/.venv-stamp" 2>/dev/null)" != "$venv_hash" ]; then
   echo "[venv $PIN] building $V"
+  "$PY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null || {
+    echo "build_venv.sh: the CPU venvs need Python 3.11; $PY is $("$PY" -V 2>&1 || echo missing):" \
+      "pass PYTHON=/path/to/python3.11" >&2; exit 2; }
   rm -rf "$V"
   "$PY" -m venv "$V"
-  pip install -q torch==2.13.0
+  pip install -q torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}  # its CPU build: see the README
   pip install -q -r "$req/common.txt" -r "$req/sglang-$PIN.txt"
   pip install -q --no-deps -r "$req/sglang-$PIN.nodeps.txt"
   if [ -n "$FLAVOR" ]; then
