@@ -1,11 +1,11 @@
 """Upstream's own tests on its pristine tree and on the tree our patches produce, compared test by test.
 
-  python scripts/upstream_suite.py --pristine DIR --patched DIR [--table docs/compatibility.md] TEST...
+  python scripts/upstream_suite.py --pristine DIR --patched DIR [--intended docs/compatibility.md] TEST...
 
 Each tree runs the same TEST paths in its own pytest process (the tree as working directory and first on the path).
-A test that passes pristine and does not pass patched fails the run, unless the table of intended differences in
-``--table`` lists it with the test of ours that asserts the new behaviour. A listed row that no longer differs, or
-that names a test of ours this repository lacks, fails too: the table stays true. Failures both trees share come
+A test that passes pristine and does not pass patched fails the run, unless the list of intended differences in
+``--intended`` names it with the test of ours that asserts the new behaviour. A listed item that no longer differs,
+or that names a test of ours this repository lacks, fails too: the list stays true. Failures both trees share come
 from the machine (no GPU, a missing service) and are counted, not judged.
 """
 import argparse
@@ -19,8 +19,8 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _OUT = "UPSTREAM_SUITE_OUT"
-# a table row: | `tests/...::name` | ... | `tests/test_ours.py::test_name` |
-_ROW = re.compile(r"^\|\s*`([^`]+::[^`]+)`\s*\|.*\|\s*`(tests/[^`]+\.py)::(\w+)`\s*\|\s*$")
+# a list item (its lines joined): - `tests/...::name`. ... Ours: `tests/test_ours.py::test_name`.
+_ITEM = re.compile(r"^- `([^`]+::[^`]+)`.*\bOurs: `(tests/[^`]+\.py)::(\w+)`", re.S)
 
 
 # -- the pytest plugin (loaded in each tree's run with -p upstream_suite) -------------------------------------------
@@ -73,14 +73,14 @@ def run_tree(tree: str, tests: list[str], python: str) -> dict[str, str]:
             return json.load(f)
 
 
-def intended_rows(table_md: str) -> dict[str, tuple[str, str]]:
-    """upstream nodeid -> (our test file, our test function), from the table's rows."""
-    rows = {}
-    for line in table_md.splitlines():
-        m = _ROW.match(line)
+def intended(doc: str) -> dict[str, tuple[str, str]]:
+    """upstream nodeid -> (our test file, our test function), from the list's items."""
+    out = {}
+    for item in re.split(r"\n(?=\S)", doc):  # an item and its indented lines
+        m = _ITEM.match(" ".join(line.strip() for line in item.splitlines()))
         if m:
-            rows[m.group(1)] = (m.group(2), m.group(3))
-    return rows
+            out[m.group(1)] = (m.group(2), m.group(3))
+    return out
 
 
 def compare(pristine: dict[str, str], patched: dict[str, str], intended: dict[str, tuple[str, str]],
@@ -96,11 +96,11 @@ def compare(pristine: dict[str, str], patched: dict[str, str], intended: dict[st
             path, func = intended[nodeid]
             if not differs:
                 problems.append(f"{nodeid}: listed as an intended difference, but it is {before} pristine and "
-                                f"{after} patched: remove the row")
+                                f"{after} patched: remove its item")
             elif not _defines(os.path.join(repo, path), func):
-                problems.append(f"{nodeid}: its row names {path}::{func}, which does not exist")
+                problems.append(f"{nodeid}: its item names {path}::{func}, which does not exist")
         elif differs:
-            problems.append(f"{nodeid}: passes pristine, {after} patched (not in the table of intended differences)")
+            problems.append(f"{nodeid}: passes pristine, {after} patched (not in the list of intended differences)")
         elif before != "passed" and after == "passed":
             notes.append(f"{nodeid}: {before} pristine, passes patched")
     return problems, notes
@@ -123,18 +123,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pristine", required=True)
     ap.add_argument("--patched", required=True)
-    ap.add_argument("--table", default=os.path.join(ROOT, "docs", "compatibility.md"))
+    ap.add_argument("--intended", default=os.path.join(ROOT, "docs", "compatibility.md"))
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("tests", nargs="+")
     a = ap.parse_args()
     python = os.path.abspath(shutil.which(a.python) or a.python)  # each run's working directory is its tree
     pristine = run_tree(a.pristine, a.tests, python)
     patched = run_tree(a.patched, a.tests, python)
-    with open(a.table) as f:
-        intended = intended_rows(f.read())
-    problems, notes = compare(pristine, patched, intended)
+    with open(a.intended) as f:
+        listed = intended(f.read())
+    problems, notes = compare(pristine, patched, listed)
     print(f"upstream's own tests ({len(a.tests)} paths): pristine {counts(pristine)}; patched {counts(patched)}; "
-          f"{len(intended)} intended differences listed")
+          f"{len(listed)} intended differences listed")
     for line in notes:
         print(f"  note: {line}")
     for line in problems:

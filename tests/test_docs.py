@@ -22,18 +22,20 @@ def docs():
                                                        glob.glob(os.path.join(ROOT, "docs", "*.md")))}
 
 
-def table_first_column(text: str, heading: str):
-    """The backquoted names in the first column of the table under ``heading``."""
+def listed_names(text: str, heading: str):
+    """The backquoted names that head the list items (or the table rows) under ``heading``."""
     section = text.split(heading, 1)[1].split("\n#", 1)[0]
     names = set()
     for line in section.splitlines():
-        if line.startswith("| `"):
+        if line.startswith("- `"):
+            names.update(re.findall(r"`([a-z_0-9]+)`", line[2:].split(": ", 1)[0]))
+        elif line.startswith("| `"):
             names.update(re.findall(r"`([a-z_0-9]+)`", line.split("|")[1]))
     return names
 
 
-def test_every_status_code_is_in_the_troubleshooting_table_and_every_row_is_a_code():
-    rows = table_first_column(read("docs", "troubleshooting.md"), "## Status codes")
+def test_every_status_code_is_in_the_troubleshooting_list_and_every_item_is_a_code():
+    rows = listed_names(read("docs", "troubleshooting.md"), "## Status codes")
     assert rows == {r.value for r in Refusal}, (rows ^ {r.value for r in Refusal})
 
 
@@ -56,7 +58,7 @@ def _metrics_of_a_sync(tmp_path):
     return keys
 
 
-def test_every_metric_a_sync_reports_is_in_the_metrics_table_and_every_row_is_one(tmp_path):
+def test_every_metric_a_sync_reports_is_in_the_metrics_list_and_every_item_is_one(tmp_path):
     prefix = "perf/update_weights_"
     emitted = {k[len(prefix):] for k in _metrics_of_a_sync(tmp_path)}
     totals = {k[:-len("_total")] for k in emitted if k.endswith("_total")}
@@ -64,7 +66,7 @@ def test_every_metric_a_sync_reports_is_in_the_metrics_table_and_every_row_is_on
     sharded = read("overlay", "slime", "slime", "backends", "megatron_utils", "update_weight", "delta_sharded.py")
     assert 'p = "perf/update_weights_sharded_"' in sharded
     emitted |= {"sharded_" + m for m in re.findall(r'p \+ "([a-z_]+)"', sharded)}
-    rows = table_first_column(read("docs", "reference.md"), "### Metrics")
+    rows = listed_names(read("docs", "reference.md"), "### Metrics")
     assert emitted == rows, f"undocumented: {sorted(emitted - rows)}; no such metric: {sorted(rows - emitted)}"
 
 
@@ -101,15 +103,19 @@ def test_every_make_target_is_documented_and_every_documented_one_exists():
     assert phony <= named, f"targets no doc names: {sorted(phony - named)}"
 
 
-def test_no_prose_line_of_the_docs_is_over_120_characters():
-    """Table rows and code blocks excepted (a Markdown table row cannot wrap); the benchmark pages too, whose writers
-    wrap their prose (``scripts/md_pages.py``)."""
+def test_no_line_of_the_docs_is_over_120_characters():
+    """The written docs line by line, tables and code included (a long table is a list); the benchmark pages and
+    the generated sections of the others (between ``<!-- name:begin -->`` and ``<!-- name:end -->``), whose writers
+    wrap their prose (``scripts/md_pages.py``), in their prose."""
     long = []
     for path, text in docs().items():
-        fence = False
+        written, fence, generated = "benchmarks" not in path, False, False
         for k, line in enumerate(text.split("\n"), 1):
             fence ^= line.startswith("```")
-            if not fence and not line.startswith("|") and len(line) > 120:
+            generated = (generated or re.match(r"<!-- [\w-]+:(begin|start) -->", line)) and \
+                not re.match(r"<!-- [\w-]+:end -->", line)
+            prose = not fence and not line.startswith("|")
+            if len(line) > 120 and ((written and not generated) or prose):
                 long.append(f"{path}:{k}")
     assert not long, long
 
@@ -153,15 +159,15 @@ def test_memory_md_tables_are_the_models_output_of_the_benchs_formulas():
 
 
 def test_upstreams_intended_differences_name_tests_of_ours_and_the_comparison_judges_by_them():
-    """docs/compatibility.md's table of slime tests a patched tree changes on purpose: each row names a test of ours
-    that exists. The comparison (scripts/upstream_suite.py) fails a test that passes pristine and not patched unless a
-    row lists it, a row whose test no longer differs, and a row that names a test of ours this repository lacks."""
+    """docs/compatibility.md's list of slime tests a patched tree changes on purpose: each item names a test of ours
+    that exists. The comparison (scripts/upstream_suite.py) fails a test that passes pristine and not patched unless an
+    item names it, an item whose test no longer differs, and an item that names a test of ours this repository lacks."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("upstream_suite", os.path.join(ROOT, "scripts", "upstream_suite.py"))
     suite = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(suite)
-    rows = suite.intended_rows(read("docs", "compatibility.md"))
+    rows = suite.intended(read("docs", "compatibility.md"))
     assert rows, "no intended differences parsed from docs/compatibility.md"
     up = "tests/test_megatron_argument_validation.py::test_update_weight_delta_requires_disk_transport"
     assert up in rows
@@ -169,15 +175,15 @@ def test_upstreams_intended_differences_name_tests_of_ours_and_the_comparison_ju
     differs = {**same, up: "passed"}
     assert suite.compare(differs, {**same, up: "failed"}, rows) == ([], [])
     assert suite.compare(differs, {**same, up: "failed"}, {}) == \
-        ([f"{up}: passes pristine, failed patched (not in the table of intended differences)"], [])
+        ([f"{up}: passes pristine, failed patched (not in the list of intended differences)"], [])
     assert suite.compare(differs, {**same, up: "passed"}, rows)[0] == \
-        [f"{up}: listed as an intended difference, but it is passed pristine and passed patched: remove the row"]
+        [f"{up}: listed as an intended difference, but it is passed pristine and passed patched: remove its item"]
     assert suite.compare(differs, {"tests/t.py::gpu": "failed"}, {})[0] == \
-        ["tests/t.py::a: passes pristine, absent patched (not in the table of intended differences)",
-         f"{up}: passes pristine, absent patched (not in the table of intended differences)"]
+        ["tests/t.py::a: passes pristine, absent patched (not in the list of intended differences)",
+         f"{up}: passes pristine, absent patched (not in the list of intended differences)"]
     gone = {up: ("tests/test_slime_upstream.py", "test_no_such_test")}
     assert suite.compare(differs, {**same, up: "failed"}, gone)[0] == \
-        [f"{up}: its row names tests/test_slime_upstream.py::test_no_such_test, which does not exist"]
+        [f"{up}: its item names tests/test_slime_upstream.py::test_no_such_test, which does not exist"]
     assert suite.compare(same, same, rows) == ([], [])  # a listed test among no path run is not judged
     assert suite.compare({"tests/t.py::b": "error"}, {"tests/t.py::b": "passed"}, {}) == \
         ([], ["tests/t.py::b: error pristine, passes patched"])
