@@ -33,7 +33,8 @@ ONE_PIN_TESTS = tests/test_wire.py tests/test_ctx.py tests/test_checksum.py test
   tests/test_bench.py tests/test_gpu_check.py tests/test_tools.py tests/test_image.py tests/test_soak.py \
   tests/test_pipeline_stages.py tests/test_shared_group_resync.py tests/test_store.py tests/test_docs.py \
   tests/test_fault_matrix.py tests/test_nccl_deadlines.py tests/test_sync_counts.py tests/test_receiver_refusals.py \
-  tests/test_write_guard_threads.py tests/test_device_path.py tests/test_sender.py tests/test_store_from_docs.py
+  tests/test_write_guard_threads.py tests/test_device_path.py tests/test_sender.py tests/test_store_from_docs.py \
+  tests/test_wire_from_docs.py
 FIRST_PIN_CASES = $(foreach c,qwen3-moe-None-2-1 qwen3-moe-None-2-2 deepseek-v3-None-2-2 qwen3-moe-None-4-2,\
   tests/test_sharded_engines.py::test_every_rank_of_a_sharded_engine_takes_each_delta_bit_identically[$(c)]) \
   $(foreach c,qwen2-deltas-0 qwen2-xor_zstd-0 qwen2-xor_ctx-0 qwen3-tied-xor_zstd-0,\
