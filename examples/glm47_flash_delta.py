@@ -15,7 +15,9 @@ The flag changes, if you prefer to edit the script yourself (both keep the scrip
 ``--update-weight-mode delta --update-weight-transport nccl --update-weight-delta-encoding deltas`` (drop the
 disk/local-checkpoint/checksum flags); over ``disk`` ``--update-weight-mode delta --update-weight-transport disk
 --update-weight-delta-encoding xor_zstd --update-weight-disk-dir DIR`` (each pipeline stage writes its own files,
-stage 0 announces them together). Not yet run on GPUs. GLM-4.7-Flash's MLA loader takes deltas
+stage 0 announces them together). slime's delta example leaves out ``--decoder-last-pipeline-num-layers 23``, which
+slime's own ``scripts/run-glm4.7-30B-A3B.sh`` sets: without it Megatron refuses the 47 layers over PP=2 at start, so
+the rewrite adds it. Not yet run on GPUs. GLM-4.7-Flash's MLA loader takes deltas
 on the direct path (engine work proportional to the changed elements; ``w_kc``/``w_vc`` re-derived for the touched
 layers), tested in-process on SGLang's class in bf16 and block FP8.
 """
@@ -45,6 +47,9 @@ def rewrite(script: str, transport: str, disk_dir: str) -> str:
                          "file's docstring by hand")
     block = "WEIGHT_SYNC_ARGS=(\n" + "".join(f"   {a}\n" for a in weight_sync_args(transport, disk_dir)) + ")\n"
     out = _BLOCK.sub(lambda _: block, script)
+    if "--decoder-last-pipeline-num-layers" not in out:  # 47 layers over PP=2: as slime's run-glm4.7-30B-A3B.sh
+        out = out.replace("   --pipeline-model-parallel-size 2\n",
+                          "   --pipeline-model-parallel-size 2\n   --decoder-last-pipeline-num-layers 23\n", 1)
     return out.replace("set -ex\n", "set -ex\n# Written by delta-weight-sync's examples/glm47_flash_delta.py from "
                        f"{os.path.basename(UPSTREAM)}: our sparse delta sync over {transport}.\n", 1)
 

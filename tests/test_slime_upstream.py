@@ -214,3 +214,57 @@ def test_every_documented_slime_flag_set_passes_slimes_own_parse_args(slimes_par
         except (ValueError, AssertionError, SystemExit) as e:
             raise AssertionError(f"{where}: {' '.join(argv)}: {e}") from e
         assert runs_sparse_delta(args), where
+
+
+@pytest.mark.parametrize("transport", ["nccl", "disk"])
+def test_slimes_glm_example_as_rewritten_passes_slimes_own_parse_args(tmp_path, monkeypatch, transport):
+    """examples/glm47_flash_delta.py's script, run by bash as written up to its job submission (a stand-in ``ray``
+    records the command and its runtime environment): the command line slime's ``train.py`` would get goes through
+    slime's own ``parse_args`` with Megatron's checks, on an HF config with the script's model sizes, the job's
+    environment, and the compute capability of the GPUs it is for (an H100's: Megatron asks the device)."""
+    import json
+    import subprocess
+    import types
+
+    import torch
+    import transformers
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    from glm47_flash_delta import OURS, UPSTREAM, rewrite
+    from slime.utils.arguments import parse_args
+    from slime.utils.delta_sync_args import runs_sparse_delta
+
+    with open(os.path.join(SLIME, UPSTREAM)) as f:
+        script = rewrite(f.read(), transport, "/shared/fs/glm47-delta")
+    os.makedirs(tmp_path / os.path.dirname(OURS))
+    os.symlink(os.path.join(SLIME, "scripts"), tmp_path / "scripts")  # the script sources its model's flags there
+    (tmp_path / OURS).write_text(script)
+    os.makedirs(tmp_path / "bin")
+    (tmp_path / "bin" / "ray").write_text('#!/bin/bash\nprintf "%s\\0" "$@" > "$RAY_ARGV"\n')
+    os.chmod(tmp_path / "bin" / "ray", 0o755)
+    subprocess.run(["bash", str(tmp_path / OURS)], check=True, capture_output=True,
+                   env={"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "RAY_ARGV": str(tmp_path / "argv")})
+    raw = (tmp_path / "argv").read_text().split("\0")[:-1]
+    job_env = json.loads(next(a.split("=", 1)[1] for a in raw if a.startswith("--runtime-env-json=")))["env_vars"]
+    argv = raw[raw.index("--") + 1:]
+    assert argv[:2] == ["python3", "train.py"], argv[:3]
+    argv = argv[2:]
+    flag = lambda name: argv[argv.index(name) + 1]  # noqa: E731
+    hf = str(tmp_path / "hf")
+    transformers.DeepseekV3Config(
+        hidden_size=int(flag("--hidden-size")), num_attention_heads=int(flag("--num-attention-heads")),
+        num_hidden_layers=int(flag("--num-layers")), intermediate_size=int(flag("--ffn-hidden-size")),
+        moe_intermediate_size=int(flag("--moe-ffn-hidden-size")), vocab_size=int(flag("--vocab-size")),
+        rope_theta=float(flag("--rotary-base")), rms_norm_eps=1e-5, tie_word_embeddings=False).save_pretrained(hf)
+    argv[argv.index("--hf-checkpoint") + 1] = hf
+    argv[argv.index("--ref-load") + 1] = str(tmp_path)
+    for k, v in job_env.items():
+        if k != "PYTHONPATH":
+            monkeypatch.setenv(k, v)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: types.SimpleNamespace(major=9, minor=0))
+    monkeypatch.setattr(sys, "argv", ["train.py", *argv])
+    args = parse_args()
+    assert (args.update_weight_mode, args.update_weight_transport, args.pipeline_model_parallel_size) == \
+        ("delta", transport, 2)
+    assert runs_sparse_delta(args) and args.update_weight_delta_sharded
