@@ -236,9 +236,10 @@ def test_the_layout_table_names_every_script_and_overlay_module():
     assert not missing, f"not in development.md's layout table: {missing}"
 
 
-def test_the_readmes_performance_figures_are_the_benchmark_pages():
+def test_the_readmes_figures_are_the_benchmark_and_memory_pages():
     """Each figure of the README's performance table is the one docs/benchmarks.md holds: wire bytes (rounded MB),
-    the ratio to a full sync, and the bytes per changed element over the steps (a range, or one value)."""
+    the ratio to a full sync, and the bytes per changed element over the steps (a range, or one value); its host
+    memory per rank is memory.md's."""
     bench = read("docs", "benchmarks.md")
     wire = {m.group(1): (float(m.group(2)), m.group(3)) for m in re.finditer(
         r"^\| delta `(\w+)` \| \w+ \| ([\d.]+) MB \| ([\d.]+x smaller) \|", bench, re.M)}
@@ -261,3 +262,7 @@ def test_the_readmes_performance_figures_are_the_benchmark_pages():
             assert (mb, ratio, per) == (f"{round(wire[enc][0])} MB", wire[enc][1], span(enc)), m.group(0)
         checked += 1
     assert checked == 4, checked
+    # the host memory it quotes: memory.md's Qwen3-235B snapshot row (the memory model's output)
+    qwen = read("docs", "memory.md").split("### Qwen3-235B-A22B", 1)[1].split("\n### ", 1)[0]
+    snapshot = re.search(r"^\| snapshot of its owned slices \|.*\| ([\d.]+ GB) \| [\d.]+ GB \|$", qwen, re.M).group(1)
+    assert f"({snapshot} for slime's Qwen3-235B recipe" in " ".join(read("README.md").split()), snapshot
