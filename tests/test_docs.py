@@ -266,3 +266,16 @@ def test_the_readmes_figures_are_the_benchmark_and_memory_pages():
     qwen = read("docs", "memory.md").split("### Qwen3-235B-A22B", 1)[1].split("\n### ", 1)[0]
     snapshot = re.search(r"^\| snapshot of its owned slices \|.*\| ([\d.]+ GB) \| [\d.]+ GB \|$", qwen, re.M).group(1)
     assert f"({snapshot} for slime's Qwen3-235B recipe" in " ".join(read("README.md").split()), snapshot
+
+
+def test_the_xor_ctx_ratio_the_written_docs_quote_is_every_benchmark_pages():
+    """``xor_ctx``'s bytes against ``xor_zstd``'s, as reference.md and wire-format.md quote it ("on both"): the ratio
+    of every encodings-side-by-side table of the benchmark pages."""
+    ratios = set()
+    for page in ("benchmarks.md", "benchmarks-topology.md"):
+        ratios |= set(re.findall(r"^\| `xor_ctx` \(ours\) \| [\d.]+ \| ([\d.]+x) \|", read("docs", page), re.M))
+    assert len(ratios) == 1, ratios
+    ratio = ratios.pop()
+    for page in ("reference.md", "wire-format.md"):
+        quoted = re.findall(r"([\d.]+x) `xor_zstd`'s bytes", " ".join(read("docs", page).split()))
+        assert quoted and set(quoted) == {ratio}, (page, quoted, ratio)
