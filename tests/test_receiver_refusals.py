@@ -275,7 +275,8 @@ def test_speculative_engine_refused(engine):
     before = weights(engine)
     engine.server_args.speculative_algorithm = "EAGLE"  # what a server launched with --speculative-algorithm has
     ok, msg = engine.call("_apply_delta_payload", [good_delta()])
-    assert not ok and "speculative decoding (EAGLE) is not supported by delta weight sync" in msg, msg
+    assert not ok and "speculative decoding (EAGLE): this engine's draft model is not bound to delta weight sync" \
+        in msg, msg
     assert_untouched(engine, before)
     assert receiver_state(engine.model).last[1] == "unsupported"
 

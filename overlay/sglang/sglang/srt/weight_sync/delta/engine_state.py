@@ -8,7 +8,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from sglang.srt.weight_sync.delta import fingerprint
+from sglang.srt.weight_sync.delta import draft, fingerprint
 from sglang.srt.weight_sync.delta.views import WritePlan
 
 
@@ -60,8 +60,9 @@ def host_runner(host):
 
 
 def host_model(host) -> torch.nn.Module:
+    """The model a request is applied to: the runner's, or it and its bound draft as one (``draft.bind_draft``)."""
     get = getattr(host, "get_model", None)
-    return get() if get is not None else host.model
+    return draft.resolve(get() if get is not None else host.model)
 
 
 def host_device(host) -> torch.device:

@@ -30,7 +30,8 @@ Contract (see the wire module for the format):
 Quantized engines: FP8 checkpoints with block scales are served as any other (fp8 values are bytes; they travel
 sparse only to names written through recorded views, the others are in the status' ``dense``); an engine whose
 after-loading step transforms its weights is refused (``quant``). A block scale never changes without its weight.
-Not supported, refused loudly: speculative decoding (the draft model would keep old weights).
+Speculative decoding: a draft bound to its target (``draft``) takes every request with it, as one model; an
+engine with a draft that is not bound is refused loudly (the draft would keep old weights).
 How the loader is watched (per thread, aten-level bypasses, foreign threads): see ``write_guard``.
 """
 
@@ -41,7 +42,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from sglang.srt.weight_sync.delta import fingerprint
+from sglang.srt.weight_sync.delta import draft, fingerprint
 from sglang.srt.weight_sync.delta.collectives import tp_agree
 from sglang.srt.weight_sync.delta.commit import apply_request, refused
 from sglang.srt.weight_sync.delta.engine_state import host_model, receiver_state
@@ -78,6 +79,7 @@ __all__ = ["_apply_delta", "_apply_delta_from_distributed", "_apply_delta_payloa
 
 def delta_status(model: torch.nn.Module) -> DeltaStatus:
     """This rank's structured status (what the sender decides on)."""
+    model = draft.resolve(model)
     state = receiver_state(model)
     reason = full_reason(state)
     request, code, received = state.last
@@ -92,6 +94,7 @@ def delta_status(model: torch.nn.Module) -> DeltaStatus:
 
 def checker_action(action: str, model: torch.nn.Module, parallelism_info=None) -> dict:
     """``/weights_checker`` actions of delta weight sync, one rank's reply in the shape SGLang's checker relays."""
+    model = draft.resolve(model)
     if action == "delta_fingerprint":
         return fingerprint_payload(model, parallelism_info)
     if action == "delta_status":
@@ -109,7 +112,7 @@ def fingerprint_payload(model: torch.nn.Module, parallelism_info=None) -> dict:
     """This rank's share of the weight fingerprint (``/weights_checker`` action ``delta_fingerprint``),
     shaped as SGLang's ``ChecksumInfo`` so the checker's TP gather and HTTP reply carry it unchanged. No garbage
     collection meanwhile: a collection its per-view objects trigger scans the engine's whole heap."""
-    state = receiver_state(model)
+    state = receiver_state(draft.resolve(model))
     if state.copies is None:
         raise DeltaError("no full sync has been applied yet: there is nothing to fingerprint")
     if state.pending is not None:

@@ -19,8 +19,15 @@ import importlib
 from typing import List, Optional, Sequence, Tuple
 
 
+from sglang.srt.weight_sync.delta import draft
 from sglang.srt.weight_sync.delta.collectives import tp_agree
-from sglang.srt.weight_sync.delta.engine_state import ReceiverState, host_device, host_model, receiver_state, server_arg
+from sglang.srt.weight_sync.delta.engine_state import (
+    ReceiverState,
+    host_device,
+    host_model,
+    receiver_state,
+    server_arg,
+)
 from sglang.srt.weight_sync.delta.quant import check_names, check_quantization
 from sglang.srt.weight_sync.delta.validate import check_pieces, check_pieces_ascend, validate_payload
 from sglang.srt.weight_sync.delta.versions import check_version, check_xor_base, pending_key
@@ -211,12 +218,18 @@ def _check_writable(state: ReceiverState, head: DeltaSpec, params: Sequence[Delt
 
 
 def _refuse_unsupported(host) -> None:
-    check_quantization(host_model(host))
+    model = host_model(host)
+    check_quantization(model)
     _upstream_guards(host)
     spec = server_arg(host, "speculative_algorithm", None)
-    if spec:
-        raise DeltaError(f"speculative decoding ({spec}) is not supported by delta weight sync: the draft model would "
-                         "keep its old weights while the target moves on", Refusal.UNSUPPORTED)
+    if spec and not isinstance(model, draft.TargetAndDraft):
+        raise DeltaError(f"speculative decoding ({spec}): this engine's draft model is not bound to delta weight sync "
+                         "(draft.bind_draft), so it would keep its old weights while the target moves on",
+                         Refusal.UNSUPPORTED)
+    if draft.post_processed(model):
+        raise DeltaError(f"speculative decoding: {', '.join(draft.post_processed(model))} re-derive params after "
+                         "loading (post_load_weights), which a target and draft pair does not run yet",
+                         Refusal.UNSUPPORTED)
 
 
 _UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater"
