@@ -62,12 +62,12 @@ slime-tree: $(if $(filter $(BUILD)/slime,$(SLIME_DIR)),$(BUILD)/slime/.stamp)
 	SLIME_COMMIT=$(SLIME_COMMIT) scripts/apply_patches.sh $(BUILD)/slime-tree
 
 # slime's own unit tests of what the patches touch (arguments and their validation, SGLang arguments and config,
-# Megatron server arguments and role overrides, external engines, colocated weight buckets), on the pristine and the
-# patched tree; SLIME_UPSTREAM_TESTS=tests runs slime's whole suite both ways.
+# Megatron server arguments and role overrides, external engines, colocated weight buckets, plugin contracts), on the
+# pristine and the patched tree; SLIME_UPSTREAM_TESTS=tests runs slime's whole suite both ways.
 SLIME_UPSTREAM_TESTS ?= tests/test_megatron_argument_validation.py tests/utils/test_sglang_arguments.py \
   tests/utils/test_sglang_config.py tests/test_sglang_config_mixed_offload.py tests/test_sglang_config_mixed_offload_ft.py \
   tests/utils/test_megatron_server_arguments.py tests/utils/test_megatron_role_config.py \
-  tests/test_external_sglang_engines.py tests/test_empty_colocated_weight_bucket.py
+  tests/test_external_sglang_engines.py tests/test_empty_colocated_weight_bucket.py tests/plugin_contracts
 
 # slime's patched updater with a tiny Megatron model on CPU into a server on the image's SGLang tree; then slime's own
 # tests, pristine against patched (a test that passes pristine must pass patched, or be an intended difference listed
