@@ -226,8 +226,9 @@ def _refuse_unsupported(host) -> None:
         raise DeltaError(f"speculative decoding ({spec}): this engine's draft model is not bound to delta weight sync "
                          "(draft.bind_draft), so it would keep its old weights while the target moves on",
                          Refusal.UNSUPPORTED)
-    if draft.post_processed(model):
-        raise DeltaError(f"speculative decoding: {', '.join(draft.post_processed(model))} re-derive params after "
+    post = draft.post_processed(model)
+    if post:
+        raise DeltaError(f"speculative decoding: {', '.join(post)} re-derive params after "
                          "loading (post_load_weights), which a target and draft pair does not run yet",
                          Refusal.UNSUPPORTED)
 

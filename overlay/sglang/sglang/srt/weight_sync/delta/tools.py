@@ -352,11 +352,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from sglang.srt.weight_sync.delta.store import tools as store_tools  # it builds on this module's apply
+
     args = parser().parse_args(argv)
     try:
         if args.cmd == "store":
-            from sglang.srt.weight_sync.delta.store import tools as store_tools
-
             store_tools.run(args)
         elif args.cmd == "diff":
             m = diff(args.old, args.new, args.out, args.encoding, args.buffer_size, level=args.zstd_level)
