@@ -37,7 +37,7 @@ def free_port(below: int = 65536) -> int:
 
 def hf_config(arch: str, vocab: int = 256, hidden: int = 64, layers: int = 2):
     """Tiny configs of the architectures the tests cover: qwen2, qwen3(-tied), llama, qwen2-moe, qwen3-moe,
-    deepseek-v3 and glm4.7-flash (MLA with q LoRA, one dense layer then MoE with a shared expert)."""
+    glm4-moe, deepseek-v3 and glm4.7-flash (MLA with q LoRA, one dense layer then MoE with a shared expert)."""
     import transformers
 
     common = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
@@ -54,6 +54,10 @@ def hf_config(arch: str, vocab: int = 256, hidden: int = 64, layers: int = 2):
         return transformers.Qwen2MoeConfig(shared_expert_intermediate_size=hidden, **moe, **common)
     if arch == "qwen3-moe":
         return transformers.Qwen3MoeConfig(head_dim=hidden // 4, **moe, **common)
+    if arch == "glm4-moe":  # GLM-4.5/4.6/4.7: GQA, one dense layer then MoE with a shared expert
+        return transformers.Glm4MoeConfig(head_dim=hidden // 4, moe_intermediate_size=hidden // 2, n_routed_experts=4,
+                                          n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+                                          n_group=1, topk_group=1, architectures=["Glm4MoeForCausalLM"], **common)
     mla = dict(num_key_value_heads=4, moe_intermediate_size=hidden // 2, n_routed_experts=4, n_shared_experts=1,
                num_experts_per_tok=2, q_lora_rank=hidden // 2, kv_lora_rank=hidden // 4, qk_rope_head_dim=hidden // 8,
                qk_nope_head_dim=hidden // 4, v_head_dim=hidden // 4, n_group=1, topk_group=1)
@@ -279,7 +283,8 @@ def sglang_model(cfg, quant=None):
 
     mod = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
            "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe",
-           "DeepseekV3ForCausalLM": "deepseek_v2", "Glm4MoeLiteForCausalLM": "glm4_moe_lite"}[arch]
+           "DeepseekV3ForCausalLM": "deepseek_v2", "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
+           "Glm4MoeForCausalLM": "glm4_moe"}[arch]
     if mod in ("deepseek_v2", "glm4_moe_lite"):
         cfg = _engine_config(cfg, arch)
     cls = getattr(importlib.import_module(f"sglang.srt.models.{mod}"), arch)

@@ -1,8 +1,8 @@
-"""Speculative decoding: an MTP draft (SGLang's own ``Qwen3MoeForCausalLMMTP``) beside its Qwen3-MoE target, sharing
-the target's embedding and LM head as SGLang's EAGLE worker makes it share them, takes every sync with the target as
-one model (``draft.bind_draft``): both bit-identical to a plain load of both after a full sync and delta syncs in
-every disk encoding, nothing written twice to the shared tensors, and an engine whose draft is not bound refused
-before any write."""
+"""Speculative decoding: SGLang's own draft classes beside their targets (Qwen3-MoE MTP, DeepSeek-V3 NextN with MLA,
+GLM-4.x MoE NextN), sharing the target's embedding and LM head as SGLang's EAGLE worker makes them share them, take
+every sync with the target as one model (``draft.bind_draft``): both bit-identical to a plain load of both after a
+full sync and delta syncs, derived MLA projections of both re-derived, nothing written twice to the shared tensors,
+and an engine whose draft is not bound refused before any write."""
 import copy
 
 import pytest
@@ -100,24 +100,81 @@ def test_a_speculative_engine_whose_draft_is_not_bound_is_refused_before_any_wri
     transport.close()
 
 
-def test_a_pair_whose_loaders_post_process_is_refused_naming_them(tmp_path):
-    """DeepSeek-V3 and its NextN draft (SGLang's classes): both re-derive MLA's absorbed projections after loading,
-    which a bound pair does not run yet: ``unsupported``, naming both classes, before any write."""
-    from cpu_harness import _engine_config
-    from sglang.srt.models.deepseek_nextn import DeepseekV3ForCausalLMNextN
+NEXTN = {"deepseek-v3": ("deepseek_nextn", "DeepseekV3ForCausalLMNextN"),
+         "glm4-moe": ("glm4_moe_nextn", "Glm4MoeForCausalLMNextN")}
 
-    cfg = hf_config("deepseek-v3")
+
+def nextn_pair(monkeypatch, arch):
+    """SGLang's target and its NextN draft class, the draft holding the target's embedding and head; the trainer's
+    model has one layer more, the NextN layer's. DeepSeek-V3's both re-derive MLA's ``w_kc``/``w_vc`` after loading."""
+    import importlib
+
+    from cpu_harness import _engine_config
+
+    cfg = hf_config(arch)
+    cfg.num_nextn_predict_layers = 1
     target = nan_filled(sglang_model(cfg))
+    module, cls = NEXTN[arch]
+    engine_cfg = _engine_config(copy.deepcopy(cfg), "DeepseekV3ForCausalLM") if arch == "deepseek-v3" else \
+        copy.deepcopy(cfg)
     with torch.device("cpu"):
-        nextn = DeepseekV3ForCausalLMNextN(_engine_config(copy.deepcopy(cfg), "DeepseekV3ForCausalLM"))
-    draft.bind_draft(target, nextn.to(torch.bfloat16))
+        nextn = getattr(importlib.import_module(f"sglang.srt.models.{module}"), cls)(engine_cfg)
+    nextn = nan_filled(nextn.to(torch.bfloat16))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a, **k: None)
+    nextn.set_embed_and_head(*target.get_embed_and_head())
+    return cfg, target, nextn
+
+
+def with_nextn(state: dict, layer: int, seed: int) -> dict:
+    """The NextN layer's own projections and norms, as DeepSeek-V3 and GLM-4.x checkpoints name them, moving each
+    step."""
+    g = torch.Generator().manual_seed(seed)
+    h, out = CFG.hidden_size, dict(state)
+    out[f"model.layers.{layer}.eh_proj.weight"] = (torch.randn(h, 2 * h, generator=g) * 0.02).to(torch.bfloat16)
+    for n in ("enorm", "hnorm", "shared_head.norm"):
+        out[f"model.layers.{layer}.{n}.weight"] = (1 + 1e-2 * torch.randn(h, generator=g)).to(torch.bfloat16)
+    return out
+
+
+def assert_same_pair(model, ref, mla: bool) -> None:
+    """Params bit-identical, and with MLA every layer's derived ``w_kc``/``w_vc`` (the target's and the NextN's)."""
+    assert_params_equal(model, ref)
+    pairs = [(getattr(a, d), getattr(b, d)) for a, b in zip(model.modules(), ref.modules()) for d in ("w_kc", "w_vc")
+             if getattr(b, d, None) is not None]
+    assert len(pairs) == (2 * 3 if mla else 0)  # two target layers and the NextN's
+    for x, y in pairs:
+        assert x is not None and torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize("arch, encoding", [("deepseek-v3", "deltas_zstd"), ("deepseek-v3", "xor_ctx"),
+                                            ("glm4-moe", "xor_zstd")])
+def test_a_nextn_draft_takes_every_sync_with_its_target(monkeypatch, tmp_path, arch, encoding):
+    """DeepSeek-V3 or GLM-4.x MoE and its NextN draft, bound: a full sync then two AdamW steps leave both models'
+    params (and DeepSeek's absorbed MLA projections, of both) bit-identical to a plain load of both. Each loader
+    post-processes its own layers: DeepSeek's target below ``num_hidden_layers``, its NextN the one layer."""
+    cfg, target, nextn = nextn_pair(monkeypatch, arch)
     host = Host(target)
     host.server_args.speculative_algorithm = "EAGLE"
+    pair = draft.bind_draft(target, nextn)
     engine = InProcessEngine(host)
     transport = DiskTransport(str(tmp_path), [engine], zstd=1)
-    ok, msg = DeltaSender(transport, [engine], encoding="xor_zstd").update(segments(bf16_state(hf_model(cfg))))[0]
-    assert not ok and ("speculative decoding: DeepseekV3ForCausalLM, DeepseekV3ForCausalLMNextN re-derive params "
-                       "after loading") in msg, msg
-    assert delta_status(target).code == "unsupported"
-    assert all(torch.isnan(p.float()).all() for p in target.parameters() if p.dtype.is_floating_point)
+    sender = DeltaSender(transport, [engine], encoding=encoding, fingerprint_every=1)
+    trainer_cfg = copy.deepcopy(cfg)
+    trainer_cfg.num_hidden_layers += 1
+    trainer = hf_model(trainer_cfg)
+    steps = rl_steps(trainer, 2)
+    state = with_nextn(bf16_state(trainer), cfg.num_hidden_layers, 0)
+    for k in range(3):
+        ok, msg = sender.update(segments(state))[0]
+        assert ok, msg
+        m = sender.pop_metrics()
+        assert (m["perf/update_weights_failures"], m["perf/update_weights_fingerprint_mismatches"]) == (0, 0), m
+        _, ref_target, ref_nextn = nextn_pair(monkeypatch, arch)
+        ref_target.load_weights(list(state.items()))
+        ref_nextn.load_weights(list(state.items()))
+        assert_same_pair(pair, draft.TargetAndDraft(ref_target, ref_nextn), mla=arch == "deepseek-v3")
+        state = with_nextn(next(steps), cfg.num_hidden_layers, k + 1) if k < 2 else state
+    assert delta_status(target).applied == {"full": 1, "delta": 2}
+    assert nextn.lm_head.weight is target.lm_head.weight
     transport.close()

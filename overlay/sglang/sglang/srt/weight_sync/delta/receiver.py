@@ -45,7 +45,7 @@ import torch
 from sglang.srt.weight_sync.delta import draft, fingerprint
 from sglang.srt.weight_sync.delta.collectives import tp_agree
 from sglang.srt.weight_sync.delta.commit import apply_request, refused
-from sglang.srt.weight_sync.delta.engine_state import host_model, receiver_state
+from sglang.srt.weight_sync.delta.engine_state import host_model, receiver_state, server_arg
 from sglang.srt.weight_sync.delta.ingest import (
     max_request_bytes,
     read_files_once,
@@ -62,6 +62,7 @@ from sglang.srt.weight_sync.delta.wire import (
     DeltaError,
     DeltaPayload,
     DeltaStatus,
+    Refusal,
     parse_request,
     received_params,
 )
@@ -162,16 +163,21 @@ def _apply_delta_from_distributed(self, delta: Optional[str], names, dtypes, sha
         return _apply_received_delta(self, delta, received, weight_version)
 
 
-def _apply_received_delta(self, delta: Optional[str], named_tensors, weight_version: Optional[str] = None) -> Tuple[bool, str]:
+def _apply_received_delta(self, delta: Optional[str], named_tensors, weight_version: Optional[str] = None,
+                          selector: Optional[str] = None) -> Tuple[bool, str]:
     """Apply the two received blobs of one flush (v0.5.23 receives them through :func:`receive_broadcast` too), with
     no garbage collection from the spec's parse on: a collection the parse's objects trigger scans the engine's
-    whole heap."""
+    whole heap. ``selector``: v0.5.23's runners of the request (``draft.selector_refusal``)."""
     with gc_paused():
-        return _apply_received(self, delta, named_tensors, weight_version)
+        return _apply_received(self, delta, named_tensors, weight_version, selector)
 
 
-def _apply_received(self, delta: Optional[str], named_tensors, weight_version: Optional[str]) -> Tuple[bool, str]:
+def _apply_received(self, delta: Optional[str], named_tensors, weight_version: Optional[str],
+                    selector: Optional[str]) -> Tuple[bool, str]:
     try:
+        why = draft.selector_refusal(selector, server_arg(self, "speculative_algorithm", None))
+        if why is not None:
+            raise DeltaError(why, Refusal.UNSUPPORTED)
         tensors = dict(named_tensors)
         if list(tensors) != [POSITIONS, VALUES]:
             raise DeltaError(f"names must be {[POSITIONS, VALUES]}, got {list(tensors)}")

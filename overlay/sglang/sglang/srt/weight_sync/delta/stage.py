@@ -221,16 +221,9 @@ def _refuse_unsupported(host) -> None:
     model = host_model(host)
     check_quantization(model)
     _upstream_guards(host)
-    spec = server_arg(host, "speculative_algorithm", None)
-    if spec and not isinstance(model, draft.TargetAndDraft):
-        raise DeltaError(f"speculative decoding ({spec}): this engine's draft model is not bound to delta weight sync "
-                         "(draft.bind_draft), so it would keep its old weights while the target moves on",
-                         Refusal.UNSUPPORTED)
-    post = draft.post_processed(model)
-    if post:
-        raise DeltaError(f"speculative decoding: {', '.join(post)} re-derive params after "
-                         "loading (post_load_weights), which a target and draft pair does not run yet",
-                         Refusal.UNSUPPORTED)
+    why = draft.refusal(model, server_arg(host, "speculative_algorithm", None))
+    if why is not None:
+        raise DeltaError(why, Refusal.UNSUPPORTED)
 
 
 _UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater"

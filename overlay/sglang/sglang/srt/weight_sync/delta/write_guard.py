@@ -29,6 +29,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from sglang.srt.weight_sync.delta import draft
 from sglang.srt.weight_sync.delta.ops import nan_mask
 from sglang.srt.weight_sync.delta.wire import DeltaError
 
@@ -460,20 +461,17 @@ def delta_apply_context(model: torch.nn.Module):
         with sh.native():
             return _NATIVE_FILL(dst, value)
 
-    post = getattr(model, "post_load_weights", None)
-    if post is not None:
-        def post_with_native_ops(*a, **kw):
-            with scoped(Scope()), sh.native():
-                return post(*a, **kw)
-
-        model.post_load_weights = post_with_native_ops
+    posts = [m for m in {id(m): m for m in [model, *draft.members(model)]}.values()
+             if getattr(m, "post_load_weights", None) is not None]  # a pair's, and each of its loaders' own
+    for m in posts:
+        m.post_load_weights = _native_post(m.post_load_weights, sh)
     sh.scope = Scope(copy_, fill_, owner=sh.owner, thread_modes=lambda: [WriteGuard(sh)])
     try:
         with scoped(sh.scope):
             yield sh
     finally:
-        if post is not None:
-            del model.post_load_weights
+        for m in posts:
+            del m.post_load_weights
     if sh.scope.foreign:
         raise DeltaError(f"another thread wrote into the model during the apply ({sh.scope.foreign[0]}"
                          f"{f' and {len(sh.scope.foreign) - 1} more' if len(sh.scope.foreign) > 1 else ''})")
@@ -481,6 +479,14 @@ def delta_apply_context(model: torch.nn.Module):
         if t.data_ptr() != ptrs.get(n) and t.is_floating_point() and bool(nan_mask(t).any()):
             raise DeltaError(f"param {n!r}: the loader replaced its tensor (param.data = ...) with unmasked NaN "
                              "sentinels")
+
+
+def _native_post(post, sh: "_ApplyState"):
+    def post_with_native_ops(*a, **kw):
+        with scoped(Scope()), sh.native():
+            return post(*a, **kw)
+
+    return post_with_native_ops
 
 
 # ---------------------------------------------------------------- full sync
