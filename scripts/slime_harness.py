@@ -99,9 +99,11 @@ class DDPLike(torch.nn.Module):
         return self.module(*a, **k)
 
 
-def build_model(seed: int = 1):
+def build_model(seed: int = 1, mtp_layers: int = 0):
+    """The tiny Llama-shaped GPTModel; ``mtp_layers``: with Megatron's MTP block (``mtp.layers.N``, as slime builds it
+    for ``--mtp-num-layers``) on the same layer spec."""
     from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -111,7 +113,8 @@ def build_model(seed: int = 1):
                             activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False,
                             add_qkv_bias=False, bf16=True, params_dtype=torch.bfloat16,
                             hidden_dropout=0.0, attention_dropout=0.0, pipeline_dtype=torch.bfloat16,
-                            pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size())
+                            pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+                            mtp_num_layers=mtp_layers or None)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     norm_linear, sm = _norm_linear_cls(), spec.submodules
     sm.input_layernorm = sm.pre_mlp_layernorm = IdentityOp
@@ -122,11 +125,15 @@ def build_model(seed: int = 1):
         sm.mlp = functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": sub})
     else:
         mlp.submodules.linear_fc1 = norm_linear
+    mtp = dict(mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False)) if mtp_layers else {}
     torch.manual_seed(seed)
     model = DDPLike(GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=128,
                              position_embedding_type="rope", share_embeddings_and_output_weights=False,
                              pre_process=parallel_state.is_pipeline_first_stage(),
-                             post_process=parallel_state.is_pipeline_last_stage()))
+                             post_process=parallel_state.is_pipeline_last_stage(), **mtp))
+    for layer in model.module.mtp.layers if mtp_layers else ():  # named as slime's pinned Megatron names it
+        if "mtp_model_layer" in layer._modules:
+            layer.transformer_layer = layer._modules.pop("mtp_model_layer")
     model.bfloat16()  # what Megatron's Float16Module does to a bf16 model
     for p in model.parameters():
         tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
@@ -246,7 +253,8 @@ def make_args(**over):
         rollout_num_gpus_per_engine=1, update_weight_mode="delta", update_weight_transport="nccl",
         update_weight_delta_encoding="indices", update_weight_disk_dir=None, update_weight_disk_keep_files=False,
         custom_update_weight_post_write_path=None, colocate=False, pipeline_model_parallel_size=1,
-        update_weight_delta_fingerprint_interval=1, update_weight_pause_mode="abort", update_weight_delta_sharded=None)
+        update_weight_delta_fingerprint_interval=1, update_weight_pause_mode="abort", update_weight_delta_sharded=None,
+        num_layers=LAYERS)
     for k, v in over.items():
         setattr(a, k, v)
     if a.update_weight_delta_sharded is None and a.update_weight_delta_encoding is not None:

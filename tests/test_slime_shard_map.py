@@ -10,7 +10,9 @@ each rank's snapshot is its own slice (together: the model once), and after real
 bit, the diff of slime's full conversion before and after (the same in chunks of 4 KiB on the device, params cut
 across them), in bytes that follow the changed elements; a diff left
 unacknowledged is carried again by the next; the ranks' fingerprint shares add up to each HF tensor's; and one
-diff with its commit runs as many kernels and host reads at 6 layers as at 2. Also ``make gpu-check``'s
+diff with its commit runs as many kernels and host reads at 6 layers as at 2. A model with Megatron's MTP block
+(``--mtp-num-layers``) through slime's GLM-4.x conversion: its MTP layer maps and travels as the NextN draft's layer
+when it trains, and sends nothing when it does not. Also ``make gpu-check``'s
 sharded-sender lane as its CPU dry run. Runs in ``make test-slime`` (needs Megatron and a patched slime checkout).""" 
 import multiprocessing as mp
 import os
@@ -336,6 +338,78 @@ def test_each_rank_sends_what_changed_in_its_own_slice():
 def test_context_parallel_ranks_split_what_they_hold_alike():
     _spawn(_rank_diff, 2, 1, 1, 2)  # CP=2: both ranks hold every param whole; each diffs and keeps half (and takes
     # the device path's branches: SGLANG_DELTA_DEVICE_PATH)
+
+
+def _rank_mtp(rank, tp, trained, port, errors):
+    """A GPTModel with Megatron's MTP block (``--mtp-num-layers 1``) through slime's GLM-4.x conversion, which names the
+    MTP layer as the checkpoint's layer past the last (the NextN draft's). Its shard maps land every element where
+    slime's conversion puts it; the sharded diff after AdamW steps is the diff of slime's full conversion, name for
+    name, MTP layer included when it trains (``--enable-mtp-training``) and absent when it does not."""
+    try:
+        import torch
+        import torch.distributed as dist
+
+        import slime_harness as H
+        from megatron.core import mpu
+        from slime.backends.megatron_utils.megatron_to_hf import convert_to_hf
+        from slime.backends.megatron_utils.update_weight.common import all_gather_param, named_params_and_buffers
+        from slime.backends.megatron_utils.update_weight.delta_shard_diff import ShardDiffer
+        from slime.backends.megatron_utils.update_weight.delta_shard_map import build_shard_maps
+        from slime.backends.megatron_utils.update_weight.delta_shard_rounds import send_changes
+        from sglang.srt.weight_sync.delta.diff import changed_positions
+
+        torch.set_num_threads(1)
+        H.init_world(port, rank=rank, tp=tp)
+        model = H.build_model(mtp_layers=1)
+        args = H.make_args()
+        params = list(named_params_and_buffers(args, [model]))
+        maps = build_shard_maps(args, [model], "glm4moe")
+        assert any(".mtp.layers.0." in n for n, _ in params) and all(maps[n].pure for n, _ in params), \
+            [(m.name, m.why) for m in maps.values() if not m.pure]
+        for name, param in params:
+            want = dict(convert_to_hf(args, "glm4moe", name, all_gather_param(name, param), None))
+            assert [n for n, _ in maps[name].targets] == list(want), (name, maps[name].targets, list(want))
+            for hf_name, got, hit in _scatter(maps[name], param.detach()):
+                assert torch.equal(got[hit.bool()].view(torch.int16), want[hf_name][hit.bool()].view(torch.int16))
+                dist.all_reduce(hit, group=mpu.get_tensor_model_parallel_group())
+                assert bool((hit > 0).all()), hf_name  # the ranks together: every element
+        differ = ShardDiffer(maps)
+        differ.seed(params)
+        trainer = H.StageTrainer(model, seed=0)
+        if not trained:  # no MTP loss: its layer gets no gradient, and AdamW leaves it as it is
+            keep = [i for i, (n, _) in enumerate(model.named_parameters()) if ".mtp." not in n]
+            trainer.params, trainer.master = [trainer.params[i] for i in keep], [trainer.master[i] for i in keep]
+        mtp_prefix = f"model.layers.{H.LAYERS}."
+        old = H.hf_state(args, model, "glm4moe")
+        assert any(n.startswith(mtp_prefix + "eh_proj") for n in old), sorted(old)
+        for step in range(2):
+            trainer.step()
+            new = H.hf_state(args, model, "glm4moe")
+            rounds = list(send_changes(differ.changes(params), dst=0, shares=differ.shares(params),
+                                       round_changes=1 << 30, whole=frozenset(), raised=lambda *a: None))
+            if rank == 0:
+                merged = _merged([p for got, _ in rounds for p in got])
+                want = {n: changed_positions(old[n], t) for n, t in new.items()}
+                want = {n: w for n, w in want.items() if w.numel()}
+                assert set(merged) == set(want), sorted(set(merged) ^ set(want))
+                for name, w in want.items():
+                    pos, val = merged[name]
+                    assert torch.equal(pos, w) and torch.equal(
+                        val.view(torch.int16), new[name].reshape(-1)[w].view(torch.int16)), (step, name)
+                sent_mtp = sorted(n for n in merged if n.startswith(mtp_prefix))
+                assert bool(sent_mtp) == trained, (trained, sent_mtp)
+                if trained:  # the draft's own projections and norms, and its decoder layer
+                    assert {mtp_prefix + s for s in ("eh_proj.weight", "self_attn.q_proj.weight",
+                                                     "mlp.down_proj.weight")} <= set(sent_mtp), sent_mtp
+            differ.commit()
+            old = new
+    except BaseException:
+        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+
+
+@pytest.mark.parametrize("trained", [True, False], ids=["mtp-trained", "mtp-frozen"])
+def test_mtp_layers_travel_through_the_sharded_sender_when_they_train(trained):
+    _spawn(_rank_mtp, 2, 2, trained)  # TP=2: the MTP layer's projections split like the decoder's
 
 
 @pytest.mark.parametrize("ranks, encoding", [(1, "xor_zstd"), (2, "xor_ctx")])
