@@ -216,46 +216,59 @@ def test_every_documented_slime_flag_set_passes_slimes_own_parse_args(slimes_par
         assert runs_sparse_delta(args), where
 
 
-@pytest.mark.parametrize("transport", ["nccl", "disk"])
-def test_slimes_glm_example_as_rewritten_passes_slimes_own_parse_args(tmp_path, monkeypatch, transport):
-    """examples/glm47_flash_delta.py's script, run by bash as written up to its job submission (a stand-in ``ray``
-    records the command and its runtime environment): the command line slime's ``train.py`` would get goes through
-    slime's own ``parse_args`` with Megatron's checks, on an HF config with the script's model sizes, the job's
-    environment, and the compute capability of the GPUs it is for (an H100's: Megatron asks the device)."""
+def _job_argv(tmp_path, script: str, name: str):
+    """A slime launch script run by bash as written up to its job submission, from a checkout's layout (it sources
+    its model's flags from ``scripts/models``): stand-ins record ``ray``'s command line and runtime environment and
+    make ``pkill``, ``sleep`` and ``nvidia-smi`` do nothing (``name``: where it is written, not under ``scripts``).
+    Returns what ``train.py`` would get, and the job's
+    environment."""
     import json
     import subprocess
+
+    os.symlink(os.path.join(SLIME, "scripts"), tmp_path / "scripts")
+    os.makedirs(tmp_path / os.path.dirname(name))
+    os.symlink(os.path.join(SLIME, "scripts", "models"), tmp_path / os.path.dirname(name) / "models")
+    (tmp_path / name).write_text(script)
+    os.makedirs(tmp_path / "bin", exist_ok=True)
+    (tmp_path / "bin" / "ray").write_text('#!/bin/bash\nprintf "%s\\0" "$@" > "$RAY_ARGV"\n')
+    for tool in ("pkill", "sleep", "nvidia-smi"):
+        (tmp_path / "bin" / tool).write_text("#!/bin/bash\n")
+    for tool in ("ray", "pkill", "sleep", "nvidia-smi"):
+        os.chmod(tmp_path / "bin" / tool, 0o755)
+    subprocess.run(["bash", str(tmp_path / name)], check=True, capture_output=True,
+                   env={"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "RAY_ARGV": str(tmp_path / "argv")})
+    raw = (tmp_path / "argv").read_text().split("\0")[:-1]
+    job_env = json.loads(next(a.split("=", 1)[1] for a in raw if a.startswith("--runtime-env-json=")))["env_vars"] \
+        if any(a.startswith("--runtime-env-json=") for a in raw) else \
+        json.loads(raw[raw.index("--runtime-env-json") + 1])["env_vars"]
+    argv = raw[raw.index("--") + 1:]
+    assert argv[:2] == ["python3", "train.py"], argv[:3]
+    return argv[2:], job_env
+
+
+def _parse_job(tmp_path, monkeypatch, argv, job_env):
+    """slime's own ``parse_args`` with Megatron's checks on a job's command line: an HF config with its model sizes
+    (DeepSeek-V3's shape), its environment, and the compute capability of the GPUs it is for (an H100's: Megatron
+    asks the device)."""
     import types
+    import typing
 
     import torch
     import transformers
+    import typing_extensions
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-    from glm47_flash_delta import OURS, UPSTREAM, rewrite
+    monkeypatch.setattr(typing, "override", typing_extensions.override, raising=False)  # megatron-core, Python 3.11
     from slime.utils.arguments import parse_args
-    from slime.utils.delta_sync_args import runs_sparse_delta
 
-    with open(os.path.join(SLIME, UPSTREAM)) as f:
-        script = rewrite(f.read(), transport, "/shared/fs/glm47-delta")
-    os.makedirs(tmp_path / os.path.dirname(OURS))
-    os.symlink(os.path.join(SLIME, "scripts"), tmp_path / "scripts")  # the script sources its model's flags there
-    (tmp_path / OURS).write_text(script)
-    os.makedirs(tmp_path / "bin")
-    (tmp_path / "bin" / "ray").write_text('#!/bin/bash\nprintf "%s\\0" "$@" > "$RAY_ARGV"\n')
-    os.chmod(tmp_path / "bin" / "ray", 0o755)
-    subprocess.run(["bash", str(tmp_path / OURS)], check=True, capture_output=True,
-                   env={"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "RAY_ARGV": str(tmp_path / "argv")})
-    raw = (tmp_path / "argv").read_text().split("\0")[:-1]
-    job_env = json.loads(next(a.split("=", 1)[1] for a in raw if a.startswith("--runtime-env-json=")))["env_vars"]
-    argv = raw[raw.index("--") + 1:]
-    assert argv[:2] == ["python3", "train.py"], argv[:3]
-    argv = argv[2:]
+    argv = list(argv)
     flag = lambda name: argv[argv.index(name) + 1]  # noqa: E731
     hf = str(tmp_path / "hf")
     transformers.DeepseekV3Config(
         hidden_size=int(flag("--hidden-size")), num_attention_heads=int(flag("--num-attention-heads")),
         num_hidden_layers=int(flag("--num-layers")), intermediate_size=int(flag("--ffn-hidden-size")),
         moe_intermediate_size=int(flag("--moe-ffn-hidden-size")), vocab_size=int(flag("--vocab-size")),
-        rope_theta=float(flag("--rotary-base")), rms_norm_eps=1e-5, tie_word_embeddings=False).save_pretrained(hf)
+        rope_theta=float(flag("--rotary-base")), tie_word_embeddings=False,
+        rms_norm_eps=float(flag("--norm-epsilon")) if "--norm-epsilon" in argv else 1e-5).save_pretrained(hf)
     argv[argv.index("--hf-checkpoint") + 1] = hf
     argv[argv.index("--ref-load") + 1] = str(tmp_path)
     for k, v in job_env.items():
@@ -264,7 +277,39 @@ def test_slimes_glm_example_as_rewritten_passes_slimes_own_parse_args(tmp_path, 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: types.SimpleNamespace(major=9, minor=0))
     monkeypatch.setattr(sys, "argv", ["train.py", *argv])
-    args = parse_args()
+    return parse_args()
+
+
+@pytest.mark.parametrize("transport", ["nccl", "disk"])
+def test_slimes_glm_example_as_rewritten_passes_slimes_own_parse_args(tmp_path, monkeypatch, transport):
+    """examples/glm47_flash_delta.py's script, run by bash as written up to its job submission: the command line
+    slime's ``train.py`` would get goes through slime's own ``parse_args`` with Megatron's checks."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    from glm47_flash_delta import OURS, UPSTREAM, rewrite
+    from slime.utils.delta_sync_args import runs_sparse_delta
+
+    with open(os.path.join(SLIME, UPSTREAM)) as f:
+        script = rewrite(f.read(), transport, "/shared/fs/glm47-delta")
+    args = _parse_job(tmp_path, monkeypatch, *_job_argv(tmp_path, script, OURS))
     assert (args.update_weight_mode, args.update_weight_transport, args.pipeline_model_parallel_size) == \
         ("delta", transport, 2)
     assert runs_sparse_delta(args) and args.update_weight_delta_sharded
+
+
+@pytest.mark.parametrize("recipe", ["scripts/run-deepseek-r1.sh", "scripts/run-glm4.7-30B-A3B.sh"])
+def test_slimes_speculative_recipes_with_delta_sync_pass_slimes_own_parse_args(tmp_path, monkeypatch, recipe):
+    """slime's largest recipes run EAGLE on their engines (R1: the NextN draft; GLM-4.7: the MTP layer it trains).
+    Their command lines as the scripts build them, with delta sync on and the engines on GPUs of their own (slime's
+    own delta modes refuse ``--colocate`` too): accepted by slime's ``parse_args`` with Megatron's checks, the
+    speculative flags passed to the engines as written, and our sparse updater the one that runs."""
+    from slime.utils.delta_sync_args import runs_sparse_delta
+
+    with open(os.path.join(SLIME, recipe)) as f:
+        argv, job_env = _job_argv(tmp_path, f.read(), os.path.join("recipes", os.path.basename(recipe)))
+    assert "--sglang-speculative-algorithm" in argv and "--colocate" in argv
+    argv.remove("--colocate")
+    engines = argv[argv.index("--rollout-num-gpus-per-engine") + 1]
+    argv += ["--rollout-num-gpus", engines, "--update-weight-mode", "delta", "--update-weight-transport", "nccl"]
+    args = _parse_job(tmp_path, monkeypatch, argv, job_env)
+    assert (args.sglang_speculative_algorithm, args.sglang_speculative_num_steps) == ("EAGLE", 3)
+    assert args.update_weight_mode == "delta" and runs_sparse_delta(args) and args.update_weight_delta_sharded
