@@ -132,6 +132,18 @@ def segments(state: Dict[str, torch.Tensor], subpasses: int = 4, chunk_params: i
     return [chunks(g) for g in groups]
 
 
+def with_nextn(state: Dict[str, torch.Tensor], layer: int, seed: int) -> Dict[str, torch.Tensor]:
+    """``state`` plus a NextN draft layer's own projection and norms, as DeepSeek-V3 and GLM-4.x checkpoints name them
+    (``model.layers.<layer>.eh_proj``, ``enorm``, ``hnorm``, ``shared_head.norm``; its decoder layer is the trainer's
+    layer ``layer``), seeded so that they move from one step to the next."""
+    g = torch.Generator().manual_seed(seed)
+    out, h = dict(state), state["model.embed_tokens.weight"].shape[1]
+    out[f"model.layers.{layer}.eh_proj.weight"] = (torch.randn(h, 2 * h, generator=g) * 0.02).to(torch.bfloat16)
+    for n in ("enorm", "hnorm", "shared_head.norm"):
+        out[f"model.layers.{layer}.{n}.weight"] = (1 + 1e-2 * torch.randn(h, generator=g)).to(torch.bfloat16)
+    return out
+
+
 def rl_steps(model, steps: int, lr: float = 1e-6, seed: int = 0, batch: int = 2, seq: int = 32) -> Iterator[Dict[str, torch.Tensor]]:
     """fp32 master weights + AdamW at an RL learning rate over real forward/backward on random tokens."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)

@@ -16,6 +16,8 @@ Checks (each PASS or FAIL in the report; any FAIL exits 1):
 * Sharded engines (``gpu_check_sharded``): a TP=2 x EP=2 Qwen3-MoE engine on two GPUs, every rank bit-identical to
   its own plain load after each delta; and a real ``launch_server`` (``--tp 2`` on two GPUs) with CUDA graphs and the
   overlap scheduler on, through a training loop with the fingerprint checked after every sync.
+* Speculative decoding (``gpu_check_speculative``): a real server with EAGLE and a NextN draft, target and draft
+  synced as one; after a full sync of the same state, the same text and draft acceptance as after the deltas.
 
 Figures: diff + encode throughput against a device copy of the same bytes; host<->device bytes
 per delta sync against the 4N bytes of copying whole chunks both ways; the overlap of the
@@ -438,6 +440,7 @@ def run(args, device, report, stubbed: bool) -> None:
     from sglang.srt.weight_sync.delta.diff import changed_positions, changes_many
     from sglang.srt.weight_sync.delta.wire import zstd_level
     from gpu_check_sharded import check_server, check_sharded_ranks
+    from gpu_check_speculative import check_speculative_server
 
     check_hashes(report, device)
     cfg = hf_config("qwen3", vocab=args.vocab, hidden=args.hidden, layers=args.layers)
@@ -558,6 +561,7 @@ def run(args, device, report, stubbed: bool) -> None:
     check_fp8(report, args, device, workdir)
     check_sharded_ranks(report, args, device, workdir, stubbed)
     check_server(report, args, device, workdir, stubbed)
+    check_speculative_server(report, args, device, workdir, stubbed)
     if importlib.util.find_spec("megatron") and importlib.util.find_spec("slime"):
         from gpu_check_slime import ENCODINGS as LANE_ENCODINGS, check_sharded_sender
 

@@ -33,6 +33,8 @@ def test_dry_run_passes_every_check(tmp_path):
         assert f"PASS: rank {rank}: no loader call in a delta" in text
     for step in range(4):  # the real server lane (SGLang's CPU flags here)
         assert f"PASS: server step {step} " in text
+    assert "- skipped (EAGLE runs on SGLang's own CUDA kernels: a GPU host with SGLang installed): a real " \
+        "launch_server with EAGLE" in text  # the speculative lane: GPU only (EAGLE needs CUDA kernels)
     # the sharded-sender lane needs Megatron and slime: its dry run is in test_slime_shard_map (make test-slime)
     assert "- skipped (no Megatron-core or patched slime tree on the path): slime's sharded sender" in text
 

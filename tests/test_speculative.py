@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cpu_harness import Host, InProcessEngine, bf16_state, hf_config, hf_model, nan_filled, rl_steps, segments, \
-    sglang_model
+    sglang_model, with_nextn
 from delta_helpers import assert_params_equal
 from sglang.srt.weight_sync.delta import draft
 from sglang.srt.weight_sync.delta.receiver import delta_status
@@ -124,17 +124,6 @@ def nextn_pair(monkeypatch, arch):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a, **k: None)
     nextn.set_embed_and_head(*target.get_embed_and_head())
     return cfg, target, nextn
-
-
-def with_nextn(state: dict, layer: int, seed: int) -> dict:
-    """The NextN layer's own projections and norms, as DeepSeek-V3 and GLM-4.x checkpoints name them, moving each
-    step."""
-    g = torch.Generator().manual_seed(seed)
-    h, out = CFG.hidden_size, dict(state)
-    out[f"model.layers.{layer}.eh_proj.weight"] = (torch.randn(h, 2 * h, generator=g) * 0.02).to(torch.bfloat16)
-    for n in ("enorm", "hnorm", "shared_head.norm"):
-        out[f"model.layers.{layer}.{n}.weight"] = (1 + 1e-2 * torch.randn(h, generator=g)).to(torch.bfloat16)
-    return out
 
 
 def assert_same_pair(model, ref, mla: bool) -> None:
