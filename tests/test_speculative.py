@@ -167,3 +167,24 @@ def test_a_nextn_draft_takes_every_sync_with_its_target(monkeypatch, tmp_path, a
     assert delta_status(target).applied == {"full": 1, "delta": 2}
     assert nextn.lm_head.weight is target.lm_head.weight
     transport.close()
+
+
+def test_a_full_sync_that_leaves_the_drafts_own_params_unwritten_stops_the_job_by_name(monkeypatch, tmp_path):
+    """The trainer names the MTP layer otherwise than the draft's loader (the failure that drafts with stale weights
+    and no wrong token): the full sync writes the target and nothing of the draft; it is refused ``unsupported``
+    naming a draft param, the engine is dirty (no generation on it), and the sender stops instead of retrying."""
+    target, mtp = target_and_draft(monkeypatch)
+    host = Host(target)
+    host.server_args.speculative_algorithm = "EAGLE"
+    draft.bind_draft(target, mtp)
+    engine = InProcessEngine(host)
+    transport = DiskTransport(str(tmp_path), [engine], zstd=1)
+    sender = DeltaSender(transport, [engine], encoding="xor_zstd")
+    state = {n.replace("mtp.", "model.mtp."): t for n, t in with_mtp(bf16_state(hf_model(CFG)), 0).items()}
+    ok, msg = sender.update(segments(state))[0]
+    assert not ok and "speculative decoding: the full sync wrote nothing into the draft's 'fc.weight' and 12 more" in msg, msg
+    status = delta_status(target)
+    assert (status.code, status.needs_full) == ("unsupported", True)
+    with pytest.raises(Exception, match="unsupported|speculative decoding"):
+        sender.update(segments(state))
+    transport.close()

@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from sglang.srt.weight_sync.delta import device as dev, fingerprint
+from sglang.srt.weight_sync.delta import device as dev, draft, fingerprint
 from sglang.srt.weight_sync.delta.collectives import tp_agree
 from sglang.srt.weight_sync.delta.engine_state import ReceiverState, host_device, host_model, receiver_state, server_arg
 from sglang.srt.weight_sync.delta.positions import Positions
@@ -134,6 +134,8 @@ def commit_request(host, staged: StagedRequest) -> Tuple[bool, str]:
                 if chunk:
                     load(chunk)
                     del chunk
+        if head.full and staged.complete:
+            _check_draft_written(model, state)
         write_error = None
     except Exception as e:  # a write failed mid-way: some weights are written
         logger.exception("delta apply failed after writing")
@@ -141,8 +143,8 @@ def commit_request(host, staged: StagedRequest) -> Tuple[bool, str]:
     if not tp_agree(write_error is None):  # any rank's failed write leaves the engine as a whole inconsistent
         state.dirty = True
         state.pending = None
-        code = Refusal.PEER if write_error is None else Refusal.VERIFY if getattr(write_error, "code", None) is \
-            Refusal.VERIFY else Refusal.APPLY_FAILED
+        code = Refusal.PEER if write_error is None else write_error.code if getattr(write_error, "code", None) in \
+            (Refusal.VERIFY, Refusal.UNSUPPORTED) else Refusal.APPLY_FAILED
         state.last = (staged.request, code.value, staged.received)
         cause = repr(write_error) if write_error is not None else "another tensor-parallel rank's write failed"
         return False, f"delta apply failed after a partial write, engine is dirty and needs a full sync: {cause}"
@@ -155,6 +157,19 @@ def commit_request(host, staged: StagedRequest) -> Tuple[bool, str]:
     params = sum(len(p.spec.params) for p in staged.payloads)
     return True, (f"Succeeded to apply {kind} version {head.version} flush {head.flush} "
                   f"({params} params, {nnz} values){' (final)' if state.pending is None else ''}.")
+
+
+def _check_draft_written(model: torch.nn.Module, state: ReceiverState) -> None:
+    """A full sync that left a bound draft's own params unwritten (the trainer names them otherwise, or not at all) is
+    refused ``unsupported`` after its writes: the engine is dirty and the sender stops, naming them."""
+    if not state.recorder.wrote_only_copies(model_tensors(model)):
+        return  # a loader that writes otherwise: which param it wrote is unknowable here
+    missing = draft.unwritten(model, state.recorder.copies)
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise DeltaError(f"speculative decoding: the full sync wrote nothing into the draft's {missing[0]!r}{more}, "
+                         "which would keep its startup weights (do the trainer's names reach the draft's loader?)",
+                         Refusal.UNSUPPORTED)
 
 
 def _commit_version(model: torch.nn.Module, state: ReceiverState, head) -> None:

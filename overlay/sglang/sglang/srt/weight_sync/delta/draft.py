@@ -70,6 +70,18 @@ def resolve(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, _PAIR, model)
 
 
+def unwritten(model: torch.nn.Module, copies: dict) -> List[str]:
+    """A bound pair's own draft params (not the target's, not KV-cache scales) that no recorded copy of a full sync
+    wrote: the draft would keep what it loaded at startup, the failure no token shows (verification catches a stale
+    draft; only the acceptance rate drops). ``copies``: the full sync's recorded view copies, by HF name."""
+    if not isinstance(model, TargetAndDraft):
+        return []
+    written = {id(c.param) for cs in copies.values() for c in cs}
+    shared = {id(p) for p in model.target.parameters()}
+    return [n for n, p in model.draft.named_parameters() if p.numel() and id(p) not in shared | written
+            and not n.endswith((".k_scale", ".v_scale"))]
+
+
 def bind_engine(target_worker, spec_worker, server_args) -> Optional[TargetAndDraft]:
     """Hooked where the scheduler creates its speculative worker: bind its draft to the target, or keep on the
     target why it cannot be served (:func:`refusal` names it to every request)."""
