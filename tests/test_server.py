@@ -131,3 +131,39 @@ def test_a_delta_sender_sends_xor_ctx_that_the_server_applies_bit_identically(wo
             assert_engine_has(world["server"], state)
     finally:
         transport.close()
+
+
+def test_weights_released_without_a_host_copy_get_a_full_sync_after_resume(world):
+    """slime's ``--offload-rollout`` releases an engine's weight memory between rollouts; without
+    ``--enable-weights-cpu-backup`` their bytes are gone on resume (on a GPU: the CPU's memory saver keeps them).
+    After a release and resume the engine serves nothing and says it needs a full sync (``released``): the next delta
+    is refused, nothing written, and the sender sends the full sync by itself, bit-identical, before deltas continue
+    and generation resumes."""
+    from cpu_harness import segments
+    from sglang.srt.weight_sync.delta.sender import DeltaSender
+    from sglang.srt.weight_sync.delta.transport import DiskTransport, HttpEngine
+
+    server, states = world["server"], world["states"]
+    engine = HttpEngine(server.url)
+    transport = DiskTransport(str(world["root"] / "offload"), [engine], zstd=1)
+    sender = DeltaSender(transport, [engine], encoding="xor_zstd")
+    try:
+        assert all(ok for ok, _ in sender.update(segments(states[0])).values())
+        sender.pop_metrics()
+        for path in ("/release_memory_occupation", "/resume_memory_occupation"):
+            r = server.post(path, {"tags": ["weights"]})
+            assert r.status_code == 200, r.text
+        (status,) = engine.status()
+        assert (status.needs_full, status.reason) == (True, "released"), status
+        req = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+        assert server.post("/generate", req).status_code == 503  # its weights are gone (on a GPU): nothing served
+        results = sender.update(segments(states[1]))  # a delta: refused, nothing written; the sender goes full
+        assert "the weights' memory was released without a host copy" in results[0][1], results
+        for k, state in enumerate(states[1:3]):
+            results = sender.update(segments(state))
+            assert all(ok for ok, _ in results.values()), results
+            assert sender.pop_metrics()["perf/update_weights_full_sync_engines"] == (k == 0)
+            assert_engine_has(server, state)
+        assert server.post("/generate", req).status_code == 200
+    finally:
+        transport.close()

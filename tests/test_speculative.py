@@ -169,22 +169,31 @@ def test_a_nextn_draft_takes_every_sync_with_its_target(monkeypatch, tmp_path, a
     transport.close()
 
 
-def test_a_full_sync_that_leaves_the_drafts_own_params_unwritten_stops_the_job_by_name(monkeypatch, tmp_path):
-    """The trainer names the MTP layer otherwise than the draft's loader (the failure that drafts with stale weights
-    and no wrong token): the full sync writes the target and nothing of the draft; it is refused ``unsupported``
-    naming a draft param, the engine is dirty (no generation on it), and the sender stops instead of retrying."""
+def test_a_full_sync_that_leaves_the_drafts_own_layer_unwritten_keeps_it_and_says_so(monkeypatch, tmp_path, caplog):
+    """A trainer that sends nothing for the draft's own layer (slime without ``--enable-mtp-training``: the draft
+    runs on its startup weights, as upstream) or names it otherwise than the draft's loader: the syncs land, the
+    draft's own params stay as loaded (its shared embedding and head move with the target), and the engine says
+    so, naming one."""
     target, mtp = target_and_draft(monkeypatch)
+    with torch.no_grad():
+        mtp.fc.weight.fill_(0.5)  # its startup weights
     host = Host(target)
     host.server_args.speculative_algorithm = "EAGLE"
-    draft.bind_draft(target, mtp)
+    pair = draft.bind_draft(target, mtp)
     engine = InProcessEngine(host)
     transport = DiskTransport(str(tmp_path), [engine], zstd=1)
-    sender = DeltaSender(transport, [engine], encoding="xor_zstd")
-    state = {n.replace("mtp.", "model.mtp."): t for n, t in with_mtp(bf16_state(hf_model(CFG)), 0).items()}
-    ok, msg = sender.update(segments(state))[0]
-    assert not ok and "speculative decoding: the full sync wrote nothing into the draft's 'fc.weight' and 12 more" in msg, msg
-    status = delta_status(target)
-    assert (status.code, status.needs_full) == ("unsupported", True)
-    with pytest.raises(Exception, match="unsupported|speculative decoding"):
-        sender.update(segments(state))
+    sender = DeltaSender(transport, [engine], encoding="xor_zstd", fingerprint_every=1)
+    trainer = hf_model(CFG)
+    steps = rl_steps(trainer, 1)
+    for state in (bf16_state(trainer), next(steps)):
+        with caplog.at_level("WARNING"):
+            ok, msg = sender.update(segments(state))[0]
+        assert ok, msg
+        ref = plain_load(monkeypatch, state)
+        for n, p in pair.named_parameters():
+            if n.startswith("draft.") and n not in ("draft.model.embed_tokens.weight", "draft.lm_head.weight"):
+                continue
+            assert torch.equal(p.view(torch.int16), dict(ref.named_parameters())[n].view(torch.int16)), n
+    assert bool((mtp.fc.weight == 0.5).all())
+    assert "the full sync wrote nothing into 13 of the draft's own params ('fc.weight', ...)" in caplog.text
     transport.close()

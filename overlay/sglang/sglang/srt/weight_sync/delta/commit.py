@@ -135,7 +135,7 @@ def commit_request(host, staged: StagedRequest) -> Tuple[bool, str]:
                     load(chunk)
                     del chunk
         if head.full and staged.complete:
-            _check_draft_written(model, state)
+            _note_draft_unwritten(model, state)
         write_error = None
     except Exception as e:  # a write failed mid-way: some weights are written
         logger.exception("delta apply failed after writing")
@@ -143,8 +143,8 @@ def commit_request(host, staged: StagedRequest) -> Tuple[bool, str]:
     if not tp_agree(write_error is None):  # any rank's failed write leaves the engine as a whole inconsistent
         state.dirty = True
         state.pending = None
-        code = Refusal.PEER if write_error is None else write_error.code if getattr(write_error, "code", None) in \
-            (Refusal.VERIFY, Refusal.UNSUPPORTED) else Refusal.APPLY_FAILED
+        code = Refusal.PEER if write_error is None else Refusal.VERIFY if getattr(write_error, "code", None) is \
+            Refusal.VERIFY else Refusal.APPLY_FAILED
         state.last = (staged.request, code.value, staged.received)
         cause = repr(write_error) if write_error is not None else "another tensor-parallel rank's write failed"
         return False, f"delta apply failed after a partial write, engine is dirty and needs a full sync: {cause}"
@@ -159,17 +159,18 @@ def commit_request(host, staged: StagedRequest) -> Tuple[bool, str]:
                   f"({params} params, {nnz} values){' (final)' if state.pending is None else ''}.")
 
 
-def _check_draft_written(model: torch.nn.Module, state: ReceiverState) -> None:
-    """A full sync that left a bound draft's own params unwritten (the trainer names them otherwise, or not at all) is
-    refused ``unsupported`` after its writes: the engine is dirty and the sender stops, naming them."""
+def _note_draft_unwritten(model: torch.nn.Module, state: ReceiverState) -> None:
+    """A full sync that wrote nothing into some of a bound draft's own params leaves them as loaded at startup: right
+    for a draft the trainer does not train (slime without ``--enable-mtp-training``; its shared embedding and head
+    still move), and the stale draft no token shows when it does train it under names the draft's loader does not
+    take. Said once per full sync, naming one."""
     if not state.recorder.wrote_only_copies(model_tensors(model)):
         return  # a loader that writes otherwise: which param it wrote is unknowable here
     missing = draft.unwritten(model, state.recorder.copies)
     if missing:
-        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-        raise DeltaError(f"speculative decoding: the full sync wrote nothing into the draft's {missing[0]!r}{more}, "
-                         "which would keep its startup weights (do the trainer's names reach the draft's loader?)",
-                         Refusal.UNSUPPORTED)
+        logger.warning("delta: the full sync wrote nothing into %d of the draft's own params (%r, ...): the draft keeps "
+                       "its startup weights there (right if the trainer does not train its MTP layers; if it does, "
+                       "its names for them do not reach the draft's loader)", len(missing), missing[0])
 
 
 def _commit_version(model: torch.nn.Module, state: ReceiverState, head) -> None:
@@ -178,7 +179,7 @@ def _commit_version(model: torch.nn.Module, state: ReceiverState, head) -> None:
     kind = "full" if head.full else "delta"
     state.applied[kind] = state.applied.get(kind, 0) + 1
     if head.full:
-        state.manifest, state.dirty, state.outside_load = state.pending_manifest, False, None
+        state.manifest, state.dirty, state.outside_load, state.released = state.pending_manifest, False, None, False
         state.direct = direct_plan(model, state.recorder)
         state.plan = write_plan(state.direct, state.manifest)
         state.unheld = frozenset(state.manifest).difference(state.recorder.copies) \

@@ -72,8 +72,8 @@ def resolve(model: torch.nn.Module) -> torch.nn.Module:
 
 def unwritten(model: torch.nn.Module, copies: dict) -> List[str]:
     """A bound pair's own draft params (not the target's, not KV-cache scales) that no recorded copy of a full sync
-    wrote: the draft would keep what it loaded at startup, the failure no token shows (verification catches a stale
-    draft; only the acceptance rate drops). ``copies``: the full sync's recorded view copies, by HF name."""
+    wrote: the draft keeps what it loaded at startup there. ``copies``: the full sync's recorded view copies, by HF
+    name."""
     if not isinstance(model, TargetAndDraft):
         return []
     written = {id(c.param) for cs in copies.values() for c in cs}

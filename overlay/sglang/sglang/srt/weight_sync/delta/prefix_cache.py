@@ -39,16 +39,18 @@ _EPOCHS: "weakref.WeakKeyDictionary[object, _CacheEpoch]" = weakref.WeakKeyDicti
 
 def admit(scheduler, req) -> None:
     """Where a request enters the scheduler. Refused (503) while the engine holds weights no version explains: a
-    sync failed after part of it was written (``dirty``) until a full sync or a store catch-up replaces them. Else
+    sync failed after part of it was written (``dirty``), or their memory was released without a host copy
+    (``released``), until a full sync or a store catch-up replaces them. Else
     namespaced by the current epoch (requests keep their key until an update meets held KV)."""
     state = receiver_state(scheduler.tp_worker.model_runner.model)
-    if state.dirty:
+    if state.dirty or state.released:
         from http import HTTPStatus
 
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
         msg = (f"this engine holds a partly written weight version (a sync over version {state.version} failed after "
-               "its first write): it serves again after a full sync or a store catch-up")
+               "its first write)" if state.dirty else "this engine's weight memory was released without a host copy "
+               f"(version {state.version} is gone)") + ": it serves again after a full sync or a store catch-up"
         req.set_finish_with_abort(msg)
         req.to_finish = FINISH_ABORT(msg, HTTPStatus.SERVICE_UNAVAILABLE, "ServiceUnavailableError")
         return

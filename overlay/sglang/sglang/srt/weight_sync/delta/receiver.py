@@ -72,7 +72,7 @@ logger = logging.getLogger(__name__)
 # What the patched SGLang calls (model runner, weight updater, weights checker) and the tests read.
 __all__ = ["_apply_delta", "_apply_delta_from_distributed", "_apply_delta_payload", "_apply_received_delta",
            "apply_request", "checker_action", "delta_status", "fingerprint_payload", "note_outside_load",
-           "receive_broadcast", "receiver_state", "refused", "update_group_timeout"]
+           "note_released", "receive_broadcast", "receiver_state", "refused", "update_group_timeout"]
 
 
 # ---------------------------------------------------------------- the shared apply path
@@ -130,6 +130,19 @@ def note_outside_load(host, entry_point: str) -> None:
     state = receiver_state(host_model(host))
     if state.manifest is not None:
         state.outside_load = entry_point
+
+
+def note_released(host) -> None:
+    """Hooked where the scheduler releases the weights' memory (slime's ``--offload-rollout``): unless every model's
+    weights are kept on the host meanwhile (``--enable-weights-cpu-backup``, and for a draft
+    ``--enable-draft-weights-cpu-backup``), their bytes are gone on resume: the engine serves nothing, and takes no
+    delta, until a full sync."""
+    backed = server_arg(host, "enable_weights_cpu_backup", False) and (
+        not isinstance(host_model(host), draft.TargetAndDraft) or server_arg(host, "enable_draft_weights_cpu_backup",
+                                                                             False))
+    state = receiver_state(host_model(host))
+    if not backed and state.manifest is not None:
+        state.released = True
 
 
 # ---------------------------------------------------------------- transports

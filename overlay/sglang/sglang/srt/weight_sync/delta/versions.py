@@ -29,7 +29,9 @@ def check_version(state: ReceiverState, specs: Sequence[DeltaSpec], weight_versi
     elif reason is not None:
         raise DeltaError({"fresh": "no full sync has been applied yet: the first sync must be full",
                           "outside_load": f"weights were replaced by {state.outside_load} since version {committed}",
-                          "dirty": "engine is dirty (a sync failed after part of it was written)"}[reason]
+                          "dirty": "engine is dirty (a sync failed after part of it was written)",
+                          "released": f"the weights' memory was released without a host copy since version "
+                                      f"{committed}"}[reason]
                          + ": the engine needs a full sync", Refusal.NEEDS_FULL)
     if state.pending == v and state.pending_key == pending_key(head) and \
             all(state.next_flush.get(s, 0) == head.flush and s not in state.finals for s in sources):
@@ -102,6 +104,8 @@ def full_reason(state: ReceiverState) -> Optional[str]:
         return "fresh"
     if state.dirty:
         return "dirty"
+    if state.released:
+        return "released"
     if state.outside_load:
         return "outside_load"
     return None

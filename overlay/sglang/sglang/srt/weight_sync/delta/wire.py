@@ -125,7 +125,7 @@ class DeltaStatus:
 
     version: Optional[int] = None  # committed version; None before the first full sync
     needs_full: bool = True  # every delta is refused until a full sync
-    reason: Optional[str] = "fresh"  # why: "fresh" | "dirty" | "outside_load"; None when not needed
+    reason: Optional[str] = "fresh"  # "fresh" | "dirty" | "released" | "outside_load"; None when not needed
     pending: Optional[int] = None  # a version whose flushes are being applied
     request: Optional[List[int]] = None  # [version, flush] of the last delta request seen
     code: Optional[str] = None  # that request's Refusal code; None when it was applied
