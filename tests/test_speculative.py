@@ -197,3 +197,32 @@ def test_a_full_sync_that_leaves_the_drafts_own_layer_unwritten_keeps_it_and_say
     assert bool((mtp.fc.weight == 0.5).all())
     assert "the full sync wrote nothing into 13 of the draft's own params ('fc.weight', ...)" in caplog.text
     transport.close()
+
+
+def test_a_trainer_that_trains_the_draft_stops_when_its_names_do_not_reach_it(monkeypatch, tmp_path):
+    """The same full sync from a trainer that trains the draft's layers (``draft_trained``: slime's
+    ``--enable-mtp-training``), its MTP names not the draft loader's: the engine's status counts the draft's params
+    it wrote nothing into, and the sender stops, naming the engine (the failure that drafts with stale weights and
+    no wrong token); with the names the draft takes, the same sender goes on."""
+    from sglang.srt.weight_sync.delta.wire import DeltaError
+
+    for names_reach, state_of in ((False, lambda s: {n.replace("mtp.", "model.mtp."): t for n, t in s.items()}),
+                                  (True, lambda s: s)):
+        target, mtp = target_and_draft(monkeypatch)
+        host = Host(target)
+        host.server_args.speculative_algorithm = "EAGLE"
+        draft.bind_draft(target, mtp)
+        engine = InProcessEngine(host)
+        transport = DiskTransport(str(tmp_path / str(names_reach)), [engine], zstd=1)
+        sender = DeltaSender(transport, [engine], encoding="xor_zstd", draft_trained=True)
+        state = state_of(with_mtp(bf16_state(hf_model(CFG)), 0))
+        if names_reach:
+            assert all(ok for ok, _ in sender.update(segments(state)).values())
+            assert delta_status(target).draft_unwritten == 0
+        else:
+            with pytest.raises(DeltaError, match=r"engine\(s\) \[0\]: the full sync wrote nothing into 13 of the "
+                                                 "speculative draft's own params while the trainer trains them"):
+                sender.update(segments(state))
+            assert delta_status(target).draft_unwritten == 13
+        transport.close()
+

@@ -163,10 +163,11 @@ def _note_draft_unwritten(model: torch.nn.Module, state: ReceiverState) -> None:
     """A full sync that wrote nothing into some of a bound draft's own params leaves them as loaded at startup: right
     for a draft the trainer does not train (slime without ``--enable-mtp-training``; its shared embedding and head
     still move), and the stale draft no token shows when it does train it under names the draft's loader does not
-    take. Said once per full sync, naming one."""
+    take. Said once per full sync, naming one; counted in the status (a trainer that trains the draft stops on it)."""
     if not state.recorder.wrote_only_copies(model_tensors(model)):
         return  # a loader that writes otherwise: which param it wrote is unknowable here
     missing = draft.unwritten(model, state.recorder.copies)
+    state.draft_unwritten = len(missing)
     if missing:
         logger.warning("delta: the full sync wrote nothing into %d of the draft's own params (%r, ...): the draft keeps "
                        "its startup weights there (right if the trainer does not train its MTP layers; if it does, "

@@ -90,7 +90,8 @@ def delta_status(model: torch.nn.Module) -> DeltaStatus:
                        xor=state.xor_ready and reason is None, xor_raw=list(state.xor_raw), dense=list(state.dense),
                        ctx=state.xor_ready and reason is None,
                        applied=dict(state.applied), wire_format=WIRE_FORMAT,
-                       staged=stage["staged"], staging=stage["fetching"], timing=dict(state.timing))
+                       staged=stage["staged"], staging=stage["fetching"], timing=dict(state.timing),
+                       draft_unwritten=state.draft_unwritten)
 
 
 def checker_action(action: str, model: torch.nn.Module, parallelism_info=None) -> dict:

@@ -74,6 +74,7 @@ class EngineStatus:
     wire_formats: frozenset = frozenset()  # the spec layouts its ranks read (empty: not known yet)
     unsupported: bool = False  # a rank refused its last request as code 'unsupported': no sync can help
     dirty: bool = False  # its weights are known wrong: a write failed after others landed, or its fingerprint differs
+    draft_unwritten: int = 0  # its speculative draft's own params its last full sync wrote nothing into
 
 
 def _engine_ranks(engine) -> List[DeltaStatus]:
@@ -96,8 +97,10 @@ class DeltaSender:
 
     def __init__(self, transport, engines: Sequence, encoding: str = "deltas", buffer_bytes: int = 512 << 20,
                  device: Optional[torch.device] = None, fingerprint_every: int = 0,
-                 stages: Optional[StageGroup] = None, repair_dirty: bool = True, anchor_every: int = 0):
+                 stages: Optional[StageGroup] = None, repair_dirty: bool = True, anchor_every: int = 0,
+                 draft_trained: bool = False):
         self.encoding = DeltaEncoding(encoding).value
+        self.draft_trained = draft_trained  # the trainer trains the engines' draft layers (--enable-mtp-training)
         self.buffer_bytes = buffer_bytes
         self.state = DeltaState(device)
         self.version = 0  # last sync attempted
@@ -158,6 +161,7 @@ class DeltaSender:
             st.dense = frozenset().union(*(r.dense for r in ranks))
             st.unsupported = any(r.code == Refusal.UNSUPPORTED.value for r in ranks)
             st.dirty = any(r.reason == "dirty" for r in ranks)
+            st.draft_unwritten = max(r.draft_unwritten for r in ranks)
 
     def update(self, segments: Sequence[Callable[[], Iterable[Chunk]]]) -> Dict[int, Tuple[bool, str]]:
         """One sync over ``segments`` (callables yielding chunks of HF ``(name, tensor)``); publishes after each.
@@ -308,6 +312,11 @@ class DeltaSender:
         fatal = getattr(self.transport, "fatal", None)
         if fatal is not None:  # another trainer moved the store's HEAD: this one must not publish again
             raise fatal
+        stale = {i: self.status[i].draft_unwritten for i in relearn if self.status[i].draft_unwritten}
+        if stale and self.draft_trained:  # the draft would run on its startup weights while the trainer trains it
+            raise DeltaError(f"engine(s) {sorted(stale)}: the full sync wrote nothing into {max(stale.values())} of "
+                             "the speculative draft's own params while the trainer trains them: its names for the "
+                             "draft's layers do not reach the draft's loader", Refusal.UNSUPPORTED)
         return results
 
     def _stored(self, store: bool, based: bool, v: int) -> set:

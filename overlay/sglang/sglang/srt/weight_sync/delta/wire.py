@@ -140,6 +140,7 @@ class DeltaStatus:
     staged: Optional[int] = None  # a version fetched and digest-checked from the store while serving, not committed
     staging: Optional[int] = None  # the version being fetched from the store now (None: no stage under way)
     timing: Dict[str, float] = dataclasses.field(default_factory=dict)  # stage_s, commit_s, staged/in_pause_bytes
+    draft_unwritten: int = 0  # a speculative draft's own params its last full sync wrote nothing into
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

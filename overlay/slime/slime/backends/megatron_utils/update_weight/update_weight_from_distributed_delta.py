@@ -141,7 +141,8 @@ class UpdateWeightFromDistributedDelta(UpdateWeightFromDistributed):
                                    buffer_bytes=self.args.update_weight_buffer_size,
                                    fingerprint_every=self.args.update_weight_delta_fingerprint_interval,
                                    stages=stages, repair_dirty=False,  # every rank repairs in step: _send_weights
-                                   anchor_every=self.args.update_weight_store_anchor_every)
+                                   anchor_every=self.args.update_weight_store_anchor_every,
+                                   draft_trained=bool(getattr(self.args, "enable_mtp_training", False)))
         self._sender.version = self.weight_version  # continue the engines' version chain
 
     def _stage_group(self) -> StageGroup | None:
