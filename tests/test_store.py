@@ -355,7 +355,8 @@ def test_a_follower_stages_the_next_version_while_it_serves_and_its_commit_reads
     def stage(engine):
         at = delta_status(engine.host.model).version
         reply = checker_action("delta_stage", engine.host.model)
-        assert DeltaStatus.from_checker([reply])[0].staging == at + 1  # under way once asked
+        asked = DeltaStatus.from_checker([reply])[0]
+        assert asked.staging == at + 1 or (asked.staged or 0) > at, asked  # under way once asked (or already done)
         staging.stage_of(engine.host.model).thread.join(60)
         return delta_status(engine.host.model)
 
