@@ -76,6 +76,8 @@ def test_an_mtp_draft_takes_every_sync_with_its_target(monkeypatch, tmp_path, en
         m = sender.pop_metrics()
         assert (m["perf/update_weights_failures"], m["perf/update_weights_fingerprint_mismatches"],
                 m["perf/update_weights_full_sync_engines"]) == (0, 0, int(k == 0)), m
+        assert (k == 0) == ("perf/update_weights_draft_share" not in m), m  # the draft's names: learnt at the full
+        assert k == 0 or 0 < m["perf/update_weights_draft_share"] < 1, m  # its MTP layer moves with the model
         assert_params_equal(pair, plain_load(monkeypatch, state))
         state = with_mtp(next(steps), k + 1) if k < 3 else state
     assert delta_status(target).applied == {"full": 1, "delta": 3}  # the target's status is the pair's

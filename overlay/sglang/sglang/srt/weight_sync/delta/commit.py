@@ -164,14 +164,15 @@ def _note_draft_unwritten(model: torch.nn.Module, state: ReceiverState) -> None:
     for a draft the trainer does not train (slime without ``--enable-mtp-training``; its shared embedding and head
     still move), and the stale draft no token shows when it does train it under names the draft's loader does not
     take. Said once per full sync, naming one; counted in the status (a trainer that trains the draft stops on it)."""
+    state.draft_names, state.draft_unwritten = draft.own_names(model, state.recorder.copies), 0
     if not state.recorder.wrote_only_copies(model_tensors(model)):
         return  # a loader that writes otherwise: which param it wrote is unknowable here
     missing = draft.unwritten(model, state.recorder.copies)
     state.draft_unwritten = len(missing)
     if missing:
-        logger.warning("delta: the full sync wrote nothing into %d of the draft's own params (%r, ...): the draft keeps "
-                       "its startup weights there (right if the trainer does not train its MTP layers; if it does, "
-                       "its names for them do not reach the draft's loader)", len(missing), missing[0])
+        logger.warning("delta: the full sync wrote nothing into %d of the draft's own params (%r, ...): the draft "
+                       "keeps its startup weights there (right if the trainer does not train its MTP layers; if it "
+                       "does, its names for them do not reach the draft's loader)", len(missing), missing[0])
 
 
 def _commit_version(model: torch.nn.Module, state: ReceiverState, head) -> None:

@@ -82,6 +82,14 @@ def unwritten(model: torch.nn.Module, copies: dict) -> List[str]:
             and not n.endswith((".k_scale", ".v_scale"))]
 
 
+def own_names(model: torch.nn.Module, copies: dict) -> List[str]:
+    """The HF names a full sync wrote only into a bound pair's own draft params (its MTP/NextN layer)."""
+    if not isinstance(model, TargetAndDraft):
+        return []
+    target = {id(p) for p in model.target.parameters()}
+    return sorted(n for n, cs in copies.items() if cs and all(id(c.param) not in target for c in cs))
+
+
 def bind_engine(target_worker, spec_worker, server_args) -> Optional[TargetAndDraft]:
     """Hooked where the scheduler creates its speculative worker: bind its draft to the target, or keep on the
     target why it cannot be served (:func:`refusal` names it to every request)."""

@@ -28,6 +28,7 @@ class ReceiverState:
     outside_load: Optional[str] = None  # a plain weight load since the last sync broke the chain
     released: bool = False  # weight memory released without a host copy: no generation until a full sync
     draft_unwritten: int = 0  # a bound draft's own params the last full sync wrote nothing into
+    draft_names: List[str] = dataclasses.field(default_factory=list)  # names only a bound draft's params hold
     manifest: Optional[Dict[str, Tuple[List[int], str]]] = None
     pending_manifest: Dict[str, Tuple[List[int], str]] = dataclasses.field(default_factory=dict)
     max_payload_bytes: int = 0  # bound on one decompressed flush, from the model's size (see _max_file_bytes)

@@ -91,7 +91,7 @@ def delta_status(model: torch.nn.Module) -> DeltaStatus:
                        ctx=state.xor_ready and reason is None,
                        applied=dict(state.applied), wire_format=WIRE_FORMAT,
                        staged=stage["staged"], staging=stage["fetching"], timing=dict(state.timing),
-                       draft_unwritten=state.draft_unwritten)
+                       draft_unwritten=state.draft_unwritten, draft=list(state.draft_names))
 
 
 def checker_action(action: str, model: torch.nn.Module, parallelism_info=None) -> dict:

@@ -75,6 +75,7 @@ class EngineStatus:
     unsupported: bool = False  # a rank refused its last request as code 'unsupported': no sync can help
     dirty: bool = False  # its weights are known wrong: a write failed after others landed, or its fingerprint differs
     draft_unwritten: int = 0  # its speculative draft's own params its last full sync wrote nothing into
+    draft: frozenset = frozenset()  # names only its speculative draft holds (the draft's own layer)
 
 
 def _engine_ranks(engine) -> List[DeltaStatus]:
@@ -162,6 +163,7 @@ class DeltaSender:
             st.unsupported = any(r.code == Refusal.UNSUPPORTED.value for r in ranks)
             st.dirty = any(r.reason == "dirty" for r in ranks)
             st.draft_unwritten = max(r.draft_unwritten for r in ranks)
+            st.draft = frozenset().union(*(r.draft for r in ranks))
 
     def update(self, segments: Sequence[Callable[[], Iterable[Chunk]]]) -> Dict[int, Tuple[bool, str]]:
         """One sync over ``segments`` (callables yielding chunks of HF ``(name, tensor)``); publishes after each.

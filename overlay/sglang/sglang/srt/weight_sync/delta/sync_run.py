@@ -58,6 +58,9 @@ class SyncRun:
         self.requests = {"delta": 0, "full": 0}  # NCCL: request index per kind (an engine gets one kind's requests)
         self.results: Dict[int, Tuple[bool, str]] = {}
         self.elements = self.nnz = self.wire_bytes = self.raw_bytes = self.flushes = 0
+        # names only a speculative draft holds, on some engine (its status): their share of the values is a metric
+        self.draft_names = frozenset().union(*(sender.status[i].draft for i in delta_targets + full_targets))
+        self.draft_nnz = 0
 
     @property
     def gathers(self) -> bool:
@@ -103,6 +106,9 @@ class SyncRun:
         if full is None and delta is not None and self._whole(chunk, found, xor) and delta.add_chunk(chunk, found):
             self.elements += sum(t.numel() for _, t in chunk)  # the usual chunk of a delta sync: no call per param
             self.nnz += found[0].idx.numel()
+            if self.draft_names:
+                draft = self.draft_names
+                self.draft_nnz += sum(c for k, c in zip(found[0].ks, found[0].counts) if chunk[k][0] in draft)
         else:
             self._params(chunk, found, bases, xor)
         state.record(chunk, recorded)
@@ -154,6 +160,7 @@ class SyncRun:
             n = f.counts[j]
             self.elements += 0 if name in again else math.prod(shape)
             self.nnz += n
+            self.draft_nnz += n if name in self.draft_names else 0
             if delta is None:
                 continue
             if delta.should_flush(name) or (name in again and delta.holds(name)):  # a flush names a param once
@@ -182,6 +189,7 @@ class SyncRun:
             n = tensor.numel() if f is None else f.counts[j]
             self.elements += tensor.numel()
             self.nnz += n
+            self.draft_nnz += n if name in self.draft_names else 0
             for kind, bucket in self.buckets.items():
                 if bucket.should_flush(name):
                     self._flush(kind)
@@ -318,6 +326,8 @@ class SyncRun:
              p + "wire_bytes": float(self.wire_bytes), p + "flushes": float(self.flushes),
              p + "encode_s": t_encode, p + "finalize_s": t_finalize,
              p + "full_sync_engines": float(len(self.targets["full"]))}
+        if self.draft_names:  # a speculative draft's own layer: its share of the values sent
+            m[p + "draft_share"] = self.draft_nnz / max(1, self.nnz)
         if self.wire_bytes:
             m[p + "compression_ratio"] = self.raw_bytes / self.wire_bytes
         link = self.s.state.link

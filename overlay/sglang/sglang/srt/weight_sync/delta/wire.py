@@ -141,6 +141,7 @@ class DeltaStatus:
     staging: Optional[int] = None  # the version being fetched from the store now (None: no stage under way)
     timing: Dict[str, float] = dataclasses.field(default_factory=dict)  # stage_s, commit_s, staged/in_pause_bytes
     draft_unwritten: int = 0  # a speculative draft's own params its last full sync wrote nothing into
+    draft: List[str] = dataclasses.field(default_factory=list)  # names only its speculative draft holds
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
