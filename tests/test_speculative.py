@@ -47,6 +47,12 @@ def with_mtp(state: dict, seed: int) -> dict:
     return out
 
 
+def mtp_states(steps: int) -> list:
+    """The trainer's states at step 0..``steps`` (AdamW), each with its MTP layer (:func:`with_mtp`) moved too."""
+    trainer = hf_model(CFG)
+    return [with_mtp(s, k) for k, s in enumerate([bf16_state(trainer)] + list(rl_steps(trainer, steps)))]
+
+
 def plain_load(monkeypatch, state):
     target, mtp = target_and_draft(monkeypatch)
     target.load_weights(list(state.items()))
@@ -67,10 +73,7 @@ def test_an_mtp_draft_takes_every_sync_with_its_target(monkeypatch, tmp_path, en
     engine = InProcessEngine(host)
     transport = DiskTransport(str(tmp_path), [engine], zstd=1)
     sender = DeltaSender(transport, [engine], encoding=encoding, fingerprint_every=1)
-    trainer = hf_model(CFG)
-    state = with_mtp(bf16_state(trainer), 0)
-    steps = rl_steps(trainer, 3)
-    for k in range(4):
+    for k, state in enumerate(mtp_states(3)):
         ok, msg = sender.update(segments(state))[0]
         assert ok, msg
         m = sender.pop_metrics()
@@ -79,7 +82,6 @@ def test_an_mtp_draft_takes_every_sync_with_its_target(monkeypatch, tmp_path, en
         assert (k == 0) == ("perf/update_weights_draft_share" not in m), m  # the draft's names: learnt at the full
         assert k == 0 or 0 < m["perf/update_weights_draft_share"] < 1, m  # its MTP layer moves with the model
         assert_params_equal(pair, plain_load(monkeypatch, state))
-        state = with_mtp(next(steps), k + 1) if k < 3 else state
     assert delta_status(target).applied == {"full": 1, "delta": 3}  # the target's status is the pair's
     assert mtp.model.embed_tokens.weight is target.model.embed_tokens.weight and mtp.lm_head.weight is \
         target.lm_head.weight

@@ -11,13 +11,13 @@ import types
 import pytest
 import torch
 
-from cpu_harness import Host, bf16_state, hf_model, nan_filled, receiver_class, rl_steps, segments
+from cpu_harness import Host, bf16_state, hf_model, nan_filled, receiver_class, segments
 from delta_helpers import assert_params_equal
 from sglang.srt.weight_sync.delta import draft
 from sglang.srt.weight_sync.delta.receiver import delta_status
 from sglang.srt.weight_sync.delta.sender import DeltaSender
 from sglang.srt.weight_sync.delta.transport import DiskTransport
-from test_speculative import CFG, plain_load, target_and_draft, with_mtp
+from test_speculative import CFG, mtp_states, plain_load, target_and_draft, with_mtp
 
 
 def runner(model, algorithm="EAGLE", **args):
@@ -129,14 +129,10 @@ def test_the_manager_sends_a_delta_to_the_target_runner_whose_apply_takes_the_bo
     engine = ManagerEngine(manager(tp, worker))
     transport = DiskTransport(str(tmp_path), [engine], zstd=1)
     sender = DeltaSender(transport, [engine], encoding="xor_zstd", fingerprint_every=1)
-    trainer = hf_model(CFG)
-    state = with_mtp(bf16_state(trainer), 0)
-    steps = rl_steps(trainer, 2)
-    for k in range(3):
+    for state in mtp_states(2):
         ok, msg = sender.update(segments(state))[0]
         assert ok, msg
         assert_params_equal(pair, plain_load(monkeypatch, state))
-        state = with_mtp(next(steps), k + 1) if k < 2 else state
     assert delta_status(mtp).applied == delta_status(target).applied == {"full": 1, "delta": 2}
     assert mtp.lm_head.weight is target.lm_head.weight
     transport.close()
