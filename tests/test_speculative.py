@@ -47,6 +47,17 @@ def with_mtp(state: dict, seed: int) -> dict:
     return out
 
 
+def eagle_engine(root, target, draft_model, **sender_args):
+    """``target`` on an EAGLE engine in process, ``draft_model`` bound to it (None: not bound), and a disk sender to
+    it under ``root``: (the pair or None, transport, sender)."""
+    host = Host(target)
+    host.server_args.speculative_algorithm = "EAGLE"
+    pair = None if draft_model is None else draft.bind_draft(target, draft_model)
+    engine = InProcessEngine(host)
+    transport = DiskTransport(str(root), [engine], zstd=1)
+    return pair, transport, DeltaSender(transport, [engine], **sender_args)
+
+
 def mtp_states(steps: int) -> list:
     """The trainer's states at step 0..``steps`` (AdamW), each with its MTP layer (:func:`with_mtp`) moved too."""
     trainer = hf_model(CFG)
@@ -67,12 +78,7 @@ def test_an_mtp_draft_takes_every_sync_with_its_target(monkeypatch, tmp_path, en
     embedding and head still the target's own tensors. ``xor_*`` values applied twice to a shared tensor would
     revert it: bit-identity after every step shows each was written once."""
     target, mtp = target_and_draft(monkeypatch)
-    host = Host(target)
-    host.server_args.speculative_algorithm = "EAGLE"
-    pair = draft.bind_draft(target, mtp)
-    engine = InProcessEngine(host)
-    transport = DiskTransport(str(tmp_path), [engine], zstd=1)
-    sender = DeltaSender(transport, [engine], encoding=encoding, fingerprint_every=1)
+    pair, transport, sender = eagle_engine(tmp_path, target, mtp, encoding=encoding, fingerprint_every=1)
     for k, state in enumerate(mtp_states(3)):
         ok, msg = sender.update(segments(state))[0]
         assert ok, msg
@@ -92,12 +98,8 @@ def test_a_speculative_engine_whose_draft_is_not_bound_is_refused_before_any_wri
     """``--speculative-algorithm`` set and no draft bound: the full sync is refused ``unsupported``, naming why, and
     no weight of the target is written (all still NaN)."""
     target, _ = target_and_draft(monkeypatch)
-    host = Host(target)
-    host.server_args.speculative_algorithm = "EAGLE"
-    engine = InProcessEngine(host)
-    transport = DiskTransport(str(tmp_path), [engine], zstd=1)
-    ok, msg = DeltaSender(transport, [engine], encoding="xor_zstd").update(
-        segments(with_mtp(bf16_state(hf_model(CFG)), 0)))[0]
+    _, transport, sender = eagle_engine(tmp_path, target, None, encoding="xor_zstd")
+    ok, msg = sender.update(segments(with_mtp(bf16_state(hf_model(CFG)), 0)))[0]
     assert not ok and "speculative decoding (EAGLE): this engine's draft model is not bound" in msg, msg
     assert delta_status(target).code == "unsupported"
     assert all(torch.isnan(p.float()).all() for p in target.parameters() if p.dtype.is_floating_point)
@@ -147,12 +149,7 @@ def test_a_nextn_draft_takes_every_sync_with_its_target(monkeypatch, tmp_path, a
     params (and DeepSeek's absorbed MLA projections, of both) bit-identical to a plain load of both. Each loader
     post-processes its own layers: DeepSeek's target below ``num_hidden_layers``, its NextN the one layer."""
     cfg, target, nextn = nextn_pair(monkeypatch, arch)
-    host = Host(target)
-    host.server_args.speculative_algorithm = "EAGLE"
-    pair = draft.bind_draft(target, nextn)
-    engine = InProcessEngine(host)
-    transport = DiskTransport(str(tmp_path), [engine], zstd=1)
-    sender = DeltaSender(transport, [engine], encoding=encoding, fingerprint_every=1)
+    pair, transport, sender = eagle_engine(tmp_path, target, nextn, encoding=encoding, fingerprint_every=1)
     trainer_cfg = copy.deepcopy(cfg)
     trainer_cfg.num_hidden_layers += 1
     trainer = hf_model(trainer_cfg)
@@ -181,12 +178,7 @@ def test_a_full_sync_that_leaves_the_drafts_own_layer_unwritten_keeps_it_and_say
     target, mtp = target_and_draft(monkeypatch)
     with torch.no_grad():
         mtp.fc.weight.fill_(0.5)  # its startup weights
-    host = Host(target)
-    host.server_args.speculative_algorithm = "EAGLE"
-    pair = draft.bind_draft(target, mtp)
-    engine = InProcessEngine(host)
-    transport = DiskTransport(str(tmp_path), [engine], zstd=1)
-    sender = DeltaSender(transport, [engine], encoding="xor_zstd", fingerprint_every=1)
+    pair, transport, sender = eagle_engine(tmp_path, target, mtp, encoding="xor_zstd", fingerprint_every=1)
     trainer = hf_model(CFG)
     steps = rl_steps(trainer, 1)
     for state in (bf16_state(trainer), next(steps)):
@@ -213,12 +205,8 @@ def test_a_trainer_that_trains_the_draft_stops_when_its_names_do_not_reach_it(mo
     for names_reach, state_of in ((False, lambda s: {n.replace("mtp.", "model.mtp."): t for n, t in s.items()}),
                                   (True, lambda s: s)):
         target, mtp = target_and_draft(monkeypatch)
-        host = Host(target)
-        host.server_args.speculative_algorithm = "EAGLE"
-        draft.bind_draft(target, mtp)
-        engine = InProcessEngine(host)
-        transport = DiskTransport(str(tmp_path / str(names_reach)), [engine], zstd=1)
-        sender = DeltaSender(transport, [engine], encoding="xor_zstd", draft_trained=True)
+        _, transport, sender = eagle_engine(tmp_path / str(names_reach), target, mtp, encoding="xor_zstd",
+                                            draft_trained=True)
         state = state_of(with_mtp(bf16_state(hf_model(CFG)), 0))
         if names_reach:
             assert all(ok for ok, _ in sender.update(segments(state)).values())

@@ -134,8 +134,6 @@ def commit_request(host, staged: StagedRequest) -> Tuple[bool, str]:
                 if chunk:
                     load(chunk)
                     del chunk
-        if head.full and staged.complete:
-            _note_draft_unwritten(model, state)
         write_error = None
     except Exception as e:  # a write failed mid-way: some weights are written
         logger.exception("delta apply failed after writing")
@@ -159,22 +157,6 @@ def commit_request(host, staged: StagedRequest) -> Tuple[bool, str]:
                   f"({params} params, {nnz} values){' (final)' if state.pending is None else ''}.")
 
 
-def _note_draft_unwritten(model: torch.nn.Module, state: ReceiverState) -> None:
-    """A full sync that wrote nothing into some of a bound draft's own params leaves them as loaded at startup: right
-    for a draft the trainer does not train (slime without ``--enable-mtp-training``; its shared embedding and head
-    still move), and the stale draft no token shows when it does train it under names the draft's loader does not
-    take. Said once per full sync, naming one; counted in the status (a trainer that trains the draft stops on it)."""
-    state.draft_names, state.draft_unwritten = draft.own_names(model, state.recorder.copies), 0
-    if not state.recorder.wrote_only_copies(model_tensors(model)):
-        return  # a loader that writes otherwise: which param it wrote is unknowable here
-    missing = draft.unwritten(model, state.recorder.copies)
-    state.draft_unwritten = len(missing)
-    if missing:
-        logger.warning("delta: the full sync wrote nothing into %d of the draft's own params (%r, ...): the draft "
-                       "keeps its startup weights there (right if the trainer does not train its MTP layers; if it "
-                       "does, its names for them do not reach the draft's loader)", len(missing), missing[0])
-
-
 def _commit_version(model: torch.nn.Module, state: ReceiverState, head) -> None:
     """The version's last request is written: it is the engine's; a full sync's recorded views become the plan."""
     state.version, state.pending, state.next_flush, state.finals = head.version, None, {}, set()
@@ -184,8 +166,14 @@ def _commit_version(model: torch.nn.Module, state: ReceiverState, head) -> None:
         state.manifest, state.dirty, state.outside_load, state.released = state.pending_manifest, False, None, False
         state.direct = direct_plan(model, state.recorder)
         state.plan = write_plan(state.direct, state.manifest)
-        state.unheld = frozenset(state.manifest).difference(state.recorder.copies) \
-            if state.recorder.wrote_only_copies(model_tensors(model)) else frozenset()
+        wrote_only = state.recorder.wrote_only_copies(model_tensors(model))
+        state.unheld = frozenset(state.manifest).difference(state.recorder.copies) if wrote_only else frozenset()
+        state.draft_names, missing = draft.draft_facts(model, state.recorder.copies, wrote_only)
+        state.draft_unwritten = len(missing)
+        if missing:  # right for a draft the trainer does not train; a trainer that does stops on the status' count
+            logger.warning("delta: the full sync wrote nothing into %d of the draft's own params (%r, ...): the draft "
+                           "keeps its startup weights there (right if the trainer does not train its MTP layers; if "
+                           "it does, its names for them do not reach the draft's loader)", len(missing), missing[0])
         state.xor_raw, state.xor_ready, state.dense = _paths(state.manifest, state.recorder.copies, state.direct,
                                                              state.unheld)
         state.copies, state.recorder, state.pending_manifest = state.recorder.copies, None, {}

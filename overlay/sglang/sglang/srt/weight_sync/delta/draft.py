@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
+
+from sglang.srt.weight_sync.delta.quant import KV_SCALES
 
 logger = logging.getLogger(__name__)
 
@@ -70,24 +72,20 @@ def resolve(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, _PAIR, model)
 
 
-def unwritten(model: torch.nn.Module, copies: dict) -> List[str]:
-    """A bound pair's own draft params (not the target's, not KV-cache scales) that no recorded copy of a full sync
-    wrote: the draft keeps what it loaded at startup there. ``copies``: the full sync's recorded view copies, by HF
-    name."""
+def draft_facts(model: torch.nn.Module, copies: dict, wrote_only_copies: bool) -> Tuple[List[str], List[str]]:
+    """What a full sync did to a bound pair's own draft params (not the target's): the HF names it wrote only into
+    them (the MTP/NextN layer), and the params no recorded copy wrote (not KV-cache scales, which no trainer sends),
+    which keep what the draft loaded at startup. Those are known only where the loader wrote nothing but recorded
+    copies (``wrote_only_copies``); else none are named. ``copies``: the full sync's recorded view copies, by name."""
     if not isinstance(model, TargetAndDraft):
-        return []
-    written = {id(c.param) for cs in copies.values() for c in cs}
-    shared = {id(p) for p in model.target.parameters()}
-    return [n for n, p in model.draft.named_parameters() if p.numel() and id(p) not in shared | written
-            and not n.endswith((".k_scale", ".v_scale"))]
-
-
-def own_names(model: torch.nn.Module, copies: dict) -> List[str]:
-    """The HF names a full sync wrote only into a bound pair's own draft params (its MTP/NextN layer)."""
-    if not isinstance(model, TargetAndDraft):
-        return []
+        return [], []
     target = {id(p) for p in model.target.parameters()}
-    return sorted(n for n, cs in copies.items() if cs and all(id(c.param) not in target for c in cs))
+    own = sorted(n for n, cs in copies.items() if cs and all(id(c.param) not in target for c in cs))
+    if not wrote_only_copies:
+        return own, []
+    skip = target | {id(c.param) for cs in copies.values() for c in cs}
+    return own, [n for n, p in model.draft.named_parameters()
+                 if p.numel() and id(p) not in skip and not n.endswith(KV_SCALES)]
 
 
 def bind_engine(target_worker, spec_worker, server_args) -> Optional[TargetAndDraft]:

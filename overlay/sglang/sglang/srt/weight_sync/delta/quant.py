@@ -32,11 +32,14 @@ def check_quantization(model: torch.nn.Module) -> None:
         raise DeltaError(_VERDICTS[model], Refusal.UNSUPPORTED)
 
 
+KV_SCALES = (".k_scale", ".v_scale")  # name suffixes of the KV-cache scales an FP8 engine holds as params
+
+
 def check_names(names) -> None:
     """KV-cache scales (``*.k_scale``/``*.v_scale``) are read into floats once at startup: a sync cannot move them
     (slime's FP8 conversion does not emit them)."""
     for name in names:
-        if name.endswith((".k_scale", ".v_scale")):
+        if name.endswith(KV_SCALES):
             raise DeltaError(f"param {name!r}: KV-cache scales are read once at engine startup; a weight sync cannot "
                              "change them (leave them out of the synced state)", Refusal.UNSUPPORTED)
 
