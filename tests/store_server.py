@@ -33,11 +33,25 @@ class SeaweedS3:
         import json
 
         self.dir = workdir
-        os.makedirs(os.path.join(workdir, "data"), exist_ok=True)
+        os.makedirs(workdir, exist_ok=True)
         config = os.path.join(workdir, "s3.json")
         with open(config, "w") as f:
             json.dump({"identities": [{"name": "trainer", "credentials": [{"accessKey": ACCESS, "secretKey": SECRET}],
                                        "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}, f)
+        self._ip, self._netns, self._config, self._launches = ip, netns, config, 0
+        self._launch()
+        self.env = {"AWS_ACCESS_KEY_ID": ACCESS, "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_ENDPOINT_URL": self.endpoint,
+                    "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1", "DELTA_STORE_TIMEOUT_S": "10",
+                    "DELTA_STORE_RETRIES": "2"}
+        os.environ.update(self.env)
+        self._wait()
+
+    def _launch(self) -> None:
+        """Start ``weed`` on free ports (in a data directory of its own per launch)."""
+        ip, netns, config, workdir = self._ip, self._netns, self._config, self.dir
+        self._launches += 1
+        data = os.path.join(workdir, "data" if self._launches == 1 else f"data{self._launches}")
+        os.makedirs(data, exist_ok=True)
         ports = [free_port(40000) for _ in range(4)]
         while len(set(ports)) < 4 or any(p + 10000 > 65535 for p in ports):  # weed binds port + 10000 for gRPC
             ports = [free_port(40000) for _ in range(4)]
@@ -46,18 +60,16 @@ class SeaweedS3:
         self.log = open(os.path.join(workdir, "weed.log"), "wb")
         self.proc = subprocess.Popen(
             (["ip", "netns", "exec", netns] if netns else []) +
-            [weed_binary(), "server", f"-dir={workdir}/data", f"-ip={ip}", f"-ip.bind={ip}",
+            [weed_binary(), "server", f"-dir={data}", f"-ip={ip}", f"-ip.bind={ip}",
              f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}", "-s3",
              f"-s3.port={self.port}", f"-s3.config={config}", "-master.volumeSizeLimitMB=16", "-volume.max=400",
              "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false",
              f"-master.port.grpc={master + 10000}", f"-volume.port.grpc={volume + 10000}",
              f"-filer.port.grpc={filer + 10000}", f"-s3.port.grpc={self.port + 10000}"],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.env = {"AWS_ACCESS_KEY_ID": ACCESS, "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_ENDPOINT_URL": self.endpoint,
-                    "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1", "DELTA_STORE_TIMEOUT_S": "10",
-                    "DELTA_STORE_RETRIES": "2"}
-        os.environ.update(self.env)
-        self._wait()
+        if hasattr(self, "env"):  # a relaunch: clients reach the new endpoint
+            self.env["AWS_ENDPOINT_URL"] = self.endpoint
+            os.environ.update(self.env)
 
     def client(self):
         from sglang.srt.weight_sync.delta.store.objects import s3_client
@@ -69,6 +81,13 @@ class SeaweedS3:
         probe = f"probe-{uuid.uuid4().hex[:8]}"
         while True:
             if self.proc.poll() is not None:
+                self.log.close()
+                with open(self.log.name, "rb") as f:
+                    lost_port = b"address already in use" in f.read()
+                if lost_port and self._launches < 3:  # a port (or its gRPC port, +10000) taken since it was chosen
+                    self._launch()
+                    deadline = time.time() + timeout
+                    continue
                 raise RuntimeError(f"weed exited ({self.proc.returncode}); see {self.log.name}")
             try:
                 c = self.client()
