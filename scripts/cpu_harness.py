@@ -383,6 +383,13 @@ class InProcessEngine:
 
         return [receiver.delta_status(self.host.model)]
 
+    def stage(self, request):
+        from sglang.srt.weight_sync.delta import fetch
+        from sglang.srt.weight_sync.delta.engine_state import host_model
+
+        fetch.request(host_model(self.host), request)
+        return self.status()
+
 
 def receiver_class():
     """Where the patch set binds the receiver: ModelRunner (v0.5.15) or its WeightUpdater (v0.5.23)."""

@@ -48,7 +48,7 @@ def _metrics_of_a_sync(tmp_path):
     cfg = hf_config("qwen2")
     trainer = hf_model(cfg)
     engine = InProcessEngine(Host(nan_filled(sglang_model(cfg))))
-    transport = DiskTransport(str(tmp_path), [engine], zstd=1)
+    transport = DiskTransport(str(tmp_path), [engine], zstd=1, stage_timeout=60)  # staged: its metrics too
     sender = DeltaSender(transport, [engine], encoding="xor_zstd", fingerprint_every=1)
     keys = set()
     for state in [bf16_state(trainer), next(rl_steps(trainer, 1))]:

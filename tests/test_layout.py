@@ -5,7 +5,7 @@ import sys
 
 import sglang.srt.weight_sync.delta as pkg
 
-ENGINE = ("receiver", "stage", "commit", "validate", "ingest", "versions", "views", "engine_state", "write_guard",
+ENGINE = ("receiver", "fetch", "stage", "commit", "validate", "ingest", "versions", "views", "engine_state", "write_guard",
           "quant", "prefix_cache", "store.catch_up", "store.watch")
 
 

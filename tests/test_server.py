@@ -167,3 +167,44 @@ def test_weights_released_without_a_host_copy_get_a_full_sync_after_resume(world
         assert server.post("/generate", req).status_code == 200
     finally:
         transport.close()
+
+
+def test_a_staged_sync_serves_the_old_version_until_its_commit(world):
+    """Stage, then commit, over HTTP: the server fetches each publish's files (``/weights_checker`` ``delta_stage``
+    with the files in its ``delta`` field) while it serves. When the sender pauses it, the version is staged, the
+    server still holds the old weights and generates the old tokens; after the commit it holds the new version
+    bit-identically, having read no byte inside the pause."""
+    from cpu_harness import segments
+    from sglang.srt.weight_sync.delta.sender import DeltaSender
+    from sglang.srt.weight_sync.delta.transport import DiskTransport, HttpEngine
+
+    server, states = world["server"], world["states"]
+    req = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 6, "temperature": 0},
+           "return_logprob": True}
+    seen = []
+
+    class Watching(HttpEngine):
+        def pause_generation(self):  # the gate: every publish fetched, nothing written yet
+            (st,) = self.status()
+            out = server.post("/generate", req).json()
+            seen.append((st.version, st.staged, engine_mismatch(server, held), out["meta_info"]["output_token_logprobs"]))
+            super().pause_generation()
+
+    engine = Watching(server.url)
+    transport = DiskTransport(str(world["root"] / "staged"), [engine], zstd=1, stage_timeout=60)
+    sender = DeltaSender(transport, [engine], encoding="xor_zstd")
+    try:
+        held = states[2]  # where the last test left the server
+        for state in states[:3]:
+            old = server.post("/generate", req).json()["meta_info"]["output_token_logprobs"]
+            results = sender.update(segments(state))
+            assert all(ok for ok, _ in results.values()), results
+            version, staged, mismatch, tokens = seen[-1]
+            assert staged == version + 1 and mismatch is None and tokens == old, seen[-1][:3]
+            assert_engine_has(server, state)
+            (st,) = engine.status()
+            assert st.timing["in_pause_bytes"] == 0 and st.timing["staged_bytes"] > 0, st
+            assert sender.pop_metrics()["perf/update_weights_stage_ready_engines"] == 1
+            held = state
+    finally:
+        transport.close()

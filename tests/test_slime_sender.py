@@ -211,6 +211,52 @@ def test_disk_transport(world, encoding, sharded):
     world["version"] = up.weight_version
 
 
+@pytest.mark.parametrize("mode", ["abort", "retract"])
+def test_over_disk_the_engine_fetches_while_it_generates_and_pauses_only_to_commit(world, mode):
+    """Stage, then commit (``--update-weight-delta-stage-timeout``, on by default over disk): slime's updater has the
+    engine fetch each publish through ``SGLangEngine.check_weights('delta_stage', delta=...)`` while it generates,
+    and pauses it in its pause mode only to commit: every version's files were taken from the stage (none read inside
+    the pause), bit-identical, and the pause is timed apart from the stage. With ``retract`` a request streaming
+    through the syncs finishes in full."""
+    import slime_harness as H
+    from cpu_harness import StreamedRequest
+    from slime.backends.megatron_utils.update_weight.update_weight_from_distributed_delta import (
+        UpdateWeightFromDistributedDelta,
+        _RayEngine,
+    )
+
+    args = H.make_args(update_weight_transport="disk", update_weight_delta_encoding="xor_zstd",
+                       update_weight_disk_dir=str(world["root"] / f"staged-{mode}"), update_weight_delta_zstd_level=1,
+                       update_weight_pause_mode=mode)
+    up = UpdateWeightFromDistributedDelta(args, [world["model"]], weights_getter=lambda: {}, model_name="llama",
+                                          quantization_config=None)
+    assert args.update_weight_delta_stage_timeout == 300.0  # the default, as slime's parser gives it
+    up.weight_version = world.get("version", 0)
+    up.connect_rollout_engines(world["engines"], world["lock"])
+    flight = StreamedRequest(world["server"], [5, 9, 11, 13], 100) if mode == "retract" else None
+    if flight is not None:
+        flight.start()
+        assert flight.started.wait(300)
+    (st,) = _RayEngine(world["engines"][0]).status()
+    fresh = st.version is None  # run alone: the engine's first sync, which it reads inside the pause
+    for k in range(3):
+        up.update_weights()
+        m = up.pop_metrics()
+        assert m["perf/update_weights_failures"] == 0 and m["perf/update_weights_stage_ready_engines"] == 1, m
+        assert 0 < m["perf/update_weights_pause_s"] and m["perf/update_weights_stage_s"] >= 0, m
+        (st,) = _RayEngine(world["engines"][0]).status()
+        assert st.version == up.weight_version, st
+        if k or not fresh:
+            assert st.timing["in_pause_bytes"] == 0 and st.timing["staged_bytes"] > 0, st
+        engine_has(world["server"], H.hf_state(args, world["model"]))
+        world["trainer"].step()
+    if flight is not None:
+        flight.join(600)
+        assert flight.meta["finish_reason"]["type"] == "length" and flight.meta["completion_tokens"] == 100
+    up.disconnect_rollout_engines()
+    world["version"] = up.weight_version
+
+
 def test_a_param_that_no_longer_fits_its_shard_map_stops_the_sync_before_any_send(world):
     """A Megatron param whose shape changed since its shard map was built (its slice would land on other HF
     elements): the sync stops before a byte reaches the engine, which keeps the last version, and names the param;
@@ -362,6 +408,34 @@ def test_the_example_parses_with_slimes_own_arguments():
     resolve_delta_args(ns)
     with pytest.raises(ValueError, match=r"--update-weight-delta-shard-chunk-bytes=0: give a positive number"):
         validate_delta_args(ns)
+
+
+def test_the_stage_timeout_parses_with_slimes_own_arguments_and_is_refused_where_nothing_stages():
+    """``--update-weight-delta-stage-timeout``: over disk the engines fetch while they generate (default 300 s; 0
+    pauses first); over nccl nothing stages yet, so setting it there is refused by name, as a negative value is."""
+    import argparse
+    import shlex
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    from delta_gsm8k import train_args
+    from slime.utils.arguments import get_slime_extra_args_provider
+    from slime.utils.delta_sync_args import resolve_delta_args, validate_delta_args
+
+    parser = argparse.ArgumentParser()
+    parser = get_slime_extra_args_provider()(parser) or parser
+    for transport, extra, error in (("disk", [], None), ("disk", ["0"], None), ("disk", ["-1"], "give seconds"),
+                                    ("nccl", ["30"], "used only with a sparse encoding over --update-weight-transport "
+                                                     "disk")):
+        argv = shlex.split(train_args(transport, "/shared", 4))
+        ns, _ = parser.parse_known_args(argv + (["--update-weight-delta-stage-timeout", *extra] if extra else []))
+        assert ns.update_weight_delta_stage_timeout == (float(extra[0]) if extra else 300.0)
+        resolve_delta_args(ns)
+        if error is None:
+            validate_delta_args(ns)
+        else:
+            with pytest.raises(ValueError, match=error):
+                validate_delta_args(ns)
 
 
 def test_the_engines_staging_flags_pass_through_slimes_own_sglang_arguments():

@@ -18,6 +18,7 @@ DELTA_ARG_DEFAULTS = {
     "update_weight_delta_sharded": None,
     "update_weight_delta_shard_chunk_bytes": None,
     "update_weight_pause_mode": "abort",
+    "update_weight_delta_stage_timeout": 300.0,
     "update_weight_store": None,
     "update_weight_store_key_file": None,
     "update_weight_store_anchor_every": 0,
@@ -72,6 +73,8 @@ _USED_WITH = (
     ("update_weight_pause_mode", runs_sparse_delta, "--update-weight-mode delta and a sparse encoding"),
     ("update_weight_delta_sharded", runs_sparse_delta, "--update-weight-mode delta and a sparse encoding"),
     ("update_weight_delta_fingerprint_interval", runs_sparse_delta, "--update-weight-mode delta and a sparse encoding"),
+    ("update_weight_delta_stage_timeout", lambda a: runs_sparse_delta(a) and a.update_weight_transport == "disk",
+     "a sparse encoding over --update-weight-transport disk (a directory or a store)"),
     ("update_weight_delta_shard_chunk_bytes", lambda a: bool(a.update_weight_delta_sharded),
      "the sharded sender (--update-weight-delta-sharded)"),
     ("update_weight_delta_zstd_level", _compresses,
@@ -98,6 +101,9 @@ def validate_delta_args(args) -> None:
         if value not in (DELTA_ARG_DEFAULTS[name], False) and not used(args):
             raise ValueError(f"--{name.replace('_', '-')}={value} is used only with {where}; with "
                              f"{_what_runs(args)} nothing would use it: drop it, or run what uses it.")
+    if args.update_weight_delta_stage_timeout < 0:
+        raise ValueError(f"--update-weight-delta-stage-timeout={args.update_weight_delta_stage_timeout}: give seconds "
+                         "(0: announce each publish as it is written, inside the pause)")
     chunk = args.update_weight_delta_shard_chunk_bytes
     if chunk is not None and chunk <= 0:
         raise ValueError(f"--update-weight-delta-shard-chunk-bytes={chunk}: give a positive number of bytes "
@@ -175,6 +181,17 @@ def add_delta_arguments(parser) -> None:
             "and the cache is flushed before the sync. The sparse encodings also take 'retract': they wait "
             "without KV and are recomputed on the new weights; 'in_place': they keep their KV (computed by "
             "the old weights) and continue, while every later request starts from the new weights."
+        ),
+    )
+    parser.add_argument(
+        "--update-weight-delta-stage-timeout",
+        type=float,
+        default=d["update_weight_delta_stage_timeout"],
+        help=(
+            "the sparse encodings over disk: the engines fetch each publish's files while they keep generating, and "
+            "are paused only to commit, once every engine fetched the version or after this many seconds (default "
+            "300); an engine that has not reads the rest inside the pause. 0: pause first, announce each publish "
+            "as it is written."
         ),
     )
     parser.add_argument(

@@ -47,21 +47,36 @@ def max_request_bytes(model: torch.nn.Module) -> int:
     return state.max_payload_bytes
 
 
-def read_delta_file(model_path: str, name: str, max_bytes: int) -> DeltaPayload:
+def resolve_file(model_path: str, name: str) -> str:
+    """The path of an announced file: a plain name inside ``model_path``, never a symlink out of it."""
     if not isinstance(name, str) or not name or os.path.basename(name) != name or name in (".", ".."):
         raise DeltaError(f"file {name!r}: must be a plain file name inside model_path")
     root = os.path.realpath(model_path)
     path = os.path.realpath(os.path.join(root, name))
     if os.path.dirname(path) != root:
         raise DeltaError(f"file {name!r}: resolves outside model_path (symlink escape)")
+    return path
+
+
+def read_delta_file(model, model_path: str, name: str, max_bytes: int) -> DeltaPayload:
+    """One announced file: fetched while the engine served (``fetch``) if it is still the file that was read, else
+    read now."""
+    from sglang.srt.weight_sync.delta import fetch
+
+    path = resolve_file(model_path, name)
     try:
-        size = os.path.getsize(path)
-        if size > max_bytes:
-            raise DeltaError(f"file {name!r}: {size} bytes exceeds the {max_bytes}-byte bound")
-        with open(path, "rb") as f:
-            data = f.read()
+        data = fetch.take(model, path, fetch.file_tag(path))
+        if data is None:
+            size = os.path.getsize(path)
+            if size > max_bytes:
+                raise DeltaError(f"file {name!r}: {size} bytes exceeds the {max_bytes}-byte bound")
+            with open(path, "rb") as f:
+                data = f.read()
+            fetch.count_read(model, len(data))
     except OSError as e:
         raise DeltaError(f"file {name!r}: cannot read ({e.strerror})") from None
+    if len(data) > max_bytes:
+        raise DeltaError(f"file {name!r}: {len(data)} bytes exceeds the {max_bytes}-byte bound")
     return read_safetensors(maybe_zstd_decompress(data, max_bytes, name), name)
 
 
@@ -72,9 +87,10 @@ def read_files(host, model_path: str, files: List[str]) -> List[DeltaPayload]:
     if not os.path.isdir(model_path):
         raise DeltaError(f"model_path {model_path!r} is not a directory")
     workers = int(server_arg(host, "update_weight_delta_read_workers", DEFAULT_READ_WORKERS))
-    max_bytes = max_request_bytes(host_model(host))
+    model = host_model(host)
+    max_bytes = max_request_bytes(model)
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        return list(pool.map(lambda n: read_delta_file(model_path, n, max_bytes), files))
+        return list(pool.map(lambda n: read_delta_file(model, model_path, n, max_bytes), files))
 
 
 def read_files_once(host, model_path: str, files: List[str], reader=None) -> List[DeltaPayload]:

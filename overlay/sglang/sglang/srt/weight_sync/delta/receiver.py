@@ -38,11 +38,12 @@ How the loader is watched (per thread, aten-level bypasses, foreign threads): se
 from __future__ import annotations
 
 import logging
+import time
 from typing import List, Optional, Tuple
 
 import torch
 
-from sglang.srt.weight_sync.delta import draft, fingerprint
+from sglang.srt.weight_sync.delta import draft, fetch, fingerprint
 from sglang.srt.weight_sync.delta.collectives import tp_agree
 from sglang.srt.weight_sync.delta.commit import apply_request, refused
 from sglang.srt.weight_sync.delta.engine_state import host_model, receiver_state, server_arg
@@ -71,7 +72,7 @@ logger = logging.getLogger(__name__)
 
 # What the patched SGLang calls (model runner, weight updater, weights checker) and the tests read.
 __all__ = ["_apply_delta", "_apply_delta_from_distributed", "_apply_delta_payload", "_apply_received_delta",
-           "apply_request", "checker_action", "delta_status", "fingerprint_payload", "note_outside_load",
+           "apply_request", "checker_action", "delta_status", "fingerprint_payload", "note_checker_request", "note_outside_load",
            "note_released", "receive_broadcast", "receiver_state", "refused", "update_group_timeout"]
 
 
@@ -84,13 +85,16 @@ def delta_status(model: torch.nn.Module) -> DeltaStatus:
     state = receiver_state(model)
     reason = full_reason(state)
     request, code, received = state.last
-    stage = staging.report(model)
+    stage = fetch.report(model)  # a pushed version's files, else a store follower's stage
+    stage = stage if stage.get("staged") is not None or stage.get("fetching") is not None else \
+        dict(staging.report(model), code=stage.get("code"))
     return DeltaStatus(version=state.version, needs_full=reason is not None, reason=reason, pending=state.pending,
                        request=request, code=code, received=received, max_request_bytes=max_request_bytes(model),
                        xor=state.xor_ready and reason is None, xor_raw=list(state.xor_raw), dense=list(state.dense),
                        ctx=state.xor_ready and reason is None,
                        applied=dict(state.applied), wire_format=WIRE_FORMAT,
-                       staged=stage["staged"], staging=stage["fetching"], timing=dict(state.timing),
+                       staged=stage["staged"], staging=stage["fetching"], stage_code=stage["code"],
+                       timing=dict(state.timing),
                        draft_unwritten=state.draft_unwritten, draft=list(state.draft_names))
 
 
@@ -101,13 +105,23 @@ def checker_action(action: str, model: torch.nn.Module, parallelism_info=None) -
         return fingerprint_payload(model, parallelism_info)
     if action == "delta_status":
         return delta_status(model).checker_rank(parallelism_info)
-    if action == "delta_stage":  # a store follower fetches its next version while it serves (store.staging)
-        staging.start(model)
+    if action == "delta_stage":  # a pushed version's files (fetch), or a store follower's next version (staging)
+        pushed = _CHECKER_REQUEST.get("delta")
+        fetch.request(model, pushed) if pushed is not None else staging.start(model)
         return delta_status(model).checker_rank(parallelism_info)
     raise DeltaError(f"unknown weights_checker action {action!r} (have: delta_fingerprint, delta_status, delta_stage)")
 
 
 _apply_delta_payload = apply_request  # the name the patches bind on the runner (and the tests call)
+
+_CHECKER_REQUEST: dict = {}  # the ``/weights_checker`` request this scheduler is answering (its ``delta`` field)
+
+
+def note_checker_request(recv_req) -> None:
+    """Hooked where the scheduler takes a ``/weights_checker`` request: the fields an action reads beyond its name
+    (``delta_stage``'s files), for the checker calls of this one request."""
+    _CHECKER_REQUEST.clear()
+    _CHECKER_REQUEST["delta"] = getattr(recv_req, "delta", None)
 
 
 def fingerprint_payload(model: torch.nn.Module, parallelism_info=None) -> dict:
@@ -155,15 +169,19 @@ def _apply_delta(self, model_path: str, files: Optional[List[str]], weight_versi
     one request. No garbage collection while the files are parsed either (:func:`ops.gc_paused`). ``store``: the
     version store's request (``digests`` of pushed files, or ``catch_up``; see ``store.catch_up``)."""
     with gc_paused():
-        if store:
-            if store.get("catch_up"):
-                return catch_up.catch_up(self, model_path, weight_version)
-            return catch_up.apply_pushed(self, model_path, files, weight_version, store.get("digests") or {})
+        if store and store.get("catch_up"):
+            return catch_up.catch_up(self, model_path, weight_version)
+        t0 = time.perf_counter()
         try:
-            payloads = read_files_once(self, model_path, files)
-        except DeltaError as e:  # every rank refuses alike (the TP ranks still agree before any write)
-            return _apply_delta_payload(self, [], weight_version, failure=e)
-        return _apply_delta_payload(self, payloads, weight_version)
+            if store:
+                return catch_up.apply_pushed(self, model_path, files, weight_version, store.get("digests") or {})
+            try:
+                payloads = read_files_once(self, model_path, files)
+            except DeltaError as e:  # every rank refuses alike (the TP ranks still agree before any write)
+                return _apply_delta_payload(self, [], weight_version, failure=e)
+            return _apply_delta_payload(self, payloads, weight_version)
+        finally:
+            fetch.settle(self, t0)  # what was fetched for it is taken, or dropped with its version
 
 
 def _apply_delta_from_distributed(self, delta: Optional[str], names, dtypes, shapes, group_name: str,

@@ -171,14 +171,26 @@ class DeltaSender:
         before they resume (``repair_dirty``: the segments are called again), so no request is served by a
         half-written model."""
         with gc_paused():
-            paused = []
-            for e in self.engines:  # no forward pass sees a sync half-applied (slime pauses on its own)
-                if hasattr(e, "pause_generation"):
-                    try:
-                        e.pause_generation()
-                        paused.append(e)
-                    except Exception:  # an unreachable engine fails its own requests below
-                        logger.exception("pause_generation failed")
+            paused, since = [], []
+
+            def pause():  # no forward pass sees a sync half-applied (slime pauses on its own)
+                if since:
+                    return
+                since.append(time.perf_counter())
+                for e in self.engines:
+                    if hasattr(e, "pause_generation"):
+                        try:
+                            e.pause_generation()
+                            paused.append(e)
+                        except Exception:  # an unreachable engine fails its own requests below
+                            logger.exception("pause_generation failed")
+
+            stages_first = getattr(self.transport, "stage_timeout", 0) > 0
+            staged = stages_first and self.transport.gate is None  # a caller's own gate pauses by itself (slime)
+            if staged:  # the engines fetch while they serve; the transport pauses them before its announcements
+                self.transport.gate = pause
+            elif not stages_first:
+                pause()
             try:
                 results = self._update(segments)
                 if self.repair_dirty:  # every pipeline stage repairs, or none: stage 0 knows the engines
@@ -187,11 +199,15 @@ class DeltaSender:
                     if dirty:
                         results = self.repair(segments, len(dirty))
             finally:  # a fingerprint sync's check ran while paused: no request competed with it
+                if staged:
+                    self.transport.gate = None
                 for e in paused:
                     try:
                         e.continue_generation()
                     except Exception:  # the engine's own failure shows in its result; keep the others going
                         logger.exception("continue_generation failed")
+                if since:  # how long generation stood still, as the trainer saw it
+                    self._metrics["perf/update_weights_pause_s"] = time.perf_counter() - since[0]
             return results
 
     def repair(self, segments: Sequence[Callable[[], Iterable[Chunk]]], engines: int) -> Dict[int, Tuple[bool, str]]:

@@ -19,7 +19,7 @@ import importlib
 from typing import List, Optional, Sequence, Tuple
 
 
-from sglang.srt.weight_sync.delta import draft
+from sglang.srt.weight_sync.delta import draft, fetch
 from sglang.srt.weight_sync.delta.collectives import tp_agree
 from sglang.srt.weight_sync.delta.engine_state import (
     ReceiverState,
@@ -107,6 +107,7 @@ def stage_request(host, payloads: Sequence[DeltaPayload], weight_version: Option
     model = host_model(host)
     state = receiver_state(model)
     device = host_device(host)
+    fetch.remember(host)  # the settings a later fetch of this engine runs under
     # Each flush's blobs move to the engine's device once: positions decode and values are written there
     payloads = [dataclasses.replace(p, positions=p.positions.to(device), values=p.values.to(device)) for p in payloads]
     head = payloads[0].spec if payloads else None

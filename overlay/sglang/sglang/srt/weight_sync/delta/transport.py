@@ -32,6 +32,7 @@ import torch
 
 from sglang.srt.weight_sync.delta.collectives import StageGroup, abort_group, await_collectives, group_named
 from sglang.srt.weight_sync.delta.files import flush_file
+from sglang.srt.weight_sync.delta.stage_first import StagedPublishes
 from sglang.srt.weight_sync.delta.wire import (
     POSITIONS,
     RECEIVE_ONLY,
@@ -114,13 +115,18 @@ class DiskTransport:
 
     def __init__(self, root: str, engines: Sequence, *, zstd: Optional[int] = None, keep_files: bool = False,
                  post_write_hook: Optional[Callable[[str], Optional[concurrent.futures.Future]]] = None,
-                 stages: Optional[StageGroup] = None):
+                 stages: Optional[StageGroup] = None, stage_timeout: float = 0.0):
         self.root, self.engines, self.stages = root, list(engines), stages
+        # stage, then commit: with a gate set for the sync, the engines fetch each publish while they serve and the
+        # gate (the caller's pause) comes before the announcements (``stage_first``); 0: announce as written
+        self.stage_timeout = stage_timeout
+        self.gate: Optional[Callable[[], None]] = None
         self.rank = stages.rank if stages is not None else 0
         self.keep_files, self.hook = keep_files, post_write_hook
         self.writer = AsyncSafetensorsWriter(zstd)  # a zstd level (``wire.zstd_level``); None: uncompressed
         self.announcer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="delta-publish")
         self.calls = concurrent.futures.ThreadPoolExecutor(max(1, len(self.engines)), thread_name_prefix="delta-rpc")
+        self.staged = StagedPublishes(self.engines, self.calls, stage_timeout)
         self.vdir = ""
         self._file_no = 0
         self._pending: Dict[str, List[Tuple[str, concurrent.futures.Future]]] = {}
@@ -138,6 +144,7 @@ class DiskTransport:
         self.vdir = os.path.join(self.root, f"weight_v{version:06d}")
         self._file_no, self._pending, self._held, self._publishes, self._results = 0, {}, {}, [], {}
         self.wire_bytes, self.writer.busy_s, self._apply_s = 0, 0.0, {}
+        self.staged.begin(version)
 
     def pending(self, kind: str) -> int:
         return len(self._pending.get(kind, [])) + (kind in self._held)
@@ -194,6 +201,10 @@ class DiskTransport:
         calls = {}  # every engine at once: finalize does not grow with the engine count
         for kind, engines in targets.items():
             for i in engines:
+                if self._staging():  # fetched now, announced under the gate
+                    self.staged.add(i, self._stage_body(kind, names.get(kind, [])),
+                                    lambda i=i, kind=kind, n=names.get(kind, []): self._call(i, kind, n))
+                    continue
                 if i in self._results and not self._results[i][0]:
                     continue  # this engine already failed this sync; its later flushes would be refused
                 calls[i] = self.calls.submit(self._call, i, kind, names.get(kind, []))
@@ -202,6 +213,13 @@ class DiskTransport:
             self._apply_s[i] = self._apply_s.get(i, 0.0) + seconds
             if i not in self._results or not ok:
                 self._results[i] = (bool(ok), msg)
+
+    def _staging(self) -> bool:
+        return self.stage_timeout > 0 and self.gate is not None
+
+    def _stage_body(self, kind: str, names: list) -> Optional[dict]:
+        """What an engine fetches of one publish before the gate (None: nothing)."""
+        return {"model_path": self._dir(kind), "files": list(names)}
 
     def _entry(self, kind: str, name: str):
         """What an announcement says of one written file (here its name; a store adds its size and digest)."""
@@ -229,6 +247,10 @@ class DiskTransport:
             except Exception as e:  # the writer or the hook failed: nothing of this publish reached an engine
                 failed = f"transport: publish failed: {e!r}"
                 logger.exception("delta publish failed")
+        if self._staging() and (self.stages is None or self.stages.first):
+            for i, (ok, msg, seconds) in self.staged.commit(self.gate, failed).items():
+                self._apply_s[i] = seconds
+                self._results[i] = (ok, msg)
         if failed:
             for i in range(len(self.engines)):
                 if self._results.get(i, (True, ""))[0]:
@@ -238,8 +260,10 @@ class DiskTransport:
         return self._results
 
     def timings(self) -> Dict[str, float]:
-        """This sync's seconds: writing files (transfer) and the slowest engine's read + apply."""
-        return {"transfer_s": self.writer.busy_s, "apply_s": max(self._apply_s.values(), default=0.0)}
+        """This sync's seconds: writing files (transfer), the slowest engine's read + apply, and where the engines
+        fetched first, the fetch (``stage_s``, up to the gate) and the announcements under it (``commit_s``)."""
+        return {"transfer_s": self.writer.busy_s, "apply_s": max(self._apply_s.values(), default=0.0),
+                **self.staged.figures}
 
     def close(self) -> None:
         self.writer.close()
@@ -411,8 +435,8 @@ class HttpEngine:
         if r.status_code != 200:
             raise RuntimeError(f"/continue_generation: HTTP {r.status_code}: {r.text[:500]}")
 
-    def _checker(self, action: str) -> List[dict]:
-        r = self.session.post(self.url + "/weights_checker", json={"action": action}, timeout=self.timeout)
+    def _checker(self, action: str, **fields) -> List[dict]:
+        r = self.session.post(self.url + "/weights_checker", json={"action": action, **fields}, timeout=self.timeout)
         data = r.json()
         if r.status_code != 200 or not data.get("success"):
             raise RuntimeError(f"HTTP {r.status_code}: {data.get('message', r.text[:500])}")
@@ -421,6 +445,10 @@ class HttpEngine:
     def fingerprint(self) -> List[dict]:
         """Every rank's share of the weight fingerprint (``/weights_checker``, action ``delta_fingerprint``)."""
         return self._checker("delta_fingerprint")
+
+    def stage(self, request: dict) -> List[DeltaStatus]:
+        """Have the engine fetch one publish's files while it serves (``/weights_checker`` ``delta_stage``)."""
+        return DeltaStatus.from_checker(self._checker("delta_stage", delta=request))
 
     def status(self) -> List[DeltaStatus]:
         """Every rank's structured delta status (``/weights_checker``, action ``delta_status``)."""

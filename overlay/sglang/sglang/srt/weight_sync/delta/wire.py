@@ -105,6 +105,7 @@ class Refusal(str, enum.Enum):
     VERIFY = "verify"  # a written element read back other bits than were written: the engine is dirty
     UNVERIFIED = "unverified"  # a store's object, manifest or HEAD fails its digest or MAC: not what the trainer wrote
     STORE_UNAVAILABLE = "store_unavailable"  # the store cannot give what a catch-up needs (unreachable, deleted)
+    STAGE_BOUND = "stage_bound"  # a stage request this engine's --update-weight-delta-stage-bytes cannot hold
 
 
 class DeltaError(ValueError):
@@ -137,8 +138,9 @@ class DeltaStatus:
     dense: List[str] = dataclasses.field(default_factory=list)  # names that must travel dense (see nan_sentinel)
     applied: Dict[str, int] = dataclasses.field(default_factory=dict)  # versions committed by kind: {"full", "delta"}
     wire_format: int = 1  # the spec layout this rank reads (:data:`WIRE_FORMAT`; an engine that does not say reads 1)
-    staged: Optional[int] = None  # a version fetched and digest-checked from the store while serving, not committed
-    staging: Optional[int] = None  # the version being fetched from the store now (None: no stage under way)
+    staged: Optional[int] = None  # a version fetched (store: and digest-checked) while serving, not committed
+    staging: Optional[int] = None  # the version being fetched now (None: no stage under way)
+    stage_code: Optional[str] = None  # the last stage request's Refusal code (None: taken)
     timing: Dict[str, float] = dataclasses.field(default_factory=dict)  # stage_s, commit_s, staged/in_pause_bytes
     draft_unwritten: int = 0  # a speculative draft's own params its last full sync wrote nothing into
     draft: List[str] = dataclasses.field(default_factory=list)  # names only its speculative draft holds

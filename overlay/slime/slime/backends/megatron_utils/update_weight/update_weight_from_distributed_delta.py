@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from contextlib import contextmanager
 
 import ray
@@ -76,6 +77,9 @@ class _RayEngine:
     def fingerprint(self):
         return ray.get(self.actor.check_weights.remote("delta_fingerprint"))["ranks"]
 
+    def stage(self, request):
+        return DeltaStatus.from_checker(ray.get(self.actor.check_weights.remote("delta_stage", delta=request))["ranks"])
+
     def status(self):
         return DeltaStatus.from_checker(ray.get(self.actor.check_weights.remote("delta_status"))["ranks"])
 
@@ -118,7 +122,7 @@ class UpdateWeightFromDistributedDelta(UpdateWeightFromDistributed):
         side = None
         if store:  # every sync a version of the store: late and restarted engines catch up from it
             side = StoreTransport(store, engines, stages=stages, key=StoreKey.from_file(
-                                      self.args.update_weight_store_key_file),
+                                      self.args.update_weight_store_key_file), stage_timeout=self._stage_timeout(),
                                   # the store's files are compressed whatever the group carries
                                   zstd=zstd_level(self.args.update_weight_delta_encoding if self._disk
                                                   else DeltaEncoding.DELTAS_ZSTD.value, level),
@@ -128,7 +132,8 @@ class UpdateWeightFromDistributedDelta(UpdateWeightFromDistributed):
             transport = side or DiskTransport(self.args.update_weight_disk_dir, engines, stages=stages,
                                               zstd=zstd_level(self.args.update_weight_delta_encoding, level),
                                               keep_files=self.args.update_weight_disk_keep_files,
-                                              post_write_hook=self._post_write_hook())
+                                              post_write_hook=self._post_write_hook(),
+                                              stage_timeout=self._stage_timeout())
         else:
             group = dict(device=torch.device(torch.cuda.current_device()) if torch.cuda.is_available()
                          else torch.device("cpu"), reconnect=self._reconnect, guard=self._engine_lock)
@@ -144,6 +149,10 @@ class UpdateWeightFromDistributedDelta(UpdateWeightFromDistributed):
                                    anchor_every=self.args.update_weight_store_anchor_every,
                                    draft_trained=bool(getattr(self.args, "enable_mtp_training", False)))
         self._sender.version = self.weight_version  # continue the engines' version chain
+
+    def _stage_timeout(self) -> float:
+        """Over disk (a directory or a store) the engines fetch a version while they generate (0: pause first)."""
+        return float(self.args.update_weight_delta_stage_timeout) if self._disk else 0.0
 
     def _stage_group(self) -> StageGroup | None:
         """PP>1: a gloo group of the stages' source ranks, in stage order (``new_group`` is collective: every rank
@@ -199,6 +208,8 @@ class UpdateWeightFromDistributedDelta(UpdateWeightFromDistributed):
         before the sync; under ``retract``/``in_place`` requests wait in the engine (slime's flush would refuse),
         and the engine makes its prefix cache safe when the version commits (``delta.prefix_cache``)."""
         mode = self.args.update_weight_pause_mode
+        if self._stage_timeout() > 0:
+            return self._update_staged(mode)
         if mode == "abort":
             return super().update_weights()
         self.weight_version += 1
@@ -209,6 +220,36 @@ class UpdateWeightFromDistributedDelta(UpdateWeightFromDistributed):
         self._send_weights(pbar)
         if dist.get_rank() == 0:
             ray.get([engine.continue_generation.remote() for engine in self.rollout_engines])
+        dist.barrier(group=get_gloo_group())
+
+    def _update_staged(self, mode: str) -> None:
+        """Stage, then commit: the sync runs while the engines generate and fetch each publish; rank 0 (stage 0's
+        source, which announces) pauses them in ``mode`` only when the announcements are due (the transport's gate),
+        and resumes them after the sync and any repair. ``abort`` flushes the cache as slime's own pause does."""
+        self.weight_version += 1
+        since = []
+
+        def gate():
+            if since:
+                return
+            since.append(time.perf_counter())
+            ray.get([engine.pause_generation.remote(mode) for engine in self.rollout_engines])
+            if mode == "abort":
+                ray.get([engine.flush_cache.remote() for engine in self.rollout_engines])
+
+        transport = self._sender.transport if self._sender is not None and dist.get_rank() == 0 else None
+        if transport is not None:
+            transport.gate = gate
+        pbar = tqdm(desc=f"[{self._group_name}] Update weights", total=0) if self._is_pp_src_rank else None
+        try:
+            self._send_weights(pbar)
+        finally:
+            if transport is not None:
+                transport.gate = None
+            if dist.get_rank() == 0:
+                ray.get([engine.continue_generation.remote() for engine in self.rollout_engines])
+        if since:  # how long generation stood still (rank 0)
+            self.update_weight_metrics["perf/update_weights_pause_s"] = time.perf_counter() - since[0]
         dist.barrier(group=get_gloo_group())
 
     def disconnect_rollout_engines(self) -> None:

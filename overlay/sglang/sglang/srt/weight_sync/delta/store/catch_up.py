@@ -32,6 +32,7 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 from sglang.srt.weight_sync.delta.collectives import broadcast_json, tp_group
+from sglang.srt.weight_sync.delta import fetch
 from sglang.srt.weight_sync.delta.commit import apply_request, chunk_bytes, commit_request, refused
 from sglang.srt.weight_sync.delta.engine_state import host_model, receiver_state, server_arg
 from sglang.srt.weight_sync.delta.files import maybe_zstd_decompress, read_safetensors
@@ -50,7 +51,7 @@ def store_key(host) -> StoreKey:
     return StoreKey.from_file(server_arg(host, "update_weight_store_key_file", None))
 
 
-def _split(url: str) -> Tuple[ObjectStore, str]:
+def split_url(url: str) -> Tuple[ObjectStore, str]:
     """A version directory's URL as (the store, its key prefix)."""
     root, _, leaf = url.rstrip("/").rpartition("/")
     return open_store(root), leaf
@@ -76,10 +77,13 @@ def read_flushes(host, store: ObjectStore, prefix: str, entries: List[list]) -> 
         name, _, sha = entry
         if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
             raise DeltaError(f"file {name!r}: must be a plain file name inside the version")
-        data = staging.take(host_model(host), f"{prefix}/{name}", sha)  # staged while the engine served
+        model = host_model(host)  # fetched or staged while the engine served: taken under the same digest
+        data = staging.take(model, f"{prefix}/{name}", sha)
+        data = fetch.take(model, f"{prefix}/{name}", sha) if data is None else data
         if data is None:
             data = read_object(store, f"{prefix}/{name}", sha, max_bytes)
-            staging.count_read(host_model(host), len(data))
+            staging.count_read(model, len(data))
+            fetch.count_read(model, len(data))
         return read_safetensors(maybe_zstd_decompress(data, max_bytes, name), name)
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
@@ -93,7 +97,7 @@ def apply_pushed(host, url: str, files: List[str], weight_version: Optional[str]
         if missing or not files:
             raise DeltaError(f"files {missing[:3]} come without a digest" if missing else
                              "load_format 'delta' needs 'files'", Refusal.UNVERIFIED)
-        store, prefix = _split(url)
+        store, prefix = split_url(url)
         payloads = read_files_once(host, url, files, reader=lambda: read_flushes(
             host, store, prefix, [[f, 0, digests[f]] for f in files]))
     except DeltaError as e:

@@ -48,14 +48,14 @@ class StoreTransport(DiskTransport):
     versioned = True
 
     def __init__(self, url, engines, *, zstd: Optional[int] = None, key: Optional[StoreKey] = None, stages=None,
-                 post_write_hook=None, hf_dir: Optional[str] = None):
+                 post_write_hook=None, hf_dir: Optional[str] = None, stage_timeout: float = 0.0):
         self.store = open_store(url) if isinstance(url, str) else url
         self.store.check()  # a missing bucket or directory, wrong credentials: an error at start
         self.key = key or StoreKey(None)
         if self.key.secret is None:
             warn_unkeyed()
         super().__init__(self.store.url_root, engines, zstd=zstd, keep_files=True, post_write_hook=post_write_hook,
-                         stages=stages)
+                         stages=stages, stage_timeout=stage_timeout)
         self.hf_dir = hf_dir
         self.head, self._tag = read_head(self.store, self.key)  # a key that differs from the store's: error at start
         self.head_version = self.head[0] if self.head else 0  # pipeline stages: stage 0's, from the sync's plan
@@ -125,6 +125,11 @@ class StoreTransport(DiskTransport):
         if entries.get("delta"):
             self._requests.append(entries["delta"])
         self._anchor += entries.get("full", [])
+
+    def _stage_body(self, kind: str, entries: List[list]) -> Optional[dict]:
+        if kind == "full":  # an anchor: loaded once the version commits
+            return None
+        return {"model_path": self.vdir, "files": [n for n, _, _ in entries], "digests": {n: s for n, _, s in entries}}
 
     def _call(self, i: int, kind: str, entries: List[list]):
         if kind == "full":  # an anchor is being written: the engine loads it once the version commits

@@ -1,0 +1,105 @@
+"""The trainer's side of stage-then-commit for published files: engines fetch a version while they serve, and the
+pause covers only the commit.
+
+A transport that publishes files (:class:`~transport.DiskTransport`, a version store) hands each publish to
+:class:`StagedPublishes` instead of announcing it: every target engine is asked to fetch its files at once
+(``engine.stage``: ``/weights_checker`` ``delta_stage``, see ``fetch``), and the announcement is kept. At the end of
+the sync (:meth:`StagedPublishes.commit`) each engine is told the last publish is out, the trainer waits until every
+engine has fetched (its status' ``staged``), or refused, or the deadline passed, then calls the ``gate`` (the caller's
+pause) and replays each engine's announcements in order, one engine per thread. An engine that could not fetch reads
+its files inside the pause, as before; what it refused is refused again by the commit's own checks.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["StagedPublishes"]
+
+Call = Callable[[], Tuple[bool, str, float]]  # one announcement: (ok, message, seconds)
+
+
+class StagedPublishes:
+    """One sync's publishes, fetched by the engines first and announced under the gate."""
+
+    def __init__(self, engines, pool: concurrent.futures.Executor, timeout: float):
+        self.engines, self.pool, self.timeout = engines, pool, timeout
+        self.begin(0)
+
+    def begin(self, version: int) -> None:
+        self.version = version
+        self.replay: Dict[int, List[Call]] = {}
+        self.asked: Dict[int, List[concurrent.futures.Future]] = {}
+        self.t0: Optional[float] = None
+        self.figures: Dict[str, float] = {}
+
+    def add(self, i: int, body: Optional[dict], call: Call) -> None:
+        """Publish ``call`` to engine ``i`` at the commit; ask it to fetch ``body`` now (None: nothing to fetch)."""
+        self.t0 = self.t0 if self.t0 is not None else time.perf_counter()
+        self.replay.setdefault(i, []).append(call)
+        if body is not None:
+            self.asked.setdefault(i, []).append(self.pool.submit(self._stage, i, dict(body, version=self.version)))
+
+    def _stage(self, i: int, body: dict) -> None:
+        try:
+            self.engines[i].stage(body)
+        except Exception as e:  # an engine that cannot fetch reads its files at the commit
+            logger.warning("engine %d: delta_stage of version %d failed (%r); it reads at the commit", i,
+                           self.version, e)
+
+    def commit(self, gate: Callable[[], None], failed: Optional[str]) -> Dict[int, Tuple[bool, str, float]]:
+        """Wait for the fetches (bounded), then ``gate()`` and every engine's announcements in order; ``failed``:
+        a publish failed, so nothing is announced (the engines' fetches are dropped by their next version)."""
+        engines = sorted(self.replay)
+        for i in engines:
+            self.asked.setdefault(i, []).append(self.pool.submit(
+                self._stage, i, {"version": self.version, "files": [], "final": True}))
+        for futs in self.asked.values():
+            for fut in futs:
+                fut.result()
+        if failed is not None:
+            return {}
+        ready = self._wait(engines)
+        t1 = time.perf_counter()
+        self.figures["stage_s"] = t1 - (self.t0 or t1)
+        self.figures["stage_ready_engines"] = float(len(ready))
+        gate()
+        out = dict(zip(engines, self.pool.map(self._announce, engines)))
+        self.figures["commit_s"] = time.perf_counter() - t1
+        return out
+
+    def _announce(self, i: int) -> Tuple[bool, str, float]:
+        seconds = 0.0
+        for call in self.replay[i]:
+            ok, msg, s = call()
+            seconds += s
+            if not ok:  # its later publishes would be refused: the first failure is its result
+                return ok, msg, seconds
+        return True, "", seconds
+
+    def _wait(self, engines: List[int]) -> List[int]:
+        """Engines whose fetch of this version is done (or refused) before the deadline."""
+        deadline, pause, waiting, ready = time.perf_counter() + self.timeout, 0.005, list(engines), []
+        while waiting:
+            for i in list(waiting):
+                try:
+                    ranks = self.engines[i].status()
+                except Exception:  # its commit will tell
+                    waiting.remove(i)
+                    continue
+                if any(r.staged == self.version or r.stage_code is not None for r in ranks):
+                    waiting.remove(i)
+                    ready.append(i)
+            if waiting and time.perf_counter() >= deadline:
+                logger.warning("engines %s did not fetch version %d within %.0f s: they read inside the pause",
+                               waiting, self.version, self.timeout)
+                break
+            if waiting:
+                time.sleep(pause)
+                pause = min(0.1, pause * 2)
+        return ready
