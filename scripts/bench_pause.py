@@ -4,10 +4,13 @@ against the sync's time and the engine's commit.
 
 A real patched CPU SGLang server follows a version store (``--update-weight-store``): a local directory, and a real S3
 server (SeaweedFS) in a network namespace whose interface a token bucket limits (``tc tbf``) at 200 and 20 Mbit/s.
-The trainer's sender publishes versions while one client streams greedy tokens back to back. Every case runs twice
-in one run: staging as shipped, and before staging (``--update-weight-store-no-stage``: the catch-up reads every
-object under the update lock, as it did before). One ``pause:`` line per case, and a section of
-docs/benchmarks.md. Pushed syncs (``disk``, ``nccl``) still stage nothing before the pause: not measured here yet.
+The trainer's sender publishes versions while one client streams greedy tokens back to back. Pushed syncs run the
+same way: the sender pauses the server itself (``retract``, so the stream goes on through the pause) and announces
+each version's files, from a local directory or from the store across the same link. Every case runs twice in one
+run: staging as shipped, and before staging (a follower with ``--update-weight-store-no-stage``: the catch-up reads
+every object under the update lock; a pushed sync with ``stage_timeout=0``: paused first, each publish announced as
+it is written). One ``pause:`` line per case, and a section of docs/benchmarks.md. Over ``nccl`` nothing stages yet:
+not measured here.
 """
 from __future__ import annotations
 
@@ -119,6 +122,48 @@ def run_case(store_url: str, boot: str, states, staged: bool, workdir: str, toke
         sender.transport.close()
 
 
+def run_pushed(where: str, boot: str, states, staged: bool, workdir: str, tokens: int) -> dict:
+    """A server the sender pushes ``states`` to (the first a full sync, not measured) through ``where``: a directory
+    or a store's URL."""
+    from cpu_harness import Server
+    from sglang.srt.weight_sync.delta.sender import DeltaSender
+    from sglang.srt.weight_sync.delta.store.publish import StoreTransport
+    from sglang.srt.weight_sync.delta.transport import DiskTransport, HttpEngine
+
+    server = Server(boot, os.path.join(workdir, f"server-{time.time():.0f}.log")).wait_healthy(600)
+    engine = HttpEngine(server.url, pause_mode="retract")
+    timeout = 600 if staged else 0
+    transport = StoreTransport(where, [engine], zstd=3, stage_timeout=timeout) if "://" in where else \
+        DiskTransport(where, [engine], zstd=3, stage_timeout=timeout)
+    sender = DeltaSender(transport, [engine], encoding="xor_zstd")
+    stream = Stream(server.url, tokens)
+    try:
+        assert sender.update([lambda: [list(states[0].items())]])[0][0]
+        sender.pop_metrics()
+        stream.start()
+        time.sleep(3)
+        t0 = time.perf_counter()
+        time.sleep(8)
+        baseline = stream.longest_gap(t0, time.perf_counter())
+        rows = []
+        for state in states[1:]:
+            t0 = time.perf_counter()
+            ok = sender.update([lambda state=state: [list(state.items())]])[0]
+            t1 = time.perf_counter()
+            assert ok[0], ok
+            time.sleep(1.0)
+            timing = engine.status()[0].timing
+            rows.append({"sync_s": t1 - t0, "gap_s": stream.longest_gap(t0, t1 + 0.5), "commit_s": timing["commit_s"],
+                         "staged_bytes": timing["staged_bytes"], "in_pause_bytes": timing["in_pause_bytes"]})
+            sender.pop_metrics()
+        stream.stop.set()
+        return {"baseline_gap_s": baseline, "syncs": rows}
+    finally:
+        stream.stop.set()
+        server.stop()
+        transport.close()
+
+
 def summary(case: dict) -> dict:
     rows = case["syncs"]
     mean = lambda k: sum(r[k] for r in rows) / len(rows)  # noqa: E731
@@ -160,24 +205,28 @@ def main() -> int:
             if link != "local":
                 link_up(link)
                 s3 = SeaweedS3(os.path.join(args.workdir, f"seaweed-{link}"), ip=STORE_IP, netns=NETNS)
-            for staged in (False, True):
-                url = s3.url() if s3 else os.path.join(args.workdir, f"store-{link}-{int(staged)}-{time.time():.0f}")
-                if not s3:
-                    os.makedirs(url)
-                case = run_case(url, boot, states, staged, args.workdir, args.tokens)
-                results[(link, staged)] = case
-                print(json.dumps({"link": link, "staged": staged, **summary(case)}), flush=True)
+            for kind in ("follower", "pushed"):
+                for staged in (False, True):
+                    url = s3.url() if s3 else os.path.join(args.workdir, f"store-{link}-{int(staged)}-{time.time():.0f}")
+                    if not s3:
+                        os.makedirs(url)
+                    case = run_case(url, boot, states, staged, args.workdir, args.tokens) if kind == "follower" else \
+                        run_pushed(url, boot, states, staged, args.workdir, args.tokens)
+                    results[(kind, link, staged)] = case
+                    print(json.dumps({"case": kind, "link": link, "staged": staged, **summary(case)}), flush=True)
         finally:
             if s3 is not None:
                 s3.stop()
             link_down()
     lines = []
-    for link in args.links.split(","):
-        before, after = summary(results[(link, False)]), summary(results[(link, True)])
-        line = (f"pause: store xor_zstd {link}: sync {after['sync_s']:.2f} s, pause {after['pause_s']:.2f} s "
-                f"(before staging {before['pause_s']:.2f} s), commit {after['commit_s']:.2f} s")
-        lines.append((link, before, after))
-        print(line)
+    for kind in ("follower", "pushed"):
+        for link in args.links.split(","):
+            before, after = summary(results[(kind, link, False)]), summary(results[(kind, link, True)])
+            where = ("store" if kind == "follower" else "disk" if link == "local" else "disk+store")
+            line = (f"pause: {where} xor_zstd {link}: sync {after['sync_s']:.2f} s, pause {after['pause_s']:.2f} s "
+                    f"(before staging {before['pause_s']:.2f} s), commit {after['commit_s']:.2f} s")
+            lines.append((kind, link, before, after))
+            print(line)
     write_section(args.doc, lines, params, args)
     return 0
 
@@ -186,25 +235,29 @@ def write_section(path: str, lines, params: int, args) -> None:
     from bench_store import with_section
 
     begin, end = "<!-- bench-pause:begin -->", "<!-- bench-pause:end -->"
-    local = next((a["pause_s"] for link, _, a in lines if link == "local"), None)
+    local = {kind: a["pause_s"] for kind, link, _, a in lines if link == "local"}
     text = [begin, "## Generation during a sync (`make bench-pause`)", "",
             f"Written by `make bench-pause` (`scripts/bench_pause.py`, root): a real patched CPU SGLang server "
-            f"({params / 1e6:.1f}M-param Qwen3 shape) follows a version store while one client streams greedy tokens "
-            f"back to back; the trainer publishes {args.syncs} `xor_zstd` versions (about {args.density:.0%} of the "
-            "elements changed each). The pause is the client's longest gap between tokens during a sync, less that gap "
-            "without syncs; the sync, from the trainer's publish to the engine at the version; the commit, the engine's "
-            "catch-up under its update lock. Before staging: the same run with `--update-weight-store-no-stage` "
-            "(the catch-up reads every object under the lock). One run, this machine; means over the syncs.", "",
-            "| store, link | sync | pause | pause before staging | commit | read inside the commit | vs local |",
+            f"({params / 1e6:.1f}M-param Qwen3 shape) serves one client streaming greedy tokens back to back while the "
+            f"trainer publishes {args.syncs} `xor_zstd` versions (about {args.density:.0%} of the elements changed "
+            "each). A follower follows a version store; a pushed sync is announced by the sender, which pauses the "
+            "server itself (`retract`: the stream goes on through it), its files in a local directory, or in the store "
+            "across the link. The pause is the client's longest gap between tokens during a sync, less that gap "
+            "without syncs; the sync, from the trainer's publish to the engine at the version; the commit, the "
+            "engine's own (a catch-up under its update lock, or a pushed version's requests). Before staging: the same "
+            "run with `--update-weight-store-no-stage` (a follower reads every object under the lock), or paused first "
+            "(a pushed sync announced as it is written). One run, this machine; means over the syncs.", "",
+            "| sync, link | sync | pause | pause before staging | commit | read inside the commit | vs local |",
             "|---|---:|---:|---:|---:|---:|---:|"]
-    for link, before, after in lines:
-        ratio = f"{after['pause_s'] / local:.2f}x" if local else "—"
-        text.append(f"| {'directory' if link == 'local' else 'S3 over ' + link} | {after['sync_s']:.2f} s | "
+    for kind, link, before, after in lines:
+        ratio = f"{after['pause_s'] / local[kind]:.2f}x" if local.get(kind) else "—"
+        where = {"follower": "follower, ", "pushed": "pushed, "}[kind] + (
+            "directory" if link == "local" else "S3 over " + link)
+        text.append(f"| {where} | {after['sync_s']:.2f} s | "
                     f"{after['pause_s']:.2f} s | {before['pause_s']:.2f} s | {after['commit_s']:.2f} s | "
                     f"{after['in_pause_bytes'] / 1e6:.2f} MB (before: {before['in_pause_bytes'] / 1e6:.2f} MB) | "
                     f"{ratio} |")
-    text += ["", "Pushed syncs over `disk` and `nccl` stage nothing before the pause yet: the whole sync is in the "
-             "pause there.", end]
+    text += ["", "Over `nccl` nothing stages yet: the broadcast is in the pause there.", end]
     with_section(path, "\n".join(text), begin, end)
 
 

@@ -32,7 +32,9 @@ def world(tmp_path_factory):
     cfg = hf_config("llama", vocab=300)
     boot = write_hf_checkpoint(str(root / "v0"), cfg, sharp_state(cfg, 100))
     room = ["--max-total-tokens", "16384"]  # after a retract SGLang reserves more per request before admitting one
-    engine_srv, plain = Server(boot, str(root / "engine.log"), extra=room), Server(boot, str(root / "plain.log"), extra=room)
+    faults = {"SGLANG_DELTA_TEST_BAD_WRITE_FILE": str(root / "bad-write")}  # tests/cpu_shims: a wrong write on demand
+    engine_srv = Server(boot, str(root / "engine.log"), extra=room, env=faults)
+    plain = Server(boot, str(root / "plain.log"), extra=room)
     engine_srv.wait_healthy(), plain.wait_healthy()
     engine = HttpEngine(engine_srv.url)
     transport = DiskTransport(str(root / "shared"), [engine])
@@ -119,3 +121,42 @@ def test_requests_in_flight_through_two_syncs(world, mode):
             assert max(abs(lp - w) for (lp, _, _), w in zip(got, want)) < TOL, (got, want)
         synced += 1
     assert sender.status[0].version == sender.version
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_requests_held_through_a_sync_that_leaves_the_engine_dirty_are_aborted_not_resumed(world, mode):
+    """A sync whose write goes wrong (read back other bits) leaves the engine dirty; without a repair before the
+    resume (the sender's ``repair_dirty`` off, as when the repair fails too), the requests the pause held would go on
+    with a partly written version: each is aborted at the resume instead, a new one is refused (503), and the next
+    sync's full sync makes the engine serve again."""
+    engine_srv, sender = world["engine_srv"], world["sender"]
+    world["engine"].pause_mode = mode
+    new = sharp_state(world["cfg"], 7000 + len(mode))
+    flights = [StreamedRequest(engine_srv, p, TOKENS) for p in PROMPTS]
+    for f in flights:
+        f.start()
+    for f in flights:
+        assert f.started.wait(300) and f.meta is not None
+    (world["root"] / "bad-write").touch()
+    sender.repair_dirty = False
+    try:
+        ok, msg = sender.update(segments(new))[0]
+    finally:
+        sender.repair_dirty = True
+    assert not ok and "read-back" in msg, msg
+    (st,) = world["engine"].status()
+    assert st.reason == "dirty", st
+    for f in flights:
+        f.join(600)
+        assert f.meta is not None, f.input_ids
+    reasons = [f.meta["finish_reason"]["type"] for f in flights]
+    assert "abort" in reasons and set(reasons) <= {"abort", "length"}, reasons
+    for f in flights:  # one that finished first did so before the pause, on the old weights
+        assert f.meta["finish_reason"]["type"] == "abort" or f.meta["weight_version"] != str(sender.version), f.meta
+    r = engine_srv.post("/generate", {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 503, r.text
+    ok, msg = sender.update(segments(new))[0]  # its full sync
+    assert ok, msg
+    assert engine_mismatch(engine_srv, new) is None
+    world["state"] = new
+    assert generate(engine_srv, PROMPTS[0], 2)["finish_reason"]["type"] == "length"

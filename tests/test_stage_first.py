@@ -22,6 +22,8 @@ from cpu_harness import (
 )
 from delta_helpers import assert_params_equal
 from sglang.srt.weight_sync.delta import fetch
+from sglang.srt.weight_sync.delta.files import maybe_zstd_decompress, read_safetensors
+from sglang.srt.weight_sync.delta.ingest import request_bytes
 from sglang.srt.weight_sync.delta.sender import DeltaSender
 from sglang.srt.weight_sync.delta.store.publish import StoreTransport
 from sglang.srt.weight_sync.delta.transport import DiskTransport
@@ -50,6 +52,13 @@ def params(model):
 def unchanged(model, before):
     return all(torch.equal(p.detach().view(torch.uint8), before[n].view(torch.uint8))
                for n, p in model.named_parameters())
+
+
+def parsed_bytes(vdir, name):
+    """What a stage holds of one file: its positions and values, decompressed."""
+    with open(os.path.join(vdir, name), "rb") as f:
+        pl = read_safetensors(maybe_zstd_decompress(f.read(), 1 << 30, name), name)
+    return request_bytes([pl])
 
 
 def staged(e, version, timeout=60.0):
@@ -194,7 +203,7 @@ def test_a_newer_version_supersedes_a_fetched_one_and_past_the_bound_the_commit_
     vdir2, files2 = _delta(tmp_path, 2)
     e.stage({"version": 2, "model_path": vdir2, "files": files2, "final": True})
     staged(e, 2)
-    assert fetch.fetched(e.host.model).held_bytes == sum(os.path.getsize(os.path.join(vdir2, f)) for f in files2)
+    assert fetch.fetched(e.host.model).held_bytes == sum(parsed_bytes(vdir2, f) for f in files2)  # parsed, held
     vdir3, files3 = _delta(tmp_path, 3)
     e.stage({"version": 3, "model_path": vdir3, "files": files3, "final": True})
     staged(e, 3)
@@ -211,7 +220,7 @@ def test_a_newer_version_supersedes_a_fetched_one_and_past_the_bound_the_commit_
     assert st.timing["staged_bytes"] > 0 and st.timing["in_pause_bytes"] == 0, st
     assert fetch.fetched(e.host.model).held_bytes == 0
     vdir4, files4 = _delta(tmp_path, 4)
-    e.host.server_args.update_weight_delta_stage_bytes = os.path.getsize(os.path.join(vdir4, files4[0])) - 1
+    e.host.server_args.update_weight_delta_stage_bytes = parsed_bytes(vdir4, files4[0]) - 1
     e.update_weights_from_disk(vdir4, ["absent"], "4")  # refused; a request takes the server's settings
     e.stage({"version": 4, "model_path": vdir4, "files": files4, "final": True})
     assert staged(e, 4).stage_code is None

@@ -4,8 +4,9 @@ trainer's pause reads nothing.
 The trainer asks for it as soon as a publish's files are written, before it pauses generation: ``/weights_checker``
 action ``delta_stage`` with a ``delta`` field, ``{"version", "model_path", "files", "digests"?, "final"?}`` (a shared
 directory, or a version store's version URL with each file's digest). A thread on the engine's first TP rank (the
-rank that reads a request's files) reads them, in order, bounded by ``--update-weight-delta-stage-bytes``; past it,
-the rest is read at the commit. Nothing here touches a weight, the engine's state or the TP group.
+rank that reads a request's files) reads, decompresses and parses them, in order, bounded by
+``--update-weight-delta-stage-bytes`` (what they hold decompressed); past it, the rest is read at the commit. Nothing
+here touches a weight, the engine's state or the TP group.
 
 The commit's own announcement still decides what is read: it takes a fetched file only under the identity it was
 read under, a store object's digest (the one the commit names) or a directory file's (device, inode, size, mtime) as
@@ -30,10 +31,11 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from sglang.srt.weight_sync.delta.collectives import tp_group
+from sglang.srt.weight_sync.delta.files import maybe_zstd_decompress, read_safetensors
 from sglang.srt.weight_sync.delta.engine_state import host_model, receiver_state
-from sglang.srt.weight_sync.delta.ingest import max_request_bytes, resolve_file
+from sglang.srt.weight_sync.delta.ingest import max_request_bytes, request_bytes, resolve_file
 from sglang.srt.weight_sync.delta.store import staging
-from sglang.srt.weight_sync.delta.wire import DeltaError, Refusal
+from sglang.srt.weight_sync.delta.wire import DeltaError, DeltaPayload, Refusal
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +48,12 @@ class Fetched:
 
     version: Optional[int] = None  # the version whose files are being fetched or held
     staged: Optional[int] = None  # ``version`` once its final request's files are all read (or past the bound)
-    objects: Dict[Tuple[str, str], bytes] = dataclasses.field(default_factory=dict)
-    held_bytes: int = 0  # bytes in ``objects`` now (the bound's measure)
+    objects: Dict[Tuple[str, str], Tuple[DeltaPayload, int]] = dataclasses.field(default_factory=dict)  # (parsed, size)
+    held_bytes: int = 0  # their positions and values now (the bound's measure)
     bounded: bool = False  # the bound was reached: the rest of this version is read at the commit
     asked: set = dataclasses.field(default_factory=set)  # requests taken (a repeated one is not fetched twice)
     fetched_bytes: int = 0  # this version's bytes fetched while serving
-    taken_bytes: int = 0  # the commit under way: bytes it took from the stage
+    taken_bytes: int = 0  # the commit under way: file bytes it took from the stage
     read_bytes: int = 0  # and bytes it read itself (not fetched, replaced, or past the bound)
     stage_s: float = 0.0  # first request to the last file read
     t0: float = 0.0
@@ -115,18 +117,19 @@ def request(model: torch.nn.Module, req) -> None:
         f.thread.start()
 
 
-def take(model: torch.nn.Module, key: str, tag: str) -> Optional[bytes]:
-    """The fetched bytes of ``key`` if they were read under identity ``tag`` (else None: the caller reads it and
-    counts it); the bytes leave the stage as they are taken."""
+def take(model: torch.nn.Module, key: str, tag: str) -> Optional[DeltaPayload]:
+    """The fetched file ``key``, parsed, if it was read under identity ``tag`` (else None: the caller reads it and
+    counts it); it leaves the stage as it is taken."""
     f = _FETCHED.get(model)
     if f is None:
         return None
     with f.lock:
-        data = f.objects.pop((key, tag), None)
-        if data is not None:
-            f.held_bytes -= len(data)
-            f.taken_bytes += len(data)
-    return data
+        held = f.objects.pop((key, tag), None)
+        if held is None:
+            return None
+        f.held_bytes -= request_bytes([held[0]])
+        f.taken_bytes += held[1]
+    return held[0]
 
 
 def count_read(model: torch.nn.Module, nbytes: int) -> None:
@@ -209,14 +212,18 @@ def _fetch(f: Fetched, version: int, job: dict) -> None:
     for name in job["files"] if not f.bounded else ():
         okey, tag, read = _source(job, name, max_bytes)
         if f.version != version:
-            return  # superseded meanwhile
+            return  # superseded, or committed, meanwhile
         data = read()
+        payload = read_safetensors(maybe_zstd_decompress(data, max_bytes, name), name)
+        size = request_bytes([payload])
         with f.lock:
-            if f.held_bytes + len(data) > bound:
+            if f.version != version:
+                return
+            if f.held_bytes + size > bound:
                 f.bounded = True
                 break
-            f.objects[(okey, tag)] = data
-            f.held_bytes += len(data)
+            f.objects[(okey, tag)] = (payload, len(data))
+            f.held_bytes += size
             f.fetched_bytes += len(data)
     if job["final"] and f.version == version:
         f.stage_s, f.staged = time.perf_counter() - f.t0, version

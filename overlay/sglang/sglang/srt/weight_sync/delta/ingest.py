@@ -6,7 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import os
-from typing import List, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 
@@ -47,6 +47,12 @@ def max_request_bytes(model: torch.nn.Module) -> int:
     return state.max_payload_bytes
 
 
+def request_bytes(payloads: Sequence[DeltaPayload]) -> int:
+    """A request's blobs, as a stage holds them."""
+    return sum(p.positions.numel() * p.positions.element_size() + p.values.numel() * p.values.element_size()
+               for p in payloads)
+
+
 def resolve_file(model_path: str, name: str) -> str:
     """The path of an announced file: a plain name inside ``model_path``, never a symlink out of it."""
     if not isinstance(name, str) or not name or os.path.basename(name) != name or name in (".", ".."):
@@ -59,24 +65,23 @@ def resolve_file(model_path: str, name: str) -> str:
 
 
 def read_delta_file(model, model_path: str, name: str, max_bytes: int) -> DeltaPayload:
-    """One announced file: fetched while the engine served (``fetch``) if it is still the file that was read, else
-    read now."""
+    """One announced file, parsed: fetched while the engine served (``fetch``) if it is still the file that was read,
+    else read now."""
     from sglang.srt.weight_sync.delta import fetch
 
     path = resolve_file(model_path, name)
     try:
-        data = fetch.take(model, path, fetch.file_tag(path))
-        if data is None:
-            size = os.path.getsize(path)
-            if size > max_bytes:
-                raise DeltaError(f"file {name!r}: {size} bytes exceeds the {max_bytes}-byte bound")
-            with open(path, "rb") as f:
-                data = f.read()
-            fetch.count_read(model, len(data))
+        staged = fetch.take(model, path, fetch.file_tag(path))
+        if staged is not None:
+            return staged
+        size = os.path.getsize(path)
+        if size > max_bytes:
+            raise DeltaError(f"file {name!r}: {size} bytes exceeds the {max_bytes}-byte bound")
+        with open(path, "rb") as f:
+            data = f.read()
+        fetch.count_read(model, len(data))
     except OSError as e:
         raise DeltaError(f"file {name!r}: cannot read ({e.strerror})") from None
-    if len(data) > max_bytes:
-        raise DeltaError(f"file {name!r}: {len(data)} bytes exceeds the {max_bytes}-byte bound")
     return read_safetensors(maybe_zstd_decompress(data, max_bytes, name), name)
 
 

@@ -1,5 +1,5 @@
 """What requests see across a weight update: no later request reuses KV the old weights computed, none is admitted
-while the engine holds a partly written version, and no pause mode stops the engine.
+(or resumed after a pause) while the engine holds a partly written version, and no pause mode stops the engine.
 
 SGLang flushes its radix cache after an update only when the scheduler is fully idle; v0.5.15 then exits on a refused
 flush (``assert``), which is what a ``retract`` pause (requests back in the waiting queue) or an ``in_place`` pause
@@ -48,15 +48,33 @@ def admit(scheduler, req) -> None:
 
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-        msg = (f"this engine holds a partly written weight version (a sync over version {state.version} failed after "
-               "its first write)" if state.dirty else "this engine's weight memory was released without a host copy "
-               f"(version {state.version} is gone)") + ": it serves again after a full sync or a store catch-up"
+        msg = _unserved(state)
         req.set_finish_with_abort(msg)
         req.to_finish = FINISH_ABORT(msg, HTTPStatus.SERVICE_UNAVAILABLE, "ServiceUnavailableError")
         return
     st = _EPOCHS.get(scheduler)
     if st is not None and st.epoch:
         _tag(req, st.epoch)
+
+
+def before_resume(scheduler) -> None:
+    """Where a paused scheduler resumes: requests it held through the pause (``retract``, ``in_place``, and any that
+    arrived meanwhile) would go on with weights no version explains if the sync left the engine dirty (or its memory
+    released): every one is aborted, as a new one is refused (:func:`admit`)."""
+    state = receiver_state(scheduler.tp_worker.model_runner.model)
+    if not (state.dirty or state.released):
+        return
+    from sglang.srt.managers.io_struct import AbortReq
+
+    msg = _unserved(state)
+    logger.error("resuming generation: %s; every request in flight is aborted", msg)
+    scheduler.abort_request(AbortReq(abort_all=True, abort_message=msg))
+
+
+def _unserved(state) -> str:
+    return (f"this engine holds a partly written weight version (a sync over version {state.version} failed after its "
+            "first write)" if state.dirty else "this engine's weight memory was released without a host copy "
+            f"(version {state.version} is gone)") + ": it serves again after a full sync or a store catch-up"
 
 
 def after_weight_update(scheduler, recv_req) -> None:

@@ -43,7 +43,7 @@ from sglang.srt.weight_sync.delta.wire import (
     sparse_allowed,
 )
 
-__all__ = ["Progress", "StagedRequest", "StageRefused", "request_bytes", "stage_request"]
+__all__ = ["Progress", "StagedRequest", "StageRefused", "stage_request"]
 
 @dataclasses.dataclass
 class Progress:
@@ -154,12 +154,6 @@ def stage_request(host, payloads: Sequence[DeltaPayload], weight_version: Option
     via_views, via_loader = _plan(state, head, payloads, decoded)
     return StagedRequest(head, request, received, starts, len(finals) == head.sources, finals, set(view.changed),
                          payloads, via_views, via_loader)
-
-
-def request_bytes(payloads: Sequence[DeltaPayload]) -> int:
-    """A request's blobs, as staging holds them."""
-    return sum(p.positions.numel() * p.positions.element_size() + p.values.numel() * p.values.element_size()
-               for p in payloads)
 
 
 def _view(state: ReceiverState, progress: Progress) -> ReceiverState:

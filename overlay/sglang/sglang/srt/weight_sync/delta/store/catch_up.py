@@ -36,8 +36,8 @@ from sglang.srt.weight_sync.delta import fetch
 from sglang.srt.weight_sync.delta.commit import apply_request, chunk_bytes, commit_request, refused
 from sglang.srt.weight_sync.delta.engine_state import host_model, receiver_state, server_arg
 from sglang.srt.weight_sync.delta.files import maybe_zstd_decompress, read_safetensors
-from sglang.srt.weight_sync.delta.ingest import DEFAULT_READ_WORKERS, max_request_bytes, read_files_once
-from sglang.srt.weight_sync.delta.stage import Progress, StageRefused, request_bytes, stage_request
+from sglang.srt.weight_sync.delta.ingest import DEFAULT_READ_WORKERS, max_request_bytes, read_files_once, request_bytes
+from sglang.srt.weight_sync.delta.stage import Progress, StageRefused, stage_request
 from sglang.srt.weight_sync.delta.store import staging
 from sglang.srt.weight_sync.delta.store.anchor import read_hf_shard
 from sglang.srt.weight_sync.delta.store.manifest import RECORD_CAP, StoreKey, digest, open_record, read_head
@@ -78,8 +78,10 @@ def read_flushes(host, store: ObjectStore, prefix: str, entries: List[list]) -> 
         if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
             raise DeltaError(f"file {name!r}: must be a plain file name inside the version")
         model = host_model(host)  # fetched or staged while the engine served: taken under the same digest
+        fetched = fetch.take(model, f"{prefix}/{name}", sha)
+        if fetched is not None:
+            return fetched
         data = staging.take(model, f"{prefix}/{name}", sha)
-        data = fetch.take(model, f"{prefix}/{name}", sha) if data is None else data
         if data is None:
             data = read_object(store, f"{prefix}/{name}", sha, max_bytes)
             staging.count_read(model, len(data))
