@@ -107,13 +107,15 @@ def run_case(store_url: str, boot: str, states, staged: bool, workdir: str, toke
         for v, state in enumerate(states[1:], start=2):
             t0 = time.perf_counter()
             sender.update([lambda state=state: [list(state.items())]])
+            sent = encoding_sent(sender.pop_metrics())
             while weight_version(server.url) != str(v):
                 time.sleep(0.02)
             t1 = time.perf_counter()
             time.sleep(1.0)  # the stream's next token after the commit
             timing = HttpEngine(server.url).status()[0].timing
             rows.append({"sync_s": t1 - t0, "gap_s": stream.longest_gap(t0, t1 + 0.5), "commit_s": timing["commit_s"],
-                         "staged_bytes": timing["staged_bytes"], "in_pause_bytes": timing["in_pause_bytes"]})
+                         "staged_bytes": timing["staged_bytes"], "in_pause_bytes": timing["in_pause_bytes"],
+                         "encoding": sent})
         stream.stop.set()
         return {"baseline_gap_s": baseline, "syncs": rows}
     finally:
@@ -151,11 +153,12 @@ def run_pushed(where: str, boot: str, states, staged: bool, workdir: str, tokens
             ok = sender.update([lambda state=state: [list(state.items())]])[0]
             t1 = time.perf_counter()
             assert ok[0], ok
+            sent = encoding_sent(sender.pop_metrics())
             time.sleep(1.0)
             timing = engine.status()[0].timing
             rows.append({"sync_s": t1 - t0, "gap_s": stream.longest_gap(t0, t1 + 0.5), "commit_s": timing["commit_s"],
-                         "staged_bytes": timing["staged_bytes"], "in_pause_bytes": timing["in_pause_bytes"]})
-            sender.pop_metrics()
+                         "staged_bytes": timing["staged_bytes"], "in_pause_bytes": timing["in_pause_bytes"],
+                         "encoding": sent})
         stream.stop.set()
         return {"baseline_gap_s": baseline, "syncs": rows}
     finally:
@@ -164,11 +167,19 @@ def run_pushed(where: str, boot: str, states, staged: bool, workdir: str, tokens
         transport.close()
 
 
+def encoding_sent(metrics: dict) -> str:
+    """What the sender's deltas were: ``xor_zstd`` asked for falls back to ``planes_zstd`` where no engine it pushes to
+    is known at the base (a store alone: its followers may be anywhere behind)."""
+    return "xor_ctx" if metrics["perf/update_weights_ctx"] else "xor_zstd" if metrics["perf/update_weights_xor"] \
+        else "planes_zstd"
+
+
 def summary(case: dict) -> dict:
     rows = case["syncs"]
     mean = lambda k: sum(r[k] for r in rows) / len(rows)  # noqa: E731
     return {"sync_s": mean("sync_s"), "pause_s": max(0.0, mean("gap_s") - case["baseline_gap_s"]),
-            "commit_s": mean("commit_s"), "staged_bytes": mean("staged_bytes"), "in_pause_bytes": mean("in_pause_bytes")}
+            "commit_s": mean("commit_s"), "staged_bytes": mean("staged_bytes"), "in_pause_bytes": mean("in_pause_bytes"),
+            "encoding": "/".join(sorted({r["encoding"] for r in rows}))}
 
 
 def main() -> int:
@@ -223,7 +234,7 @@ def main() -> int:
         for link in args.links.split(","):
             before, after = summary(results[(kind, link, False)]), summary(results[(kind, link, True)])
             where = ("store" if kind == "follower" else "disk" if link == "local" else "disk+store")
-            line = (f"pause: {where} xor_zstd {link}: sync {after['sync_s']:.2f} s, pause {after['pause_s']:.2f} s "
+            line = (f"pause: {where} {after['encoding']} {link}: sync {after['sync_s']:.2f} s, pause {after['pause_s']:.2f} s "
                     f"(before staging {before['pause_s']:.2f} s), commit {after['commit_s']:.2f} s")
             lines.append((kind, link, before, after))
             print(line)
@@ -239,21 +250,21 @@ def write_section(path: str, lines, params: int, args) -> None:
     text = [begin, "## Generation during a sync (`make bench-pause`)", "",
             f"Written by `make bench-pause` (`scripts/bench_pause.py`, root): a real patched CPU SGLang server "
             f"({params / 1e6:.1f}M-param Qwen3 shape) serves one client streaming greedy tokens back to back while the "
-            f"trainer publishes {args.syncs} `xor_zstd` versions (about {args.density:.0%} of the elements changed "
-            "each). A follower follows a version store; a pushed sync is announced by the sender, which pauses the "
+            f"trainer publishes {args.syncs} versions, `xor_zstd` asked for (about {args.density:.0%} of the elements "
+            "changed each; a store alone gets `planes_zstd`: its followers may be anywhere behind). A follower follows a version store; a pushed sync is announced by the sender, which pauses the "
             "server itself (`retract`: the stream goes on through it), its files in a local directory, or in the store "
             "across the link. The pause is the client's longest gap between tokens during a sync, less that gap "
             "without syncs; the sync, from the trainer's publish to the engine at the version; the commit, the "
             "engine's own (a catch-up under its update lock, or a pushed version's requests). Before staging: the same "
             "run with `--update-weight-store-no-stage` (a follower reads every object under the lock), or paused first "
             "(a pushed sync announced as it is written). One run, this machine; means over the syncs.", "",
-            "| sync, link | sync | pause | pause before staging | commit | read inside the commit | vs local |",
-            "|---|---:|---:|---:|---:|---:|---:|"]
+            "| sync, link | sent | sync | pause | pause before staging | commit | read inside the commit | vs local |",
+            "|---|---|---:|---:|---:|---:|---:|---:|"]
     for kind, link, before, after in lines:
         ratio = f"{after['pause_s'] / local[kind]:.2f}x" if local.get(kind) else "—"
         where = {"follower": "follower, ", "pushed": "pushed, "}[kind] + (
             "directory" if link == "local" else "S3 over " + link)
-        text.append(f"| {where} | {after['sync_s']:.2f} s | "
+        text.append(f"| {where} | `{after['encoding']}` | {after['sync_s']:.2f} s | "
                     f"{after['pause_s']:.2f} s | {before['pause_s']:.2f} s | {after['commit_s']:.2f} s | "
                     f"{after['in_pause_bytes'] / 1e6:.2f} MB (before: {before['in_pause_bytes'] / 1e6:.2f} MB) | "
                     f"{ratio} |")
