@@ -132,6 +132,27 @@ def test_without_a_gate_the_sender_pauses_only_for_the_commit(tmp_path):
         transport.close()
 
 
+def test_an_engine_that_cannot_stage_is_not_waited_for(tmp_path):
+    """An engine whose stage request fails (an older patch set, or one the call did not reach) is not waited for
+    until the deadline: the gate comes at once, and it reads its files inside the pause, bit-identical."""
+    class Unable(InProcessEngine):
+        def stage(self, request):
+            raise RuntimeError("HTTP 400: Unsupported action='delta_stage'")
+
+    e = Unable(engine().host)
+    transport = DiskTransport(str(tmp_path), [e], zstd=1, stage_timeout=3600)  # waited for, it would hang the test
+    sender = DeltaSender(transport, [e], encoding="planes_zstd")
+    try:
+        for state in STATES[:2]:
+            assert sender.update(segments(state))[0][0]
+            assert sender.pop_metrics()["perf/update_weights_stage_ready_engines"] == 0
+            assert_params_equal(e.host.model, reference(state))
+            (st,) = e.status()
+            assert st.timing["in_pause_bytes"] > 0 and st.timing["staged_bytes"] == 0, st
+    finally:
+        transport.close()
+
+
 def _at_version_1(tmp_path):
     e = engine()
     vdir = publish_request(str(tmp_path), 1, full_flushes(STATES[0], version=1), zstd=False)

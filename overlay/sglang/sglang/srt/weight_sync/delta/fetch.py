@@ -133,10 +133,10 @@ def take(model: torch.nn.Module, key: str, tag: str) -> Optional[DeltaPayload]:
 
 
 def count_read(model: torch.nn.Module, nbytes: int) -> None:
-    f = _FETCHED.get(model)
-    if f is not None:
-        with f.lock:
-            f.read_bytes += nbytes
+    """Bytes a commit read itself (an engine's first full sync included)."""
+    f = fetched(model)
+    with f.lock:
+        f.read_bytes += nbytes
 
 
 def file_tag(path: str) -> str:
@@ -185,11 +185,8 @@ def _parse(req) -> Tuple[int, dict]:
 
 
 def _run(f: Fetched) -> None:
-    while True:
-        try:
-            version, job = f.jobs.get(timeout=60)
-        except queue.Empty:
-            return
+    while True:  # one thread per engine for its life: it waits on its queue
+        version, job = f.jobs.get()
         try:
             _fetch(f, version, job)
         except Exception as e:  # the commit reads the same file and refuses it with its own code, if it must

@@ -35,6 +35,7 @@ class StagedPublishes:
         self.version = version
         self.replay: Dict[int, List[Call]] = {}
         self.asked: Dict[int, List[concurrent.futures.Future]] = {}
+        self.unable: set = set()  # engines a stage request failed on (an older engine, unreachable): not waited for
         self.t0: Optional[float] = None
         self.figures: Dict[str, float] = {}
 
@@ -49,6 +50,7 @@ class StagedPublishes:
         try:
             self.engines[i].stage(body)
         except Exception as e:  # an engine that cannot fetch reads its files at the commit
+            self.unable.add(i)
             logger.warning("engine %d: delta_stage of version %d failed (%r); it reads at the commit", i,
                            self.version, e)
 
@@ -84,7 +86,8 @@ class StagedPublishes:
 
     def _wait(self, engines: List[int]) -> List[int]:
         """Engines whose fetch of this version is done (or refused) before the deadline."""
-        deadline, pause, waiting, ready = time.perf_counter() + self.timeout, 0.005, list(engines), []
+        deadline, pause, waiting, ready = time.perf_counter() + self.timeout, 0.005, [
+            i for i in engines if i not in self.unable], []
         while waiting:
             for i in list(waiting):
                 try:
