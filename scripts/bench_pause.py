@@ -88,7 +88,6 @@ def run_case(store_url: str, boot: str, states, staged: bool, workdir: str, toke
     from cpu_harness import Server
     from sglang.srt.weight_sync.delta.sender import DeltaSender
     from sglang.srt.weight_sync.delta.store.publish import StoreTransport
-    from sglang.srt.weight_sync.delta.transport import HttpEngine
 
     sender = DeltaSender(StoreTransport(store_url, [], zstd=3), [], encoding="xor_zstd")
     sender.update([lambda: [list(states[0].items())]])
@@ -96,30 +95,14 @@ def run_case(store_url: str, boot: str, states, staged: bool, workdir: str, toke
     if not staged:
         extra += ["--update-weight-store-no-stage"]
     server = Server(boot, os.path.join(workdir, f"server-{time.time():.0f}.log"), extra=extra).wait_healthy(600)
-    stream = Stream(server.url, tokens)
+
+    def reach(v):  # the follower's own catch-up
+        while weight_version(server.url) != str(v):
+            time.sleep(0.02)
+
     try:
-        stream.start()
-        time.sleep(3)
-        t0 = time.perf_counter()
-        time.sleep(8)
-        baseline = stream.longest_gap(t0, time.perf_counter())
-        rows = []
-        for v, state in enumerate(states[1:], start=2):
-            t0 = time.perf_counter()
-            sender.update([lambda state=state: [list(state.items())]])
-            sent = encoding_sent(sender.pop_metrics())
-            while weight_version(server.url) != str(v):
-                time.sleep(0.02)
-            t1 = time.perf_counter()
-            time.sleep(1.0)  # the stream's next token after the commit
-            timing = HttpEngine(server.url).status()[0].timing
-            rows.append({"sync_s": t1 - t0, "gap_s": stream.longest_gap(t0, t1 + 0.5), "commit_s": timing["commit_s"],
-                         "staged_bytes": timing["staged_bytes"], "in_pause_bytes": timing["in_pause_bytes"],
-                         "encoding": sent})
-        stream.stop.set()
-        return {"baseline_gap_s": baseline, "syncs": rows}
+        return timed_syncs(server.url, tokens, sender, states[1:], reach)
     finally:
-        stream.stop.set()
         server.stop()
         sender.transport.close()
 
@@ -138,33 +121,43 @@ def run_pushed(where: str, boot: str, states, staged: bool, workdir: str, tokens
     transport = StoreTransport(where, [engine], zstd=3, stage_timeout=timeout) if "://" in where else \
         DiskTransport(where, [engine], zstd=3, stage_timeout=timeout)
     sender = DeltaSender(transport, [engine], encoding="xor_zstd")
-    stream = Stream(server.url, tokens)
     try:
         assert sender.update([lambda: [list(states[0].items())]])[0][0]
         sender.pop_metrics()
+        return timed_syncs(server.url, tokens, sender, states[1:], lambda v: None)  # update returns committed
+    finally:
+        server.stop()
+        transport.close()
+
+
+def timed_syncs(url: str, tokens: int, sender, states, reach) -> dict:
+    """A stream's longest gap without syncs, then per sync of ``states`` (``reach(v)`` returns once the engine holds
+    version ``v``): its time, the stream's longest gap across it, the engine's commit and what the deltas were."""
+    from sglang.srt.weight_sync.delta.transport import HttpEngine
+
+    stream = Stream(url, tokens)
+    try:
         stream.start()
         time.sleep(3)
         t0 = time.perf_counter()
         time.sleep(8)
         baseline = stream.longest_gap(t0, time.perf_counter())
         rows = []
-        for state in states[1:]:
+        for state in states:
             t0 = time.perf_counter()
-            ok = sender.update([lambda state=state: [list(state.items())]])[0]
-            t1 = time.perf_counter()
-            assert ok[0], ok
+            results = sender.update([lambda state=state: [list(state.items())]])
+            assert all(ok for ok, _ in results.values()), results
             sent = encoding_sent(sender.pop_metrics())
-            time.sleep(1.0)
-            timing = engine.status()[0].timing
+            reach(sender.version)
+            t1 = time.perf_counter()
+            time.sleep(1.0)  # the stream's next token after the commit
+            timing = HttpEngine(url).status()[0].timing
             rows.append({"sync_s": t1 - t0, "gap_s": stream.longest_gap(t0, t1 + 0.5), "commit_s": timing["commit_s"],
                          "staged_bytes": timing["staged_bytes"], "in_pause_bytes": timing["in_pause_bytes"],
                          "encoding": sent})
-        stream.stop.set()
         return {"baseline_gap_s": baseline, "syncs": rows}
     finally:
         stream.stop.set()
-        server.stop()
-        transport.close()
 
 
 def encoding_sent(metrics: dict) -> str:

@@ -356,7 +356,8 @@ def test_a_follower_stages_the_next_version_while_it_serves_and_its_commit_reads
         at = delta_status(engine.host.model).version
         reply = checker_action("delta_stage", engine.host.model)
         asked = DeltaStatus.from_checker([reply])[0]
-        assert asked.staging == at + 1 or (asked.staged or 0) > at, asked  # under way once asked (or already done)
+        ended = staging.stage_of(engine.host.model).error is not None  # a broken version's stage may end at once
+        assert asked.staging == at + 1 or (asked.staged or 0) > at or ended, asked  # under way once asked, or done
         staging.stage_of(engine.host.model).thread.join(60)
         return delta_status(engine.host.model)
 

@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
-from sglang.srt.weight_sync.delta.collectives import broadcast_json, tp_group
 from sglang.srt.weight_sync.delta import fetch
+from sglang.srt.weight_sync.delta.collectives import broadcast_json, tp_group
 from sglang.srt.weight_sync.delta.commit import apply_request, chunk_bytes, commit_request, refused
 from sglang.srt.weight_sync.delta.engine_state import host_model, receiver_state, server_arg
 from sglang.srt.weight_sync.delta.files import maybe_zstd_decompress, read_safetensors
@@ -51,13 +52,27 @@ def store_key(host) -> StoreKey:
     return StoreKey.from_file(server_arg(host, "update_weight_store_key_file", None))
 
 
-def split_url(url: str) -> Tuple[ObjectStore, str]:
-    """A version directory's URL as (the store, its key prefix)."""
+def split_url(url: str) -> Tuple["OpenedOnRead", str]:
+    """A version directory's URL as (the store, opened at its first read, and its key prefix)."""
     root, _, leaf = url.rstrip("/").rpartition("/")
-    return open_store(root), leaf
+    return OpenedOnRead(root), leaf
 
 
-def read_object(store: ObjectStore, key: str, sha: str, max_bytes: int) -> bytes:
+class OpenedOnRead:
+    """A store opened at its first read: a pushed request whose files were all fetched while the engine served reads
+    nothing, and an S3 client costs a session of its own."""
+
+    def __init__(self, root: str):
+        self.root, self._store, self._lock = root, None, threading.Lock()
+
+    def get(self, key: str, max_bytes: int) -> bytes:
+        with self._lock:
+            if self._store is None:
+                self._store = open_store(self.root)
+        return self._store.get(key, max_bytes)
+
+
+def read_object(store: "ObjectStore | OpenedOnRead", key: str, sha: str, max_bytes: int) -> bytes:
     """An object whose bytes must hash to ``sha``: anything else (swapped, truncated, bit-flipped) is refused."""
     data = store.get(key, max_bytes)
     if not isinstance(sha, str) or digest(data) != sha:
@@ -66,7 +81,7 @@ def read_object(store: ObjectStore, key: str, sha: str, max_bytes: int) -> bytes
     return data
 
 
-def read_flushes(host, store: ObjectStore, prefix: str, entries: List[list]) -> List[DeltaPayload]:
+def read_flushes(host, store: "ObjectStore | OpenedOnRead", prefix: str, entries: List[list]) -> List[DeltaPayload]:
     """One request's flush files from the store, in parallel, each checked against its digest first."""
     if not entries:
         raise DeltaError("a store request names no files")

@@ -81,6 +81,7 @@ def start(model: torch.nn.Module) -> dict:
     if (group is None or group.rank_in_group == 0) and (stage.thread is None or not stage.thread.is_alive()) and \
             held.version is not None:
         stage.fetching = held.version + 1  # under way from here: the thread names the target once it has planned
+        stage.error = None  # the last stage's failure is this one's, from here
         stage.thread = threading.Thread(target=_run, args=(stage, held, *stage.source), name="delta-store-stage",
                                         daemon=True)
         stage.thread.start()
