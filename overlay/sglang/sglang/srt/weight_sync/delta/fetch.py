@@ -84,9 +84,8 @@ def remember(host) -> None:
 
 
 def report(model: torch.nn.Module) -> dict:
-    f = _FETCHED.get(model)
-    return {} if f is None else {"staged": f.staged, "fetching": f.version if f.staged is None else None,
-                                 "code": f.code}
+    f = _FETCHED.get(model) or Fetched()
+    return {"staged": f.staged, "fetching": f.version if f.staged is None else None, "code": f.code}
 
 
 def request(model: torch.nn.Module, req) -> None:

@@ -72,8 +72,9 @@ logger = logging.getLogger(__name__)
 
 # What the patched SGLang calls (model runner, weight updater, weights checker) and the tests read.
 __all__ = ["_apply_delta", "_apply_delta_from_distributed", "_apply_delta_payload", "_apply_received_delta",
-           "apply_request", "checker_action", "delta_status", "fingerprint_payload", "note_checker_request", "note_outside_load",
-           "note_released", "receive_broadcast", "receiver_state", "refused", "update_group_timeout"]
+           "apply_request", "checker_action", "delta_status", "fingerprint_payload", "note_checker_request",
+           "note_outside_load", "note_released", "receive_broadcast", "receiver_state", "refused",
+           "update_group_timeout"]
 
 
 # ---------------------------------------------------------------- the shared apply path
@@ -85,9 +86,9 @@ def delta_status(model: torch.nn.Module) -> DeltaStatus:
     state = receiver_state(model)
     reason = full_reason(state)
     request, code, received = state.last
-    stage = fetch.report(model)  # a pushed version's files, else a store follower's stage
-    stage = stage if stage.get("staged") is not None or stage.get("fetching") is not None else \
-        dict(staging.report(model), code=stage.get("code"))
+    pushed = fetch.report(model)  # a pushed version's files, else a store follower's stage
+    stage = pushed if pushed["staged"] is not None or pushed["fetching"] is not None else \
+        dict(staging.report(model), code=pushed["code"])
     return DeltaStatus(version=state.version, needs_full=reason is not None, reason=reason, pending=state.pending,
                        request=request, code=code, received=received, max_request_bytes=max_request_bytes(model),
                        xor=state.xor_ready and reason is None, xor_raw=list(state.xor_raw), dense=list(state.dense),
