@@ -171,10 +171,11 @@ def test_weights_released_without_a_host_copy_get_a_full_sync_after_resume(world
 
 def test_a_staged_sync_serves_the_old_version_until_its_commit(world):
     """Stage, then commit, over HTTP: the server fetches each publish's files (``/weights_checker`` ``delta_stage``
-    with the files in its ``delta`` field) while it serves. When the sender pauses it, the version is staged, the
-    server still holds the old weights and generates the old tokens; after the commit it holds the new version
-    bit-identically, having read no byte inside the pause."""
-    from cpu_harness import segments
+    with the files in its ``delta`` field) while it serves a request. When the sender pauses it, the version is
+    staged, the server still holds the old weights and generates the old tokens; after the commit it holds the new
+    version bit-identically, having read no byte inside the pause. A server with no request in flight is not staged
+    for: it says it is idle, and the sender pauses it at once and announces each publish as written."""
+    from cpu_harness import StreamedRequest, segments
     from sglang.srt.weight_sync.delta.sender import DeltaSender
     from sglang.srt.weight_sync.delta.transport import DiskTransport, HttpEngine
 
@@ -183,11 +184,16 @@ def test_a_staged_sync_serves_the_old_version_until_its_commit(world):
            "return_logprob": True}
     seen = []
 
+    def tokens():  # from an empty cache: the request in flight and an earlier one leave nothing to reuse
+        assert server.post("/flush_cache", {}).status_code == 200
+        return server.post("/generate", req).json()["meta_info"]["output_token_logprobs"]
+
     class Watching(HttpEngine):
         def pause_generation(self):  # the gate: every publish fetched, nothing written yet
             (st,) = self.status()
-            out = server.post("/generate", req).json()
-            seen.append((st.version, st.staged, engine_mismatch(server, held), out["meta_info"]["output_token_logprobs"]))
+            super().pause_generation()  # aborts the request in flight: the tokens below are computed alone
+            super().continue_generation()
+            seen.append((st.version, st.staged, engine_mismatch(server, held), tokens()))
             super().pause_generation()
 
     engine = Watching(server.url)
@@ -196,15 +202,29 @@ def test_a_staged_sync_serves_the_old_version_until_its_commit(world):
     try:
         held = states[2]  # where the last test left the server
         for state in states[:3]:
-            old = server.post("/generate", req).json()["meta_info"]["output_token_logprobs"]
+            old = tokens()
+            busy = StreamedRequest(server, [9, 10, 11], 240)  # running until the gate aborts it
+            busy.start()
+            assert busy.started.wait(120) and busy.meta is not None
+            assert engine.status()[0].idle is False
             results = sender.update(segments(state))
+            busy.join(120)
             assert all(ok for ok, _ in results.values()), results
-            version, staged, mismatch, tokens = seen[-1]
-            assert staged == version + 1 and mismatch is None and tokens == old, seen[-1][:3]
+            version, staged, mismatch, new_tokens = seen[-1]
+            assert staged == version + 1 and mismatch is None and new_tokens == old, seen[-1][:3]
             assert_engine_has(server, state)
             (st,) = engine.status()
             assert st.timing["in_pause_bytes"] == 0 and st.timing["staged_bytes"] > 0, st
-            assert sender.pop_metrics()["perf/update_weights_stage_ready_engines"] == 1
+            metrics = sender.pop_metrics()
+            assert metrics["perf/update_weights_staged"] == 1 and metrics["perf/update_weights_stage_ready_engines"] == 1
             held = state
+        assert engine.status()[0].idle is True
+        results = sender.update(segments(states[3]))
+        assert all(ok for ok, _ in results.values()), results
+        version, staged, mismatch, _ = seen[-1]
+        assert staged is None and mismatch is None and version == st.version, seen[-1][:3]  # paused before a fetch
+        assert_engine_has(server, states[3])
+        metrics = sender.pop_metrics()
+        assert metrics["perf/update_weights_staged"] == 0 and "perf/update_weights_stage_s" not in metrics
     finally:
         transport.close()

@@ -216,8 +216,8 @@ def test_over_disk_the_engine_fetches_while_it_generates_and_pauses_only_to_comm
     """Stage, then commit (``--update-weight-delta-stage-timeout``, on by default over disk): slime's updater has the
     engine fetch each publish through ``SGLangEngine.check_weights('delta_stage', delta=...)`` while it generates,
     and pauses it in its pause mode only to commit: every version's files were taken from the stage (none read inside
-    the pause), bit-identical, and the pause is timed apart from the stage. With ``retract`` a request streaming
-    through the syncs finishes in full."""
+    the pause), bit-identical, and the pause is timed apart from the stage. With ``retract`` the requests streaming
+    through the syncs finish in full. A sync that begins with nothing in flight pauses at once and stages nothing."""
     import slime_harness as H
     from cpu_harness import StreamedRequest
     from slime.backends.megatron_utils.update_weight.update_weight_from_distributed_delta import (
@@ -233,16 +233,17 @@ def test_over_disk_the_engine_fetches_while_it_generates_and_pauses_only_to_comm
     assert args.update_weight_delta_stage_timeout == 300.0  # the default, as slime's parser gives it
     up.weight_version = world.get("version", 0)
     up.connect_rollout_engines(world["engines"], world["lock"])
-    flight = StreamedRequest(world["server"], [5, 9, 11, 13], 100) if mode == "retract" else None
-    if flight is not None:
-        flight.start()
-        assert flight.started.wait(300)
     (st,) = _RayEngine(world["engines"][0]).status()
     fresh = st.version is None  # run alone: the engine's first sync, which it reads inside the pause
+    flights = []
     for k in range(3):
+        flights.append(StreamedRequest(world["server"], [5, 9, 11, 13], 100))  # in flight when the sync begins
+        flights[-1].start()
+        assert flights[-1].started.wait(300) and flights[-1].meta is not None
         up.update_weights()
         m = up.pop_metrics()
-        assert m["perf/update_weights_failures"] == 0 and m["perf/update_weights_stage_ready_engines"] == 1, m
+        assert m["perf/update_weights_failures"] == 0 and m["perf/update_weights_staged"] == 1, m
+        assert m["perf/update_weights_stage_ready_engines"] == 1, m
         assert 0 < m["perf/update_weights_pause_s"] and m["perf/update_weights_stage_s"] >= 0, m
         (st,) = _RayEngine(world["engines"][0]).status()
         assert st.version == up.weight_version, st
@@ -250,9 +251,17 @@ def test_over_disk_the_engine_fetches_while_it_generates_and_pauses_only_to_comm
             assert st.timing["in_pause_bytes"] == 0 and st.timing["staged_bytes"] > 0, st
         engine_has(world["server"], H.hf_state(args, world["model"]))
         world["trainer"].step()
-    if flight is not None:
+    for flight in flights:  # retract holds them through the pause; abort may have returned them early
         flight.join(600)
-        assert flight.meta["finish_reason"]["type"] == "length" and flight.meta["completion_tokens"] == 100
+        assert flight.meta is not None
+        if mode == "retract":
+            assert flight.meta["finish_reason"]["type"] == "length" and flight.meta["completion_tokens"] == 100
+    assert _RayEngine(world["engines"][0]).status()[0].idle is True
+    up.update_weights()  # nothing in flight: paused at once, every publish announced as written
+    m = up.pop_metrics()
+    assert m["perf/update_weights_failures"] == 0 and m["perf/update_weights_staged"] == 0, m
+    assert 0 < m["perf/update_weights_pause_s"] and "perf/update_weights_stage_s" not in m, m
+    engine_has(world["server"], H.hf_state(args, world["model"]))
     up.disconnect_rollout_engines()
     world["version"] = up.weight_version
 

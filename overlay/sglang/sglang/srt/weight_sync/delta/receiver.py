@@ -80,8 +80,8 @@ __all__ = ["_apply_delta", "_apply_delta_from_distributed", "_apply_delta_payloa
 # ---------------------------------------------------------------- the shared apply path
 
 
-def delta_status(model: torch.nn.Module) -> DeltaStatus:
-    """This rank's structured status (what the sender decides on)."""
+def delta_status(model: torch.nn.Module, idle: Optional[bool] = None) -> DeltaStatus:
+    """This rank's structured status (what the sender decides on); ``idle``: what its scheduler says."""
     model = draft.resolve(model)
     state = receiver_state(model)
     reason = full_reason(state)
@@ -94,7 +94,7 @@ def delta_status(model: torch.nn.Module) -> DeltaStatus:
                        xor=state.xor_ready and reason is None, xor_raw=list(state.xor_raw), dense=list(state.dense),
                        ctx=state.xor_ready and reason is None,
                        applied=dict(state.applied), wire_format=WIRE_FORMAT,
-                       staged=stage["staged"], staging=stage["fetching"], stage_code=stage["code"],
+                       staged=stage["staged"], staging=stage["fetching"], stage_code=stage["code"], idle=idle,
                        timing=dict(state.timing),
                        draft_unwritten=state.draft_unwritten, draft=list(state.draft_names))
 
@@ -105,11 +105,11 @@ def checker_action(action: str, model: torch.nn.Module, parallelism_info=None) -
     if action == "delta_fingerprint":
         return fingerprint_payload(model, parallelism_info)
     if action == "delta_status":
-        return delta_status(model).checker_rank(parallelism_info)
+        return delta_status(model, _CHECKER_REQUEST.get("idle")).checker_rank(parallelism_info)
     if action == "delta_stage":  # a pushed version's files (fetch), or a store follower's next version (staging)
         pushed = _CHECKER_REQUEST.get("delta")
         fetch.request(model, pushed) if pushed is not None else staging.start(model)
-        return delta_status(model).checker_rank(parallelism_info)
+        return delta_status(model, _CHECKER_REQUEST.get("idle")).checker_rank(parallelism_info)
     raise DeltaError(f"unknown weights_checker action {action!r} (have: delta_fingerprint, delta_status, delta_stage)")
 
 
@@ -118,11 +118,13 @@ _apply_delta_payload = apply_request  # the name the patches bind on the runner 
 _CHECKER_REQUEST: dict = {}  # the ``/weights_checker`` request this scheduler is answering (its ``delta`` field)
 
 
-def note_checker_request(recv_req) -> None:
+def note_checker_request(recv_req, idle: Optional[bool] = None) -> None:
     """Hooked where the scheduler takes a ``/weights_checker`` request: the fields an action reads beyond its name
-    (``delta_stage``'s files), for the checker calls of this one request."""
+    (``delta_stage``'s files), and whether the scheduler has a request running or waiting (a sender stages a sync
+    only for engines that serve), for the checker calls of this one request."""
     _CHECKER_REQUEST.clear()
     _CHECKER_REQUEST["delta"] = getattr(recv_req, "delta", None)
+    _CHECKER_REQUEST["idle"] = idle
 
 
 def fingerprint_payload(model: torch.nn.Module, parallelism_info=None) -> dict:

@@ -8,6 +8,10 @@ the sync (:meth:`StagedPublishes.commit`) each engine is told the last publish i
 engine has fetched (its status' ``staged``), or refused, or the deadline passed, then calls the ``gate`` (the caller's
 pause) and replays each engine's announcements in order, one engine per thread. An engine that could not fetch reads
 its files inside the pause, as before; what it refused is refused again by the commit's own checks.
+
+A sync whose engines are all idle when it begins (no request running or waiting: slime's ``train.py`` and
+``train_async.py`` both finish a rollout before they sync, and the engines wait for the version anyway) does not stage:
+the gate comes at once and each publish is announced as written, so staging never makes such a sync longer.
 """
 
 from __future__ import annotations
@@ -38,6 +42,24 @@ class StagedPublishes:
         self.unable: set = set()  # engines a stage request failed on (an older engine, unreachable): not waited for
         self.t0: Optional[float] = None
         self.figures: Dict[str, float] = {}
+        self.direct: Optional[bool] = None  # decided when the sync begins (:meth:`stages`)
+
+    def stages(self, gate: Callable[[], None]) -> bool:
+        """Whether this sync stages, decided at its first call: when every engine reports itself idle, there is
+        nothing to protect, so ``gate()`` now and announce as written. An engine that does not say (an older patch
+        set) or cannot be read counts as serving."""
+        if self.direct is None:
+            self.direct = bool(self.engines) and all(self.pool.map(self._idle, range(len(self.engines))))
+            self.figures["staged"] = float(not self.direct)
+            if self.direct:
+                gate()
+        return not self.direct
+
+    def _idle(self, i: int) -> bool:
+        try:
+            return all(r.idle is True for r in self.engines[i].status())
+        except Exception:  # its stage request or its commit will tell
+            return False
 
     def add(self, i: int, body: Optional[dict], call: Call) -> None:
         """Publish ``call`` to engine ``i`` at the commit; ask it to fetch ``body`` now (None: nothing to fetch)."""

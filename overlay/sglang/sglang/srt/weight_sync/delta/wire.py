@@ -141,6 +141,7 @@ class DeltaStatus:
     staged: Optional[int] = None  # a version fetched (store: and digest-checked) while serving, not committed
     staging: Optional[int] = None  # the version being fetched now (None: no stage under way)
     stage_code: Optional[str] = None  # the last stage request's Refusal code (None: taken)
+    idle: Optional[bool] = None  # no request running or waiting when it answered (None: the engine does not say)
     timing: Dict[str, float] = dataclasses.field(default_factory=dict)  # stage_s, commit_s, staged/in_pause_bytes
     draft_unwritten: int = 0  # a speculative draft's own params its last full sync wrote nothing into
     draft: List[str] = dataclasses.field(default_factory=list)  # names only its speculative draft holds
