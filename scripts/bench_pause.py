@@ -9,8 +9,9 @@ same way: the sender pauses the server itself (``retract``, so the stream goes o
 each version's files, from a local directory or from the store across the same link. Every case runs twice in one
 run: staging as shipped, and before staging (a follower with ``--update-weight-store-no-stage``: the catch-up reads
 every object under the update lock; a pushed sync with ``stage_timeout=0``: paused first, each publish announced as
-it is written). One ``pause:`` line per case, and a section of docs/benchmarks.md. Over ``nccl`` nothing stages yet:
-not measured here.
+it is written). Pushed syncs also run with no client at all (``idle:`` lines): a sync that begins with every engine
+idle pauses first whether staging is on or not, so its time must equal the time before staging. One ``pause:`` line
+per case, and a section of docs/benchmarks.md. Over ``nccl`` nothing stages yet: not measured here.
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def link_up(rate: str) -> None:
     link_down()
     for cmd in (["ip", "netns", "add", NETNS], ["ip", "link", "add", "dws-h", "type", "veth", "peer", "name", "dws-s"],
                 ["ip", "link", "set", "dws-s", "netns", NETNS], ["ip", "addr", "add", f"{HOST_IP}/24", "dev", "dws-h"],
-                ["ip", "-n", NETNS, "addr", "add", f"{STORE_IP}/24", "dev", "dws-s"], ["ip", "link", "set", "dws-h", "up"],
+                ["ip", "-n", NETNS, "addr", "add", f"{STORE_IP}/24", "dev", "dws-s"],
+                ["ip", "link", "set", "dws-h", "up"],
                 ["ip", "-n", NETNS, "link", "set", "dws-s", "up"], ["ip", "-n", NETNS, "link", "set", "lo", "up"],
                 ["ip", "netns", "exec", NETNS, "tc", "qdisc", "add", "dev", "dws-s", "root", "tbf", "rate", rate,
                  "burst", "32kb", "latency", "400ms"]):
@@ -109,7 +111,7 @@ def run_case(store_url: str, boot: str, states, staged: bool, workdir: str, toke
 
 def run_pushed(where: str, boot: str, states, staged: bool, workdir: str, tokens: int) -> dict:
     """A server the sender pushes ``states`` to (the first a full sync, not measured) through ``where``: a directory
-    or a store's URL."""
+    or a store's URL; ``tokens`` 0: no client (the server idle)."""
     from cpu_harness import Server
     from sglang.srt.weight_sync.delta.sender import DeltaSender
     from sglang.srt.weight_sync.delta.store.publish import StoreTransport
@@ -132,16 +134,19 @@ def run_pushed(where: str, boot: str, states, staged: bool, workdir: str, tokens
 
 def timed_syncs(url: str, tokens: int, sender, states, reach) -> dict:
     """A stream's longest gap without syncs, then per sync of ``states`` (``reach(v)`` returns once the engine holds
-    version ``v``): its time, the stream's longest gap across it, the engine's commit and what the deltas were."""
+    version ``v``): its time, the stream's longest gap across it, the engine's commit and what the deltas were
+    (``tokens`` 0: no stream, no gaps)."""
     from sglang.srt.weight_sync.delta.transport import HttpEngine
 
     stream = Stream(url, tokens)
     try:
-        stream.start()
-        time.sleep(3)
-        t0 = time.perf_counter()
-        time.sleep(8)
-        baseline = stream.longest_gap(t0, time.perf_counter())
+        baseline = 0.0
+        if tokens:
+            stream.start()
+            time.sleep(3)
+            t0 = time.perf_counter()
+            time.sleep(8)
+            baseline = stream.longest_gap(t0, time.perf_counter())
         rows = []
         for state in states:
             t0 = time.perf_counter()
@@ -171,7 +176,8 @@ def summary(case: dict) -> dict:
     rows = case["syncs"]
     mean = lambda k: sum(r[k] for r in rows) / len(rows)  # noqa: E731
     return {"sync_s": mean("sync_s"), "pause_s": max(0.0, mean("gap_s") - case["baseline_gap_s"]),
-            "commit_s": mean("commit_s"), "staged_bytes": mean("staged_bytes"), "in_pause_bytes": mean("in_pause_bytes"),
+            "commit_s": mean("commit_s"), "staged_bytes": mean("staged_bytes"),
+            "in_pause_bytes": mean("in_pause_bytes"),
             "encoding": "/".join(sorted({r["encoding"] for r in rows}))}
 
 
@@ -209,13 +215,14 @@ def main() -> int:
             if link != "local":
                 link_up(link)
                 s3 = SeaweedS3(os.path.join(args.workdir, f"seaweed-{link}"), ip=STORE_IP, netns=NETNS)
-            for kind in ("follower", "pushed"):
+            for kind in ("follower", "pushed", "idle"):
                 for staged in (False, True):
-                    url = s3.url() if s3 else os.path.join(args.workdir, f"store-{link}-{int(staged)}-{time.time():.0f}")
+                    url = s3.url() if s3 else \
+                        os.path.join(args.workdir, f"store-{link}-{int(staged)}-{time.time():.0f}")
                     if not s3:
                         os.makedirs(url)
                     case = run_case(url, boot, states, staged, args.workdir, args.tokens) if kind == "follower" else \
-                        run_pushed(url, boot, states, staged, args.workdir, args.tokens)
+                        run_pushed(url, boot, states, staged, args.workdir, args.tokens if kind == "pushed" else 0)
                     results[(kind, link, staged)] = case
                     print(json.dumps({"case": kind, "link": link, "staged": staged, **summary(case)}), flush=True)
         finally:
@@ -227,10 +234,17 @@ def main() -> int:
         for link in args.links.split(","):
             before, after = summary(results[(kind, link, False)]), summary(results[(kind, link, True)])
             where = ("store" if kind == "follower" else "disk" if link == "local" else "disk+store")
-            line = (f"pause: {where} {after['encoding']} {link}: sync {after['sync_s']:.2f} s, pause {after['pause_s']:.2f} s "
+            line = (f"pause: {where} {after['encoding']} {link}: sync {after['sync_s']:.2f} s, "
+                    f"pause {after['pause_s']:.2f} s "
                     f"(before staging {before['pause_s']:.2f} s), commit {after['commit_s']:.2f} s")
             lines.append((kind, link, before, after))
             print(line)
+    for link in args.links.split(","):
+        before, after = summary(results[("idle", link, False)]), summary(results[("idle", link, True)])
+        where = "disk" if link == "local" else "disk+store"
+        lines.append(("idle", link, before, after))
+        print(f"idle: {where} {after['encoding']} {link}: sync {after['sync_s']:.2f} s (before staging "
+              f"{before['sync_s']:.2f} s), commit {after['commit_s']:.2f} s")
     write_section(args.doc, lines, params, args)
     return 0
 
@@ -244,7 +258,8 @@ def write_section(path: str, lines, params: int, args) -> None:
             f"Written by `make bench-pause` (`scripts/bench_pause.py`, root): a real patched CPU SGLang server "
             f"({params / 1e6:.1f}M-param Qwen3 shape) serves one client streaming greedy tokens back to back while the "
             f"trainer publishes {args.syncs} versions, `xor_zstd` asked for (about {args.density:.0%} of the elements "
-            "changed each; a store alone gets `planes_zstd`: its followers may be anywhere behind). A follower follows a version store; a pushed sync is announced by the sender, which pauses the "
+            "changed each; a store alone gets `planes_zstd`: its followers may be anywhere behind). A follower "
+            "follows a version store; a pushed sync is announced by the sender, which pauses the "
             "server itself (`retract`: the stream goes on through it), its files in a local directory, or in the store "
             "across the link. The pause is the client's longest gap between tokens during a sync, less that gap "
             "without syncs; the sync, from the trainer's publish to the engine at the version; the commit, the "
@@ -254,6 +269,8 @@ def write_section(path: str, lines, params: int, args) -> None:
             "| sync, link | sent | sync | pause | pause before staging | commit | read inside the commit | vs local |",
             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for kind, link, before, after in lines:
+        if kind == "idle":
+            continue
         ratio = f"{after['pause_s'] / local[kind]:.2f}x" if local.get(kind) else "—"
         where = {"follower": "follower, ", "pushed": "pushed, "}[kind] + (
             "directory" if link == "local" else "S3 over " + link)
@@ -261,6 +278,15 @@ def write_section(path: str, lines, params: int, args) -> None:
                     f"{after['pause_s']:.2f} s | {before['pause_s']:.2f} s | {after['commit_s']:.2f} s | "
                     f"{after['in_pause_bytes'] / 1e6:.2f} MB (before: {before['in_pause_bytes'] / 1e6:.2f} MB) | "
                     f"{ratio} |")
+    text += ["", "With no client (every engine idle as the sync begins, as in slime's `train.py` and "
+             "`train_async.py`) a pushed sync pauses first whether staging is on or not; its time, staging on "
+             "against before staging:", "",
+             "| sync, link | sync | before staging | ratio |", "|---|---:|---:|---:|"]
+    for kind, link, before, after in lines:
+        if kind == "idle":
+            where = "pushed, " + ("directory" if link == "local" else "S3 over " + link)
+            text.append(f"| {where} | {after['sync_s']:.2f} s | {before['sync_s']:.2f} s | "
+                        f"{after['sync_s'] / before['sync_s']:.2f}x |")
     text += ["", "Over `nccl` nothing stages yet: the broadcast is in the pause there.", end]
     with_section(path, "\n".join(text), begin, end)
 

@@ -18,6 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sglang.srt.weight_sync.delta.diff import changed_positions, encode_flush
+from sglang.srt.weight_sync.delta.engine_api import DeltaEngine
 from sglang.srt.weight_sync.delta.wire import DeltaPayload
 
 
@@ -352,7 +353,7 @@ class Host:
         return getattr(receiver_class(), name)(self, *args, **kwargs)
 
 
-class InProcessEngine:
+class InProcessEngine(DeltaEngine):
     """An engine as the sender's transports call it, in-process: the receiver's entry points on a ``Host``, called
     directly (not through SGLang's runner classes, which a bare GPU host with an import stub cannot load)."""
 
@@ -363,9 +364,6 @@ class InProcessEngine:
         from sglang.srt.weight_sync.delta import receiver
 
         return receiver._apply_delta(self.host, model_path, files, weight_version, store)
-
-    def catch_up(self, store_url, weight_version=None):
-        return self.update_weights_from_disk(store_url, [], weight_version, store={"catch_up": True})
 
     def update_weights_from_distributed(self, names, dtypes, shapes, group_name, delta, weight_version):
         from sglang.srt.weight_sync.delta import receiver

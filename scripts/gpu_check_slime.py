@@ -21,6 +21,8 @@ from typing import Optional
 
 import torch
 
+from sglang.srt.weight_sync.delta.engine_api import DeltaEngine
+
 SENDER_BUFFER = 64 << 20  # the source's flush buffer in this lane
 SYNCS, REFUSED = 5, 2  # sync 0 gathers (full); the engine refuses sync 2's publish
 ENCODINGS = ("xor_zstd", "xor_ctx")  # the disk default; the fewest bytes, whose ranks find their changes' classes
@@ -42,8 +44,8 @@ def _hf_config(sizes):
                                     max_position_embeddings=128, tie_word_embeddings=False)
 
 
-class _PipeEngine:
-    """The sender core's engine interface, served by the engine process over a pipe (its own process: SGLang's
+class _PipeEngine(DeltaEngine):
+    """The sender's engine interface, served by the engine process over a pipe (its own process: SGLang's
     in-process model wants a distributed world of its own, apart from the trainer's)."""
 
     def __init__(self, conn):

@@ -15,6 +15,7 @@ import torch
 
 from cpu_harness import Server, bf16_state, engine_mismatch, hf_config, hf_model, rl_steps, segments, write_hf_checkpoint
 from sglang.srt.weight_sync.delta import fingerprint
+from sglang.srt.weight_sync.delta.engine_api import DeltaEngine
 from sglang.srt.weight_sync.delta.sender import DeltaSender
 from sglang.srt.weight_sync.delta.transport import DiskTransport, HttpEngine
 from sglang.srt.weight_sync.delta.files import read_safetensors, write_safetensors
@@ -22,7 +23,7 @@ from sglang.srt.weight_sync.delta.files import read_safetensors, write_safetenso
 SERVER_FLAGS = ["--update-weight-delta-chunk-bytes", "16384", "--update-weight-group-timeout", "5"]
 
 
-class Tamperable:
+class Tamperable(DeltaEngine):
     """The engine as the sender sees it: a real HttpEngine (it pauses generation around each sync, in its
     ``pause_mode``); a test may rewrite one announcement."""
 

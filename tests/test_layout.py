@@ -20,3 +20,27 @@ def test_engine_modules_import_nothing_of_the_sender():
 def test_no_module_over_700_lines():
     sizes = {p.name: len(p.read_text().splitlines()) for p in pathlib.Path(pkg.__file__).parent.glob("*.py")}
     assert max(sizes.values()) <= 700, sizes
+
+
+def test_every_engine_the_trainer_side_calls_implements_the_one_engine_interface():
+    """``engine_api.DeltaEngine`` is the one interface a sender and its transports call: every class of ours that
+    carries its calls (HTTP, slime's Ray actor, the harnesses, the tests' wrappers) descends from it, none redeclares
+    it by duck typing."""
+    import ast
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    bases, carriers = {}, set()
+    for path in [*root.glob("overlay/**/*.py"), *root.glob("scripts/*.py"), *root.glob("tests/*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases[node.name] = [ast.unparse(b).split(".")[-1] for b in node.bases]
+                methods = {m.name for m in node.body if isinstance(m, ast.FunctionDef)}
+                if {"status", "update_weights_from_disk"} <= methods or {"status", "fingerprint"} <= methods:
+                    carriers.add(node.name)
+
+    def implements(name, seen=()):
+        return name == "DeltaEngine" or any(implements(b, seen + (name,)) for b in bases.get(name, ())
+                                            if b not in seen)
+
+    assert {"HttpEngine", "_RayEngine", "InProcessEngine", "_PipeEngine"} <= carriers, carriers
+    assert [c for c in sorted(carriers) if c != "DeltaEngine" and not implements(c)] == []

@@ -14,6 +14,7 @@ import torch
 from cpu_harness import Host, bf16_state, hf_model, nan_filled, receiver_class, segments
 from delta_helpers import assert_params_equal
 from sglang.srt.weight_sync.delta import draft
+from sglang.srt.weight_sync.delta.engine_api import DeltaEngine
 from sglang.srt.weight_sync.delta.receiver import delta_status
 from sglang.srt.weight_sync.delta.sender import DeltaSender
 from sglang.srt.weight_sync.delta.transport import DiskTransport
@@ -84,7 +85,7 @@ def manager(tp, spec_worker):
     return m
 
 
-class ManagerEngine:
+class ManagerEngine(DeltaEngine):
     """An engine as the sender's disk transport calls it: SGLang's own request object through the manager."""
 
     def __init__(self, m):

@@ -251,3 +251,66 @@ def test_a_newer_version_supersedes_a_fetched_one_and_past_the_bound_the_commit_
     assert st.timing["staged_bytes"] == 0 and st.timing["in_pause_bytes"] > 0, st
     assert_params_equal(e.host.model, reference(STATES[3]))
     assert fetch.fetched(e.host.model).held_bytes == 0
+
+
+def test_with_a_store_the_engines_pushed_to_resume_before_the_commit_and_the_catch_ups(tmp_path):
+    """With a version store, the engines a sync pushed to resume as soon as each of them took the version: the
+    manifest and ``HEAD`` are written and a newcomer catches up (its anchor's download) while they serve. The
+    newcomer stays paused until its catch-up is done. Both end bit-identical."""
+    events = []
+
+    class Recording(InProcessEngine):
+        def pause_generation(self):
+            events.append(("pause", self.name))
+
+        def continue_generation(self):
+            events.append(("continue", self.name, transport.head_version))
+
+        def catch_up(self, store_url, weight_version=None):
+            events.append(("catch_up", self.name, transport.head_version))
+            return super().catch_up(store_url, weight_version)
+
+    a, b = Recording(engine().host), Recording(engine().host)
+    a.name, b.name = "a", "b"
+    (tmp_path / "store").mkdir()
+    transport = StoreTransport(str(tmp_path / "store"), [a], zstd=1, stage_timeout=60)
+    sender = DeltaSender(transport, [a], encoding="xor_zstd")
+    try:
+        assert sender.update(segments(STATES[0]))[0][0]  # the first version is an anchor a loads after the commit
+        assert events == [("pause", "a"), ("catch_up", "a", 1), ("continue", "a", 1)], events
+        transport.close()
+        transport = StoreTransport(str(tmp_path / "store"), [a, b], zstd=1, stage_timeout=60)
+        sender.attach(transport, [a, b])  # b is new: it catches up from the store, a takes the delta
+        events.clear()
+        results = sender.update(segments(STATES[1]))
+        assert all(ok for ok, _ in results.values()), results
+        assert events == [("pause", "a"), ("pause", "b"), ("continue", "a", 1), ("catch_up", "b", 2),
+                          ("continue", "b", 2)], events
+        m = sender.pop_metrics()
+        assert m["perf/update_weights_catch_ups"] == 1 and m["perf/update_weights_pause_s"] > 0, m
+        for e in (a, b):
+            assert_params_equal(e.host.model, reference(STATES[1]))
+    finally:
+        transport.close()
+
+
+def test_a_stage_whose_trainer_stopped_is_dropped_after_its_hold_time(tmp_path):
+    """A trainer that stops between stage and commit: what the engine fetched is dropped once no request of that
+    sync came for ``hold_s`` (the sender sends twice its stage timeout). A commit of the same files later still
+    applies, reading them itself, bit-identical; a malformed ``hold_s`` is refused."""
+    e = _at_version_1(tmp_path)
+    vdir, files = _delta(tmp_path, 2)
+    (st,) = e.stage({"version": 2, "model_path": vdir, "files": files, "final": True, "hold_s": "soon"})
+    assert st.stage_code == "malformed" and st.staged is None, st
+    e.stage({"version": 2, "model_path": vdir, "files": files, "final": True, "hold_s": 0.5})
+    assert staged(e, 2).stage_code is None
+    deadline = time.time() + 60
+    while fetch.fetched(e.host.model).held_bytes and time.time() < deadline:
+        time.sleep(0.05)
+    (st,) = e.status()
+    assert st.staged is None and st.staging is None and fetch.fetched(e.host.model).held_bytes == 0, st
+    ok, msg = e.update_weights_from_disk(vdir, files, "2")
+    assert ok, msg
+    (st,) = e.status()
+    assert st.version == 2 and st.timing["staged_bytes"] == 0 and st.timing["in_pause_bytes"] > 0, st
+    assert_params_equal(e.host.model, reference(STATES[1]))

@@ -2,9 +2,9 @@
 trainer's pause reads nothing.
 
 The trainer asks for it as soon as a publish's files are written, before it pauses generation: ``/weights_checker``
-action ``delta_stage`` with a ``delta`` field, ``{"version", "model_path", "files", "digests"?, "final"?}`` (a shared
-directory, or a version store's version URL with each file's digest). A thread on the engine's first TP rank (the
-rank that reads a request's files) reads, decompresses and parses them, in order, bounded by
+action ``delta_stage`` with a ``delta`` field, ``{"version", "model_path", "files", "digests"?, "final"?,
+"hold_s"?}`` (a shared directory, or a version store's version URL with each file's digest). A thread on the engine's
+first TP rank (the rank that reads a request's files) reads, decompresses and parses them, in order, bounded by
 ``--update-weight-delta-stage-bytes`` (what they hold decompressed); past it, the rest is read at the commit. Nothing
 here touches a weight, the engine's state or the TP group.
 
@@ -13,8 +13,9 @@ read under, a store object's digest (the one the commit names) or a directory fi
 the commit finds it, so a file replaced since (written anew and renamed into place, as every writer of ours does) is
 read again, and every request is checked whole as before. A fetch
 for a version at or below the engine's, or below the one held, is refused (``off_chain``); a newer version's drops
-the older; the request that completes a version, or a refusal, drops it. The status says which version is
-``staged`` (every file of its final request read) and why a fetch was refused (``stage_code``).
+the older; the request that completes a version, or a refusal, drops it; so does ``hold_s`` seconds without a request
+of its sync (a trainer that stopped between stage and commit). The status says which version is ``staged`` (every file
+of its final request read) and why a fetch was refused (``stage_code``).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class Fetched:
     stage_s: float = 0.0  # first request to the last file read
     t0: float = 0.0
     commit_t0: Optional[float] = None  # the version's first commit request
+    expires: Optional[float] = None  # monotonic time past which a version no request touched is dropped (hold_s)
     code: Optional[str] = None  # the last fetch request's refusal (a Refusal value), None when taken
     settings: Optional[tuple] = None  # (stage bytes, max object bytes) of the engine's last request
     jobs: "queue.Queue" = dataclasses.field(default_factory=queue.Queue)
@@ -66,7 +68,7 @@ class Fetched:
 
     def drop(self) -> None:
         with self.lock:
-            self.version = self.staged = None
+            self.version = self.staged = self.expires = None
             self.objects, self.asked, self.held_bytes, self.bounded = {}, set(), 0, False
 
 
@@ -110,7 +112,7 @@ def request(model: torch.nn.Module, req) -> None:
     group = tp_group()
     if group is not None and group.rank_in_group != 0:
         return  # the first rank reads a request's files for every rank
-    f.jobs.put((version, job))
+    f.jobs.put((version, job, None if job["hold_s"] is None else time.monotonic() + job["hold_s"]))
     if f.thread is None or not f.thread.is_alive():
         f.thread = threading.Thread(target=_run, args=(f,), name="delta-fetch", daemon=True)
         f.thread.start()
@@ -123,6 +125,7 @@ def take(model: torch.nn.Module, key: str, tag: str) -> Optional[DeltaPayload]:
     if f is None:
         return None
     with f.lock:
+        f.expires = None  # its commit is under way: settle drops what it leaves
         held = f.objects.pop((key, tag), None)
         if held is None:
             return None
@@ -150,7 +153,8 @@ def _tag(st: os.stat_result) -> str:
 def settle(host, t0: float) -> None:
     """After a pushed request: its version's first request starts the commit's clock; the request that completes the
     version records its timing (bytes taken from the stage, bytes read inside the pause); a version completed, refused
-    or left dirty drops what was fetched for it (a newer version's files wait for their own commit)."""
+    or left dirty drops what was fetched for it (a newer version's files wait for their own commit, unless the engine
+    is dirty)."""
     model = host_model(host)
     f, state = fetched(model), receiver_state(model)
     if f.commit_t0 is None:
@@ -163,7 +167,8 @@ def settle(host, t0: float) -> None:
                         "commit_s": round(time.perf_counter() - f.commit_t0, 6), "staged_bytes": f.taken_bytes,
                         "in_pause_bytes": f.read_bytes}
     f.commit_t0, f.taken_bytes, f.read_bytes = None, 0, 0
-    if f.version is None or state.version is None or f.version <= state.version or state.dirty:
+    refused = not ok and bool(state.last[0]) and state.last[0][0] == f.version  # fetched anew by its next stage
+    if f.version is None or state.version is None or f.version <= state.version or state.dirty or refused:
         f.drop()
 
 
@@ -180,12 +185,21 @@ def _parse(req) -> Tuple[int, dict]:
         raise DeltaError("delta_stage: 'files' must be a list of file names")
     if digests is not None and (not isinstance(digests, dict) or set(files) - set(digests)):
         raise DeltaError("delta_stage: 'digests' must name a digest for every file")
-    return version, {"model_path": path, "files": files, "digests": digests, "final": bool(req.get("final"))}
+    hold = req.get("hold_s")
+    if hold is not None and (isinstance(hold, bool) or not isinstance(hold, (int, float)) or not hold > 0):
+        raise DeltaError(f"delta_stage: 'hold_s' must be a positive number of seconds, got {hold!r}")
+    return version, {"model_path": path, "files": files, "digests": digests, "final": bool(req.get("final")),
+                     "hold_s": hold}
 
 
 def _run(f: Fetched) -> None:
-    while True:  # one thread per engine for its life: it waits on its queue
-        version, job = f.jobs.get()
+    while True:  # one thread per engine for its life: it waits on its queue, or until what it holds expires
+        wait = None if f.expires is None else max(0.0, f.expires - time.monotonic())
+        try:
+            version, job, expires = f.jobs.get(timeout=wait)
+        except queue.Empty:
+            _expire(f)
+            continue
         try:
             _fetch(f, version, job)
         except Exception as e:  # the commit reads the same file and refuses it with its own code, if it must
@@ -193,6 +207,21 @@ def _run(f: Fetched) -> None:
             with f.lock:
                 f.bounded, f.staged = True, version  # nothing more is fetched: the commit need not wait
                 f.code = e.code.value if isinstance(e, DeltaError) else Refusal.STORE_UNAVAILABLE.value
+        with f.lock:
+            if f.version == version and f.commit_t0 is None:  # held from this request on, until its commit
+                f.expires = expires
+
+
+def _expire(f: Fetched) -> None:
+    with f.lock:
+        version, due = f.version, f.expires is not None and time.monotonic() >= f.expires
+    if due and version is not None:
+        logger.warning("delta fetch: version %d dropped: no request of its sync came for its hold time (the trainer "
+                       "stopped?); a later commit of it reads its files itself", version)
+        f.drop()
+    with f.lock:
+        if f.version is None:
+            f.expires = None
 
 
 def _fetch(f: Fetched, version: int, job: dict) -> None:

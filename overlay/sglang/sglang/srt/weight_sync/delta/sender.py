@@ -38,6 +38,7 @@ import torch
 from sglang.srt.weight_sync.delta import fingerprint
 from sglang.srt.weight_sync.delta.collectives import StageGroup
 from sglang.srt.weight_sync.delta.ctx import codes as ctx_codes
+from sglang.srt.weight_sync.delta.engine_api import DeltaEngine
 from sglang.srt.weight_sync.delta.ops import gc_paused
 from sglang.srt.weight_sync.delta.snapshot import Chunk, DeltaState
 from sglang.srt.weight_sync.delta.store.objects import HeadMoved
@@ -96,8 +97,8 @@ class DeltaSender:
     stay unchanged until :meth:`update` returns (slime hands over clones).
     """
 
-    def __init__(self, transport, engines: Sequence, encoding: str = "deltas", buffer_bytes: int = 512 << 20,
-                 device: Optional[torch.device] = None, fingerprint_every: int = 0,
+    def __init__(self, transport, engines: Sequence[DeltaEngine], encoding: str = "deltas",
+                 buffer_bytes: int = 512 << 20, device: Optional[torch.device] = None, fingerprint_every: int = 0,
                  stages: Optional[StageGroup] = None, repair_dirty: bool = True, anchor_every: int = 0,
                  draft_trained: bool = False):
         self.encoding = DeltaEncoding(encoding).value
@@ -114,9 +115,12 @@ class DeltaSender:
         self.fingerprint_every = fingerprint_every  # check engines' weight fingerprints every K syncs (0: never)
         self.anchor_every = anchor_every  # a version store: the trainer also writes an anchor every K versions
         self.said_over = 0  # the largest param above the flush bound a warning named (SyncRun._say_over)
+        # a caller that pauses the engines itself (slime) resumes those pushed to through this once they took the
+        # version, before a store's commit and the catch-ups: ``release(engine indices)`` (None: the sender's own)
+        self.release: Optional[Callable[[Sequence[int]], None]] = None
         self.attach(transport, engines, stages)
 
-    def attach(self, transport, engines: Sequence, stages: Optional[StageGroup] = None) -> None:
+    def attach(self, transport, engines: Sequence[DeltaEngine], stages: Optional[StageGroup] = None) -> None:
         """Send through ``transport`` to ``engines`` from now on, keeping the snapshot and the version chain (slime
         re-connects its engines after one restarted, and around an offload): every engine's status is asked again,
         so only an engine that needs one gets a full sync."""
@@ -169,45 +173,60 @@ class DeltaSender:
         """One sync over ``segments`` (callables yielding chunks of HF ``(name, tensor)``); publishes after each.
         Engines with ``pause_generation`` are paused around it; one that a failed write left dirty gets its full sync
         before they resume (``repair_dirty``: the segments are called again), so no request is served by a
-        half-written model."""
+        half-written model. With a version store the engines pushed to resume once every one of them took the
+        version: the manifest, ``HEAD`` and the catch-ups of the others (an anchor's download, say) run while they
+        serve, and each engine that catches up resumes after it."""
         with gc_paused():
-            paused, since = [], []
+            paused, since, held = {}, [], []  # engines paused now; when that pause began; seconds paused
 
             def pause():  # no forward pass sees a sync half-applied (slime pauses on its own)
                 if since:
                     return
                 since.append(time.perf_counter())
-                for e in self.engines:
-                    if hasattr(e, "pause_generation"):
+                for i, e in enumerate(self.engines):
+                    if hasattr(e, "pause_generation") and i not in paused:
                         try:
                             e.pause_generation()
-                            paused.append(e)
+                            paused[i] = e
                         except Exception:  # an unreachable engine fails its own requests below
                             logger.exception("pause_generation failed")
 
+            def resume(which: Optional[Sequence[int]] = None):
+                for i in sorted(paused.keys() if which is None else set(which) & paused.keys()):
+                    try:
+                        paused.pop(i).continue_generation()
+                    except Exception:  # the engine's own failure shows in its result; keep the others going
+                        logger.exception("continue_generation failed")
+                if since:  # how long generation stood still, as the trainer saw it
+                    held.append(time.perf_counter() - since.pop())
+
             stages_first = getattr(self.transport, "stage_timeout", 0) > 0
             staged = stages_first and self.transport.gate is None  # a caller's own gate pauses by itself (slime)
+            own = self.release is None
             if staged:  # the engines fetch while they serve; the transport pauses them before its announcements
                 self.transport.gate = pause
             elif not stages_first:
                 pause()
+            if own:
+                self.release = resume
             try:
                 results = self._update(segments)
                 if self.repair_dirty:  # every pipeline stage repairs, or none: stage 0 knows the engines
                     dirty = self.left_dirty if self.stages is None else \
                         self.stages.share(self.left_dirty if self.stages.first else None)
-                    if dirty:
+                    if dirty:  # paused again if a store's commit resumed them: a full sync is several requests
+                        gate = pause if own else getattr(self.transport, "gate", None)
+                        if gate is not None:
+                            gate()
                         results = self.repair(segments, len(dirty))
-            finally:  # a fingerprint sync's check ran while paused: no request competed with it
+            finally:
                 if staged:
                     self.transport.gate = None
-                for e in paused:
-                    try:
-                        e.continue_generation()
-                    except Exception:  # the engine's own failure shows in its result; keep the others going
-                        logger.exception("continue_generation failed")
-                if since:  # how long generation stood still, as the trainer saw it
-                    self._metrics["perf/update_weights_pause_s"] = time.perf_counter() - since[0]
+                if own:
+                    self.release = None
+                resume()
+                if held:
+                    self._metrics["perf/update_weights_pause_s"] = sum(held)
             return results
 
     def repair(self, segments: Sequence[Callable[[], Iterable[Chunk]]], engines: int) -> Dict[int, Tuple[bool, str]]:
@@ -292,6 +311,9 @@ class DeltaSender:
             if self.stages is not None:  # every stage's part is done before any engine serves again
                 results = self._combine(results)
             if store:
+                if self.release is not None and delta_targets and all(results.get(i, (False,))[0]
+                                                                      for i in delta_targets):
+                    self.release(delta_targets)  # they took it: the store's commit and the catch-ups need no pause
                 results = self._commit_store(results)
         t_finalize = time.perf_counter() - t0 - t_encode - run.fingerprint_s
         acked = [i for i, (ok, _) in results.items() if ok]

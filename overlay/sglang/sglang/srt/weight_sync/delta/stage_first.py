@@ -66,7 +66,13 @@ class StagedPublishes:
         self.t0 = self.t0 if self.t0 is not None else time.perf_counter()
         self.replay.setdefault(i, []).append(call)
         if body is not None:
-            self.asked.setdefault(i, []).append(self.pool.submit(self._stage, i, dict(body, version=self.version)))
+            self.asked.setdefault(i, []).append(self.pool.submit(self._stage, i, dict(body, version=self.version,
+                                                                                      hold_s=self._hold())))
+
+    def _hold(self) -> float:
+        """How long an engine keeps what it fetched with no further request of this sync: the wait for the fetches
+        comes before the commit, so twice that is past any commit of a live trainer."""
+        return 2 * self.timeout
 
     def _stage(self, i: int, body: dict) -> None:
         try:
@@ -82,7 +88,7 @@ class StagedPublishes:
         engines = sorted(self.replay)
         for i in engines:
             self.asked.setdefault(i, []).append(self.pool.submit(
-                self._stage, i, {"version": self.version, "files": [], "final": True}))
+                self._stage, i, {"version": self.version, "files": [], "final": True, "hold_s": self._hold()}))
         for futs in self.asked.values():
             for fut in futs:
                 fut.result()

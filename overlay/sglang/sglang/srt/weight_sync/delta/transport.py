@@ -31,6 +31,7 @@ from typing import Callable, ContextManager, Dict, List, Optional, Sequence, Tup
 import torch
 
 from sglang.srt.weight_sync.delta.collectives import StageGroup, abort_group, await_collectives, group_named
+from sglang.srt.weight_sync.delta.engine_api import DeltaEngine
 from sglang.srt.weight_sync.delta.files import flush_file
 from sglang.srt.weight_sync.delta.stage_first import StagedPublishes
 from sglang.srt.weight_sync.delta.wire import (
@@ -384,7 +385,7 @@ def http_update_group(engines: Sequence["HttpEngine"], group_name: str, *, backe
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
-class HttpEngine:
+class HttpEngine(DeltaEngine):
     """A patched SGLang server over HTTP (v0.5.23's distributed updates are wrapped in its session).
 
     ``pause_mode``: what a sync does to requests in flight — ``abort`` returns them (slime's default), ``retract``
@@ -417,10 +418,6 @@ class HttpEngine:
                                  store: Optional[dict] = None) -> Tuple[bool, str]:
         body = {"model_path": model_path, "load_format": "delta", "files": files, "weight_version": weight_version}
         return self._post("/update_weights_from_disk", dict(body, store=store) if store else body)
-
-    def catch_up(self, store_url: str, weight_version: Optional[str] = None) -> Tuple[bool, str]:
-        """Bring the engine to ``weight_version`` (None: the store's HEAD) from the version store by itself."""
-        return self.update_weights_from_disk(store_url, [], weight_version, store={"catch_up": True})
 
     def pause_generation(self) -> None:
         """Pause in ``pause_mode``; with ``abort`` (as slime does) the KV of the old weights is dropped right away,

@@ -29,6 +29,7 @@ from slime.backends.megatron_utils.update_weight.common import named_params_and_
 from slime.utils.delta_sync_args import with_delta_defaults
 from slime.utils.distributed_utils import get_gloo_group
 from sglang.srt.weight_sync.delta.collectives import StageGroup
+from sglang.srt.weight_sync.delta.engine_api import DeltaEngine
 from sglang.srt.weight_sync.delta.sender import _EXPERT_SUBPASSES, DeltaSender
 from sglang.srt.weight_sync.delta.store.manifest import StoreKey
 from sglang.srt.weight_sync.delta.store.publish import NcclStoreTransport, StoreTransport
@@ -45,8 +46,8 @@ from .update_weight_from_distributed import (
 logger = logging.getLogger(__name__)
 
 
-class _RayEngine:
-    """The sender core's engine interface over slime's ``SGLangEngine`` Ray actor."""
+class _RayEngine(DeltaEngine):
+    """The sender's engine interface over slime's ``SGLangEngine`` Ray actor."""
 
     def __init__(self, actor):
         self.actor = actor
@@ -70,9 +71,6 @@ class _RayEngine:
     def update_weights_from_disk(self, model_path, files, weight_version, store=None):
         return self._ack(self.actor.update_weights_from_disk.remote(
             model_path, load_format="delta", weight_version=weight_version, files=files, store=store))
-
-    def catch_up(self, store_url, weight_version=None):
-        return self.update_weights_from_disk(store_url, [], weight_version, store={"catch_up": True})
 
     def fingerprint(self):
         return ray.get(self.actor.check_weights.remote("delta_fingerprint"))["ranks"]
@@ -225,31 +223,41 @@ class UpdateWeightFromDistributedDelta(UpdateWeightFromDistributed):
     def _update_staged(self, mode: str) -> None:
         """Stage, then commit: the sync runs while the engines generate and fetch each publish; rank 0 (stage 0's
         source, which announces) pauses them in ``mode`` only when the announcements are due (the transport's gate),
-        and resumes them after the sync and any repair. ``abort`` flushes the cache as slime's own pause does."""
+        and resumes them after the sync and any repair, or with a version store as soon as the engines pushed to
+        took the version (the sender's release). ``abort`` flushes the cache as slime's own pause does."""
         self.weight_version += 1
-        since = []
+        paused, since, held = set(), [], []  # engines paused now; when that pause began; seconds paused
 
         def gate():
             if since:
                 return
             since.append(time.perf_counter())
-            ray.get([engine.pause_generation.remote(mode) for engine in self.rollout_engines])
+            engines = [i for i in range(len(self.rollout_engines)) if i not in paused]
+            ray.get([self.rollout_engines[i].pause_generation.remote(mode) for i in engines])
             if mode == "abort":
-                ray.get([engine.flush_cache.remote() for engine in self.rollout_engines])
+                ray.get([self.rollout_engines[i].flush_cache.remote() for i in engines])
+            paused.update(engines)
 
-        transport = self._sender.transport if self._sender is not None and dist.get_rank() == 0 else None
-        if transport is not None:
-            transport.gate = gate
+        def release(which=None):
+            engines = sorted(paused if which is None else paused & set(which))
+            ray.get([self.rollout_engines[i].continue_generation.remote() for i in engines])
+            paused.difference_update(engines)
+            if since:
+                held.append(time.perf_counter() - since.pop())
+
+        sender = self._sender if self._sender is not None and dist.get_rank() == 0 else None
+        if sender is not None:
+            sender.transport.gate, sender.release = gate, release
         pbar = tqdm(desc=f"[{self._group_name}] Update weights", total=0) if self._is_pp_src_rank else None
         try:
             self._send_weights(pbar)
         finally:
-            if transport is not None:
-                transport.gate = None
-            if dist.get_rank() == 0:
-                ray.get([engine.continue_generation.remote() for engine in self.rollout_engines])
-        if since:  # how long generation stood still (rank 0)
-            self.update_weight_metrics["perf/update_weights_pause_s"] = time.perf_counter() - since[0]
+            if sender is not None:
+                sender.transport.gate, sender.release = None, None
+            if dist.get_rank() == 0:  # paused by the gate and not yet released
+                release()
+        if held:  # how long generation stood still (rank 0)
+            self.update_weight_metrics["perf/update_weights_pause_s"] = sum(held)
         dist.barrier(group=get_gloo_group())
 
     def disconnect_rollout_engines(self) -> None:
