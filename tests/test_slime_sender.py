@@ -6,6 +6,7 @@ Needs a slime checkout at the pin, patched by scripts/apply_patches.sh, plus Meg
 module is skipped.
 """
 import os
+import time
 
 import pytest
 
@@ -29,8 +30,9 @@ def world(tmp_path_factory):
                                    num_key_value_heads=H.GROUPS, intermediate_size=H.FFN, vocab_size=H.VOCAB,
                                    rms_norm_eps=1e-5, max_position_embeddings=128, tie_word_embeddings=False)
     boot = write_hf_checkpoint(str(root / "boot"), cfg, bf16_state(hf_model(cfg, seed=2)))
-    server = Server(boot, str(root / "server.log"),  # tests/cpu_shims/delta_test_faults.py: a wrong write on demand
-                    env={"SGLANG_DELTA_TEST_BAD_WRITE_FILE": str(root / "bad-write")}).wait_healthy()
+    server = Server(boot, str(root / "server.log"),  # tests/cpu_shims/delta_test_faults.py: a wrong write, a slow
+                    env={"SGLANG_DELTA_TEST_BAD_WRITE_FILE": str(root / "bad-write"),  # engine, on demand
+                         "SGLANG_DELTA_TEST_SLOW_FILE": str(root / "slow")}).wait_healthy()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}})
     H.init_world(free_port())
@@ -236,6 +238,7 @@ def test_over_disk_the_engine_fetches_while_it_generates_and_pauses_only_to_comm
     (st,) = _RayEngine(world["engines"][0]).status()
     fresh = st.version is None  # run alone: the engine's first sync, which it reads inside the pause
     flights = []
+    (world["root"] / "slow").touch()  # each request stays in flight through its sync, however fast this machine
     for k in range(3):
         flights.append(StreamedRequest(world["server"], [5, 9, 11, 13], 100))  # in flight when the sync begins
         flights[-1].start()
@@ -251,12 +254,15 @@ def test_over_disk_the_engine_fetches_while_it_generates_and_pauses_only_to_comm
             assert st.timing["in_pause_bytes"] == 0 and st.timing["staged_bytes"] > 0, st
         engine_has(world["server"], H.hf_state(args, world["model"]))
         world["trainer"].step()
-    for flight in flights:  # retract holds them through the pause; abort may have returned them early
+    (world["root"] / "slow").unlink()
+    for flight in flights:  # retract holds them through the pause; abort returned them at its gate
         flight.join(600)
         assert flight.meta is not None
         if mode == "retract":
             assert flight.meta["finish_reason"]["type"] == "length" and flight.meta["completion_tokens"] == 100
-    assert _RayEngine(world["engines"][0]).status()[0].idle is True
+    deadline = time.time() + 60  # the scheduler's loop clears its last batch after the last token went out
+    while not _RayEngine(world["engines"][0]).status()[0].idle and time.time() < deadline:
+        time.sleep(0.05)
     up.update_weights()  # nothing in flight: paused at once, every publish announced as written
     m = up.pop_metrics()
     assert m["perf/update_weights_failures"] == 0 and m["perf/update_weights_staged"] == 0, m

@@ -1,13 +1,18 @@
-"""Test venvs only: a write kernel that sets a wrong value, inside a real server's scheduler process.
+"""Test venvs only: a write kernel that sets a wrong value, and a slow engine, inside a real server's scheduler
+process.
 
 When ``$SGLANG_DELTA_TEST_BAD_WRITE_FILE`` is set, the delta receiver's element write (``views._write_bits``) is
 wrapped after import (through ``sgl_cpu_shim``'s import hook, so spawned schedulers get it too): while the named file
 exists, the next write flips the low bit of its first element after writing it, as a buggy kernel would, and consumes
-the file. Never installed into an image.
+the file. When ``$SGLANG_DELTA_TEST_SLOW_FILE`` is set, while the named file exists every batch the scheduler runs
+takes 50 ms longer: a test's request stays in flight through a whole sync however fast the machine. Never installed
+into an image.
 """
 import os
+import time
 
 _FILE = os.environ.get("SGLANG_DELTA_TEST_BAD_WRITE_FILE")
+_SLOW = os.environ.get("SGLANG_DELTA_TEST_SLOW_FILE")
 
 
 def _wrap(module):
@@ -23,7 +28,21 @@ def _wrap(module):
     module._write_bits = buggy
 
 
-if _FILE:
+def _slow(module):
+    run_batch = module.Scheduler.run_batch
+
+    def slow(self, *args, **kwargs):
+        if os.path.exists(_SLOW):
+            time.sleep(0.05)
+        return run_batch(self, *args, **kwargs)
+
+    module.Scheduler.run_batch = slow
+
+
+if _FILE or _SLOW:
     import sgl_cpu_shim
 
-    sgl_cpu_shim._AFTER_IMPORT["sglang.srt.weight_sync.delta.views"] = _wrap
+    if _FILE:
+        sgl_cpu_shim._AFTER_IMPORT["sglang.srt.weight_sync.delta.views"] = _wrap
+    if _SLOW:
+        sgl_cpu_shim._AFTER_IMPORT["sglang.srt.managers.scheduler"] = _slow
