@@ -213,15 +213,13 @@ def _run(f: Fetched) -> None:
 
 
 def _expire(f: Fetched) -> None:
-    with f.lock:
-        version, due = f.version, f.expires is not None and time.monotonic() >= f.expires
-    if due and version is not None:
+    with f.lock:  # a request or a commit since the wait began moved or cleared the deadline: nothing is due
+        due = f.expires is not None and time.monotonic() >= f.expires
+        version, f.expires = (f.version, None) if due else (None, f.expires)
+    if version is not None:
         logger.warning("delta fetch: version %d dropped: no request of its sync came for its hold time (the trainer "
                        "stopped?); a later commit of it reads its files itself", version)
         f.drop()
-    with f.lock:
-        if f.version is None:
-            f.expires = None
 
 
 def _fetch(f: Fetched, version: int, job: dict) -> None:

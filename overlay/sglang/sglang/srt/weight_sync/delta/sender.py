@@ -41,6 +41,7 @@ from sglang.srt.weight_sync.delta.ctx import codes as ctx_codes
 from sglang.srt.weight_sync.delta.engine_api import DeltaEngine
 from sglang.srt.weight_sync.delta.ops import gc_paused
 from sglang.srt.weight_sync.delta.snapshot import Chunk, DeltaState
+from sglang.srt.weight_sync.delta.stage_first import Pauses
 from sglang.srt.weight_sync.delta.store.objects import HeadMoved
 from sglang.srt.weight_sync.delta.sync_run import SyncRun
 from sglang.srt.weight_sync.delta.wire import (
@@ -177,57 +178,52 @@ class DeltaSender:
         version: the manifest, ``HEAD`` and the catch-ups of the others (an anchor's download, say) run while they
         serve, and each engine that catches up resumes after it."""
         with gc_paused():
-            paused, since, held = {}, [], []  # engines paused now; when that pause began; seconds paused
-
-            def pause():  # no forward pass sees a sync half-applied (slime pauses on its own)
-                if since:
-                    return
-                since.append(time.perf_counter())
-                for i, e in enumerate(self.engines):
-                    if hasattr(e, "pause_generation") and i not in paused:
-                        try:
-                            e.pause_generation()
-                            paused[i] = e
-                        except Exception:  # an unreachable engine fails its own requests below
-                            logger.exception("pause_generation failed")
-
-            def resume(which: Optional[Sequence[int]] = None):
-                for i in sorted(paused.keys() if which is None else set(which) & paused.keys()):
-                    try:
-                        paused.pop(i).continue_generation()
-                    except Exception:  # the engine's own failure shows in its result; keep the others going
-                        logger.exception("continue_generation failed")
-                if since:  # how long generation stood still, as the trainer saw it
-                    held.append(time.perf_counter() - since.pop())
-
+            pauses = Pauses(len(self.engines), self._pause, self._resume)  # no forward pass sees a sync half-applied
             stages_first = getattr(self.transport, "stage_timeout", 0) > 0
             staged = stages_first and self.transport.gate is None  # a caller's own gate pauses by itself (slime)
             own = self.release is None
             if staged:  # the engines fetch while they serve; the transport pauses them before its announcements
-                self.transport.gate = pause
+                self.transport.gate = pauses.gate
             elif not stages_first:
-                pause()
+                pauses.gate()
             if own:
-                self.release = resume
+                self.release = pauses.release
             try:
                 results = self._update(segments)
                 if self.repair_dirty:  # every pipeline stage repairs, or none: stage 0 knows the engines
                     dirty = self.left_dirty if self.stages is None else \
                         self.stages.share(self.left_dirty if self.stages.first else None)
                     if dirty:  # paused again if a store's commit resumed them: a full sync is several requests
-                        gate = pause if own else getattr(self.transport, "gate", None)
-                        if gate is not None:
-                            gate()
+                        (getattr(self.transport, "gate", None) or pauses.gate)()
                         results = self.repair(segments, len(dirty))
             finally:
                 if staged:
                     self.transport.gate = None
                 if own:
                     self.release = None
-                resume()
-                if held:
-                    self._metrics["perf/update_weights_pause_s"] = sum(held)
+                pauses.release()
+                if pauses.seconds:  # how long generation stood still, as the trainer saw it
+                    self._metrics["perf/update_weights_pause_s"] = sum(pauses.seconds)
             return results
+
+    def _pause(self, engines: List[int]) -> List[int]:
+        """Those of ``engines`` that pause themselves (``pause_generation``), paused; the ones that were."""
+        paused = []
+        for i in engines:
+            if hasattr(self.engines[i], "pause_generation"):
+                try:
+                    self.engines[i].pause_generation()
+                    paused.append(i)
+                except Exception:  # an unreachable engine fails its own requests below
+                    logger.exception("pause_generation failed")
+        return paused
+
+    def _resume(self, engines: List[int]) -> None:
+        for i in engines:
+            try:
+                self.engines[i].continue_generation()
+            except Exception:  # the engine's own failure shows in its result; keep the others going
+                logger.exception("continue_generation failed")
 
     def repair(self, segments: Sequence[Callable[[], Iterable[Chunk]]], engines: int) -> Dict[int, Tuple[bool, str]]:
         """The full sync of the ``engines`` the last sync left with wrong weights (``left_dirty``), as a sync of its

@@ -19,13 +19,40 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StagedPublishes"]
+__all__ = ["Pauses", "StagedPublishes"]
 
 Call = Callable[[], Tuple[bool, str, float]]  # one announcement: (ok, message, seconds)
+
+
+class Pauses:
+    """Which of a sync's engines stand paused, and for how long, whoever carries the calls: ``pause(indices)`` pauses
+    those engines and returns the ones it paused, ``resume(indices)`` resumes them (the sender's own engines, or
+    slime's Ray actors). :meth:`gate` pauses every engine not paused yet, once per window; :meth:`release` resumes some
+    (the engines a store sync pushed to, before its commit) or all; ``seconds``: each window, gate to first release."""
+
+    def __init__(self, count: int, pause: Callable[[List[int]], List[int]], resume: Callable[[List[int]], None]):
+        self.count, self._pause, self._resume = count, pause, resume
+        self.paused: set = set()
+        self.since: Optional[float] = None
+        self.seconds: List[float] = []
+
+    def gate(self) -> None:
+        if self.since is not None:
+            return
+        self.since = time.perf_counter()
+        self.paused.update(self._pause([i for i in range(self.count) if i not in self.paused]))
+
+    def release(self, which: Optional[Sequence[int]] = None) -> None:
+        engines = sorted(self.paused if which is None else self.paused & set(which))
+        self._resume(engines)
+        self.paused.difference_update(engines)
+        if self.since is not None:
+            self.seconds.append(time.perf_counter() - self.since)
+            self.since = None
 
 
 class StagedPublishes:
@@ -42,18 +69,17 @@ class StagedPublishes:
         self.unable: set = set()  # engines a stage request failed on (an older engine, unreachable): not waited for
         self.t0: Optional[float] = None
         self.figures: Dict[str, float] = {}
-        self.direct: Optional[bool] = None  # decided when the sync begins (:meth:`stages`)
+        self.staging = False  # this sync stages (:meth:`decide`, when it begins)
 
-    def stages(self, gate: Callable[[], None]) -> bool:
-        """Whether this sync stages, decided at its first call: when every engine reports itself idle, there is
-        nothing to protect, so ``gate()`` now and announce as written. An engine that does not say (an older patch
-        set) or cannot be read counts as serving."""
-        if self.direct is None:
-            self.direct = bool(self.engines) and all(self.pool.map(self._idle, range(len(self.engines))))
-            self.figures["staged"] = float(not self.direct)
-            if self.direct:
-                gate()
-        return not self.direct
+    def decide(self, gate: Callable[[], None]) -> None:
+        """Whether this sync stages: when every engine reports itself idle, there is nothing to protect, so ``gate()``
+        now and announce as written. An engine that does not say (an older patch set) or cannot be read counts as
+        serving."""
+        idle = bool(self.engines) and all(self.pool.map(self._idle, range(len(self.engines))))
+        self.staging = not idle
+        self.figures["staged"] = float(self.staging)
+        if idle:
+            gate()
 
     def _idle(self, i: int) -> bool:
         try:

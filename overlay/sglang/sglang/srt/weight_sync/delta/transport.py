@@ -146,8 +146,8 @@ class DiskTransport:
         self._file_no, self._pending, self._held, self._publishes, self._results = 0, {}, {}, [], {}
         self.wire_bytes, self.writer.busy_s, self._apply_s = 0, 0.0, {}
         self.staged.begin(version)
-        if self.stages is None or self.stages.first:  # the announcer decides now whether this sync stages
-            self._staging()
+        if self.stage_timeout > 0 and self.gate is not None and (self.stages is None or self.stages.first):
+            self.staged.decide(self.gate)  # the announcer decides now whether this sync stages
 
     def pending(self, kind: str) -> int:
         return len(self._pending.get(kind, [])) + (kind in self._held)
@@ -219,7 +219,7 @@ class DiskTransport:
 
     def _staging(self) -> bool:
         """Whether this sync's publishes are fetched first and announced under the gate (``stage_first``)."""
-        return self.stage_timeout > 0 and self.gate is not None and self.staged.stages(self.gate)
+        return self.stage_timeout > 0 and self.gate is not None and self.staged.staging
 
     def _stage_body(self, kind: str, names: list) -> Optional[dict]:
         """What an engine fetches of one publish before the gate (None: nothing)."""
@@ -251,7 +251,7 @@ class DiskTransport:
             except Exception as e:  # the writer or the hook failed: nothing of this publish reached an engine
                 failed = f"transport: publish failed: {e!r}"
                 logger.exception("delta publish failed")
-        if (self.stages is None or self.stages.first) and self._staging():
+        if self._staging() and (self.stages is None or self.stages.first):
             for i, (ok, msg, seconds) in self.staged.commit(self.gate, failed).items():
                 self._apply_s[i] = seconds
                 self._results[i] = (ok, msg)

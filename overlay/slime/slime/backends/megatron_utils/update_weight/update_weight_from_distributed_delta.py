@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from contextlib import contextmanager
 
 import ray
@@ -31,6 +30,7 @@ from slime.utils.distributed_utils import get_gloo_group
 from sglang.srt.weight_sync.delta.collectives import StageGroup
 from sglang.srt.weight_sync.delta.engine_api import DeltaEngine
 from sglang.srt.weight_sync.delta.sender import _EXPERT_SUBPASSES, DeltaSender
+from sglang.srt.weight_sync.delta.stage_first import Pauses
 from sglang.srt.weight_sync.delta.store.manifest import StoreKey
 from sglang.srt.weight_sync.delta.store.publish import NcclStoreTransport, StoreTransport
 from sglang.srt.weight_sync.delta.transport import DiskTransport, NcclTransport
@@ -226,28 +226,19 @@ class UpdateWeightFromDistributedDelta(UpdateWeightFromDistributed):
         and resumes them after the sync and any repair, or with a version store as soon as the engines pushed to
         took the version (the sender's release). ``abort`` flushes the cache as slime's own pause does."""
         self.weight_version += 1
-        paused, since, held = set(), [], []  # engines paused now; when that pause began; seconds paused
+        actors = self.rollout_engines
 
-        def gate():
-            if since:
-                return
-            since.append(time.perf_counter())
-            engines = [i for i in range(len(self.rollout_engines)) if i not in paused]
-            ray.get([self.rollout_engines[i].pause_generation.remote(mode) for i in engines])
+        def pause(engines):
+            ray.get([actors[i].pause_generation.remote(mode) for i in engines])
             if mode == "abort":
-                ray.get([self.rollout_engines[i].flush_cache.remote() for i in engines])
-            paused.update(engines)
+                ray.get([actors[i].flush_cache.remote() for i in engines])
+            return engines
 
-        def release(which=None):
-            engines = sorted(paused if which is None else paused & set(which))
-            ray.get([self.rollout_engines[i].continue_generation.remote() for i in engines])
-            paused.difference_update(engines)
-            if since:
-                held.append(time.perf_counter() - since.pop())
-
+        pauses = Pauses(len(actors), pause, lambda engines: ray.get([actors[i].continue_generation.remote()
+                                                                     for i in engines]))
         sender = self._sender if self._sender is not None and dist.get_rank() == 0 else None
         if sender is not None:
-            sender.transport.gate, sender.release = gate, release
+            sender.transport.gate, sender.release = pauses.gate, pauses.release
         pbar = tqdm(desc=f"[{self._group_name}] Update weights", total=0) if self._is_pp_src_rank else None
         try:
             self._send_weights(pbar)
@@ -255,9 +246,9 @@ class UpdateWeightFromDistributedDelta(UpdateWeightFromDistributed):
             if sender is not None:
                 sender.transport.gate, sender.release = None, None
             if dist.get_rank() == 0:  # paused by the gate and not yet released
-                release()
-        if held:  # how long generation stood still (rank 0)
-            self.update_weight_metrics["perf/update_weights_pause_s"] = sum(held)
+                pauses.release()
+        if pauses.seconds:  # how long generation stood still (rank 0)
+            self.update_weight_metrics["perf/update_weights_pause_s"] = sum(pauses.seconds)
         dist.barrier(group=get_gloo_group())
 
     def disconnect_rollout_engines(self) -> None:
