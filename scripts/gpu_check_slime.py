@@ -58,8 +58,8 @@ class _PipeEngine(DeltaEngine):
             raise RuntimeError(f"engine process: {value}")
         return value
 
-    def update_weights_from_disk(self, model_path, files, weight_version):
-        return self.call("update_weights_from_disk", model_path, files, weight_version)
+    def update_weights_from_disk(self, model_path, files, weight_version, store=None):
+        return self.call("update_weights_from_disk", model_path, files, weight_version, store)
 
     def fingerprint(self):
         return self.call("fingerprint")

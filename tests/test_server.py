@@ -1,5 +1,6 @@
 """A real patched SGLang server on CPU: a full sync, then delta syncs over HTTP — disk files and a gloo group."""
 import threading
+import time
 
 import pytest
 import torch
@@ -30,7 +31,8 @@ def world(tmp_path_factory):
     states = rl_states(cfg, 4)
     # The server starts from other weights (seed 2): only the full sync can make it equal the trainer.
     boot = write_hf_checkpoint(str(root / "boot"), cfg, bf16_state(hf_model(cfg, seed=2)))
-    server = Server(boot, str(root / "server.log")).wait_healthy()
+    server = Server(boot, str(root / "server.log"),  # tests/cpu_shims/delta_test_faults.py: a slow engine on demand
+                    env={"SGLANG_DELTA_TEST_SLOW_FILE": str(root / "slow")}).wait_healthy()
     yield {"root": root, "cfg": cfg, "states": states, "server": server}
     server.stop()
 
@@ -201,6 +203,7 @@ def test_a_staged_sync_serves_the_old_version_until_its_commit(world):
     sender = DeltaSender(transport, [engine], encoding="xor_zstd")
     try:
         held = states[2]  # where the last test left the server
+        (world["root"] / "slow").touch()  # each request stays in flight through its sync, however fast this machine
         for state in states[:3]:
             old = tokens()
             busy = StreamedRequest(server, [9, 10, 11], 240)  # running until the gate aborts it
@@ -218,6 +221,10 @@ def test_a_staged_sync_serves_the_old_version_until_its_commit(world):
             metrics = sender.pop_metrics()
             assert metrics["perf/update_weights_staged"] == 1 and metrics["perf/update_weights_stage_ready_engines"] == 1
             held = state
+        (world["root"] / "slow").unlink()
+        deadline = time.time() + 120
+        while engine.status()[0].idle is not True and time.time() < deadline:  # the last request drains
+            time.sleep(0.05)
         assert engine.status()[0].idle is True
         results = sender.update(segments(states[3]))
         assert all(ok for ok, _ in results.values()), results

@@ -314,3 +314,50 @@ def test_a_stage_whose_trainer_stopped_is_dropped_after_its_hold_time(tmp_path):
     (st,) = e.status()
     assert st.version == 2 and st.timing["staged_bytes"] == 0 and st.timing["in_pause_bytes"] > 0, st
     assert_params_equal(e.host.model, reference(STATES[1]))
+
+
+@pytest.mark.parametrize("where", ["directory", "store"])
+def test_a_pushed_version_broken_in_its_last_publish_is_taken_whole_or_not_at_all(tmp_path, where):
+    """A staged sync commits every publish of its version in one request, staged whole before the first write: its
+    last publish's file corrupted after it was written (a directory file bit-flipped, a store object that no longer
+    matches its digest) leaves the engine serving its old version, untouched and not dirty, with the refusal's code;
+    the next sync takes the version it missed as a delta, bit-identical."""
+    class Unable(InProcessEngine):  # fetches nothing: the commit reads every file itself, the broken one included
+        def stage(self, request):
+            raise RuntimeError("HTTP 400: Unsupported action='delta_stage'")
+
+    e = Unable(engine().host)
+    (tmp_path / "store").mkdir()
+    transport = DiskTransport(str(tmp_path), [e], zstd=1, stage_timeout=60, keep_files=True) \
+        if where == "directory" else StoreTransport(str(tmp_path / "store"), [e], zstd=1, stage_timeout=60)
+    sender = DeltaSender(transport, [e], encoding="xor_zstd", buffer_bytes=16 << 10)  # several publishes
+    held = {}
+
+    def corrupt_the_last_publish():
+        held["before"] = params(e.host.model)
+        if where == "directory":
+            last = sorted(f for f in os.listdir(transport.vdir) if f.endswith(".safetensors"))[-1]
+            flip_a_value_bit(transport.vdir, last[:-len(".safetensors")])
+        else:
+            vdir = tmp_path / "store" / transport.vkey
+            last = sorted(vdir.iterdir())[-1]
+            data = bytearray(last.read_bytes())
+            data[len(data) // 2] ^= 0x01
+            last.write_bytes(bytes(data))
+
+    try:
+        assert sender.update(segments(STATES[0]))[0][0]
+        transport.gate = corrupt_the_last_publish
+        (ok, msg), = sender.update(segments(STATES[1])).values()
+        assert not ok, msg
+        assert unchanged(e.host.model, held["before"])
+        (st,) = e.status()
+        assert (st.version, st.needs_full, st.pending) == (1, False, None), st
+        assert st.code == ("checksum" if where == "directory" else "unverified"), st
+        transport.gate = lambda: None
+        assert sender.update(segments(STATES[2]))[0][0]
+        assert_params_equal(e.host.model, reference(STATES[2]))
+        (st,) = e.status()
+        assert st.version == 3 and not st.needs_full, st
+    finally:
+        transport.close()

@@ -574,7 +574,7 @@ def test_gc_keeps_what_head_needs_and_a_catch_up_it_races_falls_back_to_a_newer_
     orphans at or below HEAD go; a publish above HEAD stays. An engine whose chain gc deletes while it catches up
     plans again from the newer anchor and lands bit-identical; engines at and below the kept range still reach
     HEAD."""
-    from sglang.srt.weight_sync.delta.store import catch_up as cu
+    from sglang.srt.weight_sync.delta.store import reads
     from sglang.srt.weight_sync.delta.tools import main
 
     cfg = hf_config("qwen2")
@@ -591,7 +591,7 @@ def test_gc_keeps_what_head_needs_and_a_catch_up_it_races_falls_back_to_a_newer_
     raw = raw_store(store_url)
     raw.put("weight_v000004-deadbeef/rank0000_flush000000.safetensors", b"orphan")
     raw.put("weight_v000099-cafecafe/rank0000_flush000000.safetensors", b"in progress")
-    native, calls = cu.read_object, []
+    native, calls = reads.read_object, []
 
     def racing(store, key, sha, max_bytes):
         calls.append(key)
@@ -599,11 +599,11 @@ def test_gc_keeps_what_head_needs_and_a_catch_up_it_races_falls_back_to_a_newer_
             assert main(["store", "gc", store_url, "--keep-anchors", "1"]) == 0
         return native(store, key, sha, max_bytes)
 
-    cu.read_object = racing
+    reads.read_object = racing
     try:
         ok, msg = racer.catch_up(store_url)
     finally:
-        cu.read_object = native
+        reads.read_object = native
     assert ok and "anchor 6" in msg, msg
     assert_params_equal(racer.host.model, reference(cfg, state))
     keys = raw.keys()

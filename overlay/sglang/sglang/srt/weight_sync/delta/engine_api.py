@@ -35,7 +35,8 @@ class DeltaEngine:
 
     def update_weights_from_disk(self, model_path: str, files: List[str], weight_version: str,
                                  store: Optional[dict] = None) -> Tuple[bool, str]:
-        """Commit one published request (``/update_weights_from_disk``, load format ``delta``): ``(ok, message)``."""
+        """Commit one published request (``/update_weights_from_disk``, load format ``delta``), or with ``store``'s
+        ``requests`` every publish of a version the engine fetched, taken whole: ``(ok, message)``."""
         raise self._cannot("update_weights_from_disk")
 
     def update_weights_from_distributed(self, names, dtypes, shapes, group_name: str, delta: dict,

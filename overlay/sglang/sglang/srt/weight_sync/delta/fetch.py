@@ -40,7 +40,7 @@ from sglang.srt.weight_sync.delta.wire import DeltaError, DeltaPayload, Refusal
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Fetched", "fetched", "file_tag", "remember", "report", "request", "settle", "take"]
+__all__ = ["Fetched", "count_read", "fetched", "file_tag", "holds", "remember", "report", "request", "settle", "take"]
 
 
 @dataclasses.dataclass
@@ -132,6 +132,11 @@ def take(model: torch.nn.Module, key: str, tag: str) -> Optional[DeltaPayload]:
         f.held_bytes -= request_bytes([held[0]])
         f.taken_bytes += held[1]
     return held[0]
+
+
+def holds(model: torch.nn.Module, key: str, tag: str) -> bool:
+    f = _FETCHED.get(model)
+    return f is not None and (key, tag) in f.objects
 
 
 def count_read(model: torch.nn.Module, nbytes: int) -> None:
@@ -257,7 +262,7 @@ def _fetch(f: Fetched, version: int, job: dict) -> None:
 def _source(job: dict, name: str, max_bytes: int):
     """(the key and identity the commit looks the file up under, and how to read it)."""
     if job["digests"] is not None:  # a version store's object: its digest is its identity
-        from sglang.srt.weight_sync.delta.store.catch_up import read_object, split_url
+        from sglang.srt.weight_sync.delta.store.reads import read_object, split_url
 
         store, prefix = split_url(job["model_path"])
         okey, sha = f"{prefix}/{name}", job["digests"][name]

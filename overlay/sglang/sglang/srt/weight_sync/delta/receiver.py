@@ -43,7 +43,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from sglang.srt.weight_sync.delta import draft, fetch, fingerprint
+from sglang.srt.weight_sync.delta import draft, fetch, fingerprint, whole
 from sglang.srt.weight_sync.delta.collectives import tp_agree
 from sglang.srt.weight_sync.delta.commit import apply_request, refused
 from sglang.srt.weight_sync.delta.engine_state import host_model, receiver_state, server_arg
@@ -169,15 +169,19 @@ def note_released(host) -> None:
 def _apply_delta(self, model_path: str, files: Optional[List[str]], weight_version: Optional[str] = None,
                  store: Optional[dict] = None) -> Tuple[bool, str]:
     """Disk transport: read the announced files of one publish (once per engine, in parallel), then apply them as
-    one request. No garbage collection while the files are parsed either (:func:`ops.gc_paused`). ``store``: the
-    version store's request (``digests`` of pushed files, or ``catch_up``; see ``store.catch_up``)."""
+    one request. No garbage collection while the files are parsed either (:func:`ops.gc_paused`). ``store``: how
+    the files are taken beyond that: a version store's ``digests`` of pushed files, a ``catch_up``
+    (``store.catch_up``), or ``requests``: every publish of a version the engine fetched while it served, taken whole
+    (``whole``)."""
     with gc_paused():
         if store and store.get("catch_up"):
             return catch_up.catch_up(self, model_path, weight_version)
         t0 = time.perf_counter()
         try:
+            if store and store.get("requests") is not None:  # a staged version's every publish, taken whole
+                return whole.commit_pushed(self, store["requests"], weight_version)
             if store:
-                return catch_up.apply_pushed(self, model_path, files, weight_version, store.get("digests") or {})
+                return whole.apply_pushed(self, model_path, files, weight_version, store.get("digests") or {})
             try:
                 payloads = read_files_once(self, model_path, files)
             except DeltaError as e:  # every rank refuses alike (the TP ranks still agree before any write)

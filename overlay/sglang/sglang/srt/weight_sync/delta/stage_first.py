@@ -3,11 +3,12 @@ pause covers only the commit.
 
 A transport that publishes files (:class:`~transport.DiskTransport`, a version store) hands each publish to
 :class:`StagedPublishes` instead of announcing it: every target engine is asked to fetch its files at once
-(``engine.stage``: ``/weights_checker`` ``delta_stage``, see ``fetch``), and the announcement is kept. At the end of
-the sync (:meth:`StagedPublishes.commit`) each engine is told the last publish is out, the trainer waits until every
+(``engine.stage``: ``/weights_checker`` ``delta_stage``, see ``fetch``), and the publish is kept. At the end of the
+sync (:meth:`StagedPublishes.commit`) each engine is told the last publish is out, the trainer waits until every
 engine has fetched (its status' ``staged``), or refused, or the deadline passed, then calls the ``gate`` (the caller's
-pause) and replays each engine's announcements in order, one engine per thread. An engine that could not fetch reads
-its files inside the pause, as before; what it refused is refused again by the commit's own checks.
+pause) and commits: one request per engine naming every publish of the version in order, which the engine takes whole
+or not at all (``whole``), one engine per thread. An engine that could not fetch reads its files inside the pause, as
+before; what it refused is refused again by the commit's own checks, before any write.
 
 A sync whose engines are all idle when it begins (no request running or waiting: slime's ``train.py`` and
 ``train_async.py`` both finish a rollout before they sync, and the engines wait for the version anyway) does not stage:
@@ -25,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Pauses", "StagedPublishes"]
 
-Call = Callable[[], Tuple[bool, str, float]]  # one announcement: (ok, message, seconds)
+Commit = Callable[[int, List[dict]], Tuple[bool, str, float]]  # (engine, its publishes) -> (ok, message, seconds)
 
 
 class Pauses:
@@ -58,13 +59,13 @@ class Pauses:
 class StagedPublishes:
     """One sync's publishes, fetched by the engines first and announced under the gate."""
 
-    def __init__(self, engines, pool: concurrent.futures.Executor, timeout: float):
-        self.engines, self.pool, self.timeout = engines, pool, timeout
+    def __init__(self, engines, pool: concurrent.futures.Executor, timeout: float, commit: Commit):
+        self.engines, self.pool, self.timeout, self._commit = engines, pool, timeout, commit
         self.begin(0)
 
     def begin(self, version: int) -> None:
         self.version = version
-        self.replay: Dict[int, List[Call]] = {}
+        self.publishes: Dict[int, List[dict]] = {}  # each engine's publishes of this sync, in order
         self.asked: Dict[int, List[concurrent.futures.Future]] = {}
         self.unable: set = set()  # engines a stage request failed on (an older engine, unreachable): not waited for
         self.t0: Optional[float] = None
@@ -87,11 +88,13 @@ class StagedPublishes:
         except Exception:  # its stage request or its commit will tell
             return False
 
-    def add(self, i: int, body: Optional[dict], call: Call) -> None:
-        """Publish ``call`` to engine ``i`` at the commit; ask it to fetch ``body`` now (None: nothing to fetch)."""
+    def add(self, i: int, body: Optional[dict]) -> None:
+        """One publish for engine ``i`` (``{"model_path", "files", "digests"?}``): fetched now, committed with the
+        others of the sync at the end; None: nothing of it for the engine to take (an anchor being written)."""
         self.t0 = self.t0 if self.t0 is not None else time.perf_counter()
-        self.replay.setdefault(i, []).append(call)
+        self.publishes.setdefault(i, [])
         if body is not None:
+            self.publishes[i].append(body)
             self.asked.setdefault(i, []).append(self.pool.submit(self._stage, i, dict(body, version=self.version,
                                                                                       hold_s=self._hold())))
 
@@ -109,9 +112,9 @@ class StagedPublishes:
                            self.version, e)
 
     def commit(self, gate: Callable[[], None], failed: Optional[str]) -> Dict[int, Tuple[bool, str, float]]:
-        """Wait for the fetches (bounded), then ``gate()`` and every engine's announcements in order; ``failed``:
-        a publish failed, so nothing is announced (the engines' fetches are dropped by their next version)."""
-        engines = sorted(self.replay)
+        """Wait for the fetches (bounded), then ``gate()`` and every engine's commit; ``failed``: a publish failed, so
+        nothing is committed (the engines' fetches are dropped by their next version, or their hold time)."""
+        engines = sorted(self.publishes)
         for i in engines:
             self.asked.setdefault(i, []).append(self.pool.submit(
                 self._stage, i, {"version": self.version, "files": [], "final": True, "hold_s": self._hold()}))
@@ -130,13 +133,7 @@ class StagedPublishes:
         return out
 
     def _announce(self, i: int) -> Tuple[bool, str, float]:
-        seconds = 0.0
-        for call in self.replay[i]:
-            ok, msg, s = call()
-            seconds += s
-            if not ok:  # its later publishes would be refused: the first failure is its result
-                return ok, msg, seconds
-        return True, "", seconds
+        return self._commit(i, self.publishes[i]) if self.publishes[i] else (True, "", 0.0)
 
     def _wait(self, engines: List[int]) -> List[int]:
         """Engines whose fetch of this version is done (or refused) before the deadline."""

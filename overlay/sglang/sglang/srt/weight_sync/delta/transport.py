@@ -127,7 +127,7 @@ class DiskTransport:
         self.writer = AsyncSafetensorsWriter(zstd)  # a zstd level (``wire.zstd_level``); None: uncompressed
         self.announcer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="delta-publish")
         self.calls = concurrent.futures.ThreadPoolExecutor(max(1, len(self.engines)), thread_name_prefix="delta-rpc")
-        self.staged = StagedPublishes(self.engines, self.calls, stage_timeout)
+        self.staged = StagedPublishes(self.engines, self.calls, stage_timeout, self._commit_version)
         self.vdir = ""
         self._file_no = 0
         self._pending: Dict[str, List[Tuple[str, concurrent.futures.Future]]] = {}
@@ -204,9 +204,8 @@ class DiskTransport:
         calls = {}  # every engine at once: finalize does not grow with the engine count
         for kind, engines in targets.items():
             for i in engines:
-                if self._staging():  # fetched now, announced under the gate
-                    self.staged.add(i, self._stage_body(kind, names.get(kind, [])),
-                                    lambda i=i, kind=kind, n=names.get(kind, []): self._call(i, kind, n))
+                if self._staging():  # fetched now, committed whole under the gate
+                    self.staged.add(i, self._stage_body(kind, names.get(kind, [])))
                     continue
                 if i in self._results and not self._results[i][0]:
                     continue  # this engine already failed this sync; its later flushes would be refused
@@ -222,8 +221,13 @@ class DiskTransport:
         return self.stage_timeout > 0 and self.gate is not None and self.staged.staging
 
     def _stage_body(self, kind: str, names: list) -> Optional[dict]:
-        """What an engine fetches of one publish before the gate (None: nothing)."""
+        """One publish as an engine fetches it before the gate and commits it under it (None: nothing to take)."""
         return {"model_path": self._dir(kind), "files": list(names)}
+
+    def _commit_version(self, i: int, publishes: List[dict]) -> Tuple[bool, str, float]:
+        """Every publish of a staged sync to engine ``i`` as one request, taken whole or not at all (``whole``)."""
+        return self._timed(i, lambda e: e.update_weights_from_disk(publishes[0]["model_path"], [], str(self.version),
+                                                                   store={"requests": publishes}))
 
     def _entry(self, kind: str, name: str):
         """What an announcement says of one written file (here its name; a store adds its size and digest)."""

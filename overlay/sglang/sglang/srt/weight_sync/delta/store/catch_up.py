@@ -1,5 +1,4 @@
-"""An engine's side of the version store: files read with their digests checked, and catch-up from what the engine
-holds to a target version.
+"""An engine's side of the version store: catch-up from what the engine holds to a target version.
 
 Catch-up (``/update_weights_from_disk`` with ``load_format: delta``, ``model_path``: the store's URL,
 ``store: {"catch_up": true}``, ``weight_version``: the target or none for ``HEAD``):
@@ -14,9 +13,9 @@ Catch-up (``/update_weights_from_disk`` with ``load_format: delta``, ``model_pat
    in ``[base_version, version)``; ``xor_zstd`` only at exactly ``base_version``), else the newest anchor at or
    below the target (a full version of the trainer's, or one made by compaction), loaded as a full sync through
    the model's own loader, then the chain. Each publish of a version is applied as the request it was.
-4. A version is taken whole or not at all: every request of it (every anchor shard) is staged (``stage``: read,
-   digest-checked, checked, rebuilt, decoded) before the first is committed (``commit``); one broken object leaves
-   the engine at the last whole version of the walk. Past ``--update-weight-delta-chunk-bytes`` of decoded requests
+4. A version is taken whole or not at all (``whole``): every request of it (every anchor shard) is staged (read,
+   digest-checked, checked, rebuilt, decoded) before the first is committed; one broken object leaves the engine at
+   the last whole version of the walk. Past ``--update-weight-delta-chunk-bytes`` of decoded requests
    every object of the rest is digest-checked before that first write too, then applied request by request. Objects
    a follower fetched while it served (``staging``) are not read again.
 
@@ -26,100 +25,27 @@ over the TP group, and every rank applies through the same receiver path as a pu
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
-import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
-from sglang.srt.weight_sync.delta import fetch
 from sglang.srt.weight_sync.delta.collectives import broadcast_json, tp_group
-from sglang.srt.weight_sync.delta.commit import apply_request, chunk_bytes, commit_request, refused
+from sglang.srt.weight_sync.delta.commit import refused
 from sglang.srt.weight_sync.delta.engine_state import host_model, receiver_state, server_arg
-from sglang.srt.weight_sync.delta.files import maybe_zstd_decompress, read_safetensors
-from sglang.srt.weight_sync.delta.ingest import DEFAULT_READ_WORKERS, max_request_bytes, read_files_once, request_bytes
-from sglang.srt.weight_sync.delta.stage import Progress, StageRefused, stage_request
+from sglang.srt.weight_sync.delta.ingest import max_request_bytes, read_files_once
 from sglang.srt.weight_sync.delta.store import staging
 from sglang.srt.weight_sync.delta.store.anchor import read_hf_shard
 from sglang.srt.weight_sync.delta.store.manifest import RECORD_CAP, StoreKey, digest, open_record, read_head
 from sglang.srt.weight_sync.delta.store.objects import ObjectStore, StoreUnavailable, open_store
-from sglang.srt.weight_sync.delta.wire import DeltaError, DeltaPayload, Refusal
+from sglang.srt.weight_sync.delta.store.reads import check_objects, read_flushes, read_object
+from sglang.srt.weight_sync.delta.whole import take_version
+from sglang.srt.weight_sync.delta.wire import DeltaError, Refusal
 
 logger = logging.getLogger(__name__)
 
 
 def store_key(host) -> StoreKey:
     return StoreKey.from_file(server_arg(host, "update_weight_store_key_file", None))
-
-
-def split_url(url: str) -> Tuple["OpenedOnRead", str]:
-    """A version directory's URL as (the store, opened at its first read, and its key prefix)."""
-    root, _, leaf = url.rstrip("/").rpartition("/")
-    return OpenedOnRead(root), leaf
-
-
-class OpenedOnRead:
-    """A store opened at its first read: a pushed request whose files were all fetched while the engine served reads
-    nothing, and an S3 client costs a session of its own."""
-
-    def __init__(self, root: str):
-        self.root, self._store, self._lock = root, None, threading.Lock()
-
-    def get(self, key: str, max_bytes: int) -> bytes:
-        with self._lock:
-            if self._store is None:
-                self._store = open_store(self.root)
-        return self._store.get(key, max_bytes)
-
-
-def read_object(store: "ObjectStore | OpenedOnRead", key: str, sha: str, max_bytes: int) -> bytes:
-    """An object whose bytes must hash to ``sha``: anything else (swapped, truncated, bit-flipped) is refused."""
-    data = store.get(key, max_bytes)
-    if not isinstance(sha, str) or digest(data) != sha:
-        raise DeltaError(f"store object {key!r}: its bytes do not match the digest the trainer recorded "
-                         "(swapped, truncated or corrupted)", Refusal.UNVERIFIED)
-    return data
-
-
-def read_flushes(host, store: "ObjectStore | OpenedOnRead", prefix: str, entries: List[list]) -> List[DeltaPayload]:
-    """One request's flush files from the store, in parallel, each checked against its digest first."""
-    if not entries:
-        raise DeltaError("a store request names no files")
-    max_bytes = max_request_bytes(host_model(host))
-    workers = int(server_arg(host, "update_weight_delta_read_workers", DEFAULT_READ_WORKERS))
-
-    def one(entry):
-        name, _, sha = entry
-        if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
-            raise DeltaError(f"file {name!r}: must be a plain file name inside the version")
-        model = host_model(host)  # fetched or staged while the engine served: taken under the same digest
-        fetched = fetch.take(model, f"{prefix}/{name}", sha)
-        if fetched is not None:
-            return fetched
-        data = staging.take(model, f"{prefix}/{name}", sha)
-        if data is None:
-            data = read_object(store, f"{prefix}/{name}", sha, max_bytes)
-            staging.count_read(model, len(data))
-            fetch.count_read(model, len(data))
-        return read_safetensors(maybe_zstd_decompress(data, max_bytes, name), name)
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        return list(pool.map(one, entries))
-
-
-def apply_pushed(host, url: str, files: List[str], weight_version: Optional[str], digests: Dict[str, str]):
-    """A request the trainer pushed, its files in the store: the announcement's digests cover them."""
-    try:
-        missing = [f for f in files or [] if f not in digests]
-        if missing or not files:
-            raise DeltaError(f"files {missing[:3]} come without a digest" if missing else
-                             "load_format 'delta' needs 'files'", Refusal.UNVERIFIED)
-        store, prefix = split_url(url)
-        payloads = read_files_once(host, url, files, reader=lambda: read_flushes(
-            host, store, prefix, [[f, 0, digests[f]] for f in files]))
-    except DeltaError as e:
-        return apply_request(host, [], weight_version, failure=e)
-    return apply_request(host, payloads, weight_version)
 
 
 # ---------------------------------------------------------------- catch-up
@@ -179,50 +105,14 @@ def _catch_up(host, url: str, weight_version: Optional[str]) -> Tuple[bool, str]
 
 
 def _take_version(host, store: Optional[ObjectStore], step: dict) -> Tuple[bool, str]:
-    """One version of a catch-up, whole or not at all: every request staged (read, digest-checked, checked, rebuilt,
-    decoded) before the first is committed. Past the engine's ``--update-weight-delta-chunk-bytes`` of decoded
-    requests, every object of the rest is digest-checked before that first write too (kept in the host stage where
-    ``--update-weight-delta-stage-bytes`` allows, else read again), then staged and committed one request at a time;
-    a failure there leaves the engine dirty (it refuses generation, and the catch-up plans again)."""
-    state = receiver_state(host_model(host))
-    version = str(step["version"])
-    progress, staged, held, rest, counts = Progress.of(state), [], 0, None, {}
-    if step["kind"] == "anchor":  # an anchor replaces every weight: staged as a full sync of its version
-        progress = Progress.replacing()
-    bound = chunk_bytes(host)
-    for k, request in enumerate(_requests(host, store, step, counts=counts)):
-        failure, size = request.get("error"), request_bytes(request["payloads"])
-        if failure is None and staged and held + size > bound:
-            rest = k  # past the bound: the rest's objects are only checked, then taken request by request
-            break
-        try:
-            one = stage_request(host, request["payloads"], version, failure, progress)
-        except StageRefused as e:
-            return refused(state, e, e.request, e.received)
-        progress.advance(one)
-        staged.append(one)
-        held += size
-    error = None if rest is None else _check_objects(host, store, _objects_from(step, rest, counts))
-    if error is not None:
-        return refused(state, error)
-    if not staged or (rest is None and not staged[-1].complete):  # no final request: nothing of it is written
-        return refused(state, DeltaError(f"version {step['version']} in the store did not complete (no final "
-                                         "request): the engine holds no version of it", Refusal.UNVERIFIED))
-    if step["kind"] == "anchor":  # the chain starts again from it
-        state.version = None
-    for one in staged:
-        ok, msg = commit_request(host, one)
-        if not ok:
-            return False, msg
-    for request in () if rest is None else _requests(host, store, step, skip=rest, counts=counts):
-        ok, msg = apply_request(host, request["payloads"], version, failure=request.get("error"))
-        if not ok:
-            return False, msg
-    if state.version != step["version"]:  # its requests never committed it (a final request missing)
-        state.dirty, state.pending = True, None
-        return refused(state, DeltaError(f"version {step['version']} in the store did not complete (no final "
-                                         "request): the engine is dirty", Refusal.UNVERIFIED))
-    return True, f"version {step['version']}"
+    """One version of a catch-up, whole or not at all (``whole.take_version``); past the bound, every object of the
+    rest is digest-checked before the first write (kept in the host stage where ``--update-weight-delta-stage-bytes``
+    allows, else read again)."""
+    counts: dict = {}  # the requests of each anchor shard read so far
+    return take_version(host, f"version {step['version']} in the store", step["version"],
+                        lambda skip: _requests(host, store, step, skip=skip, counts=counts),
+                        lambda rest: check_objects(host, store, _objects_from(step, rest, counts)),
+                        replaces=step["kind"] == "anchor")
 
 
 def _objects_from(step: dict, first: int, counts: dict) -> List[Tuple[str, str]]:
@@ -237,32 +127,6 @@ def _objects_from(step: dict, first: int, counts: dict) -> List[Tuple[str, str]]
             out.append((okey, sha))
         index += n or 0
     return out
-
-
-def _check_objects(host, store: Optional[ObjectStore], objects: List[Tuple[str, str]]) -> Optional[DeltaError]:
-    """Every object present and matching its digest, before a version's first write: the first TP rank reads (into
-    the host stage where it fits), every rank gets the verdict."""
-    group = tp_group()
-    error = None
-    if group is None or group.rank_in_group == 0:
-        model = host_model(host)
-        try:
-            for key, sha in objects:
-                if not staging.holds(model, key, sha):
-                    data = read_object(store, key, sha, max_request_bytes(model))
-                    staging.count_read(model, len(data))
-                    staging.keep(model, key, sha, data)
-        except DeltaError as e:
-            error = e
-        except Exception as e:  # a store that cannot answer is an availability fault
-            error = StoreUnavailable(f"store: {e!r}")
-        if group is not None:
-            broadcast_json(group, {"error": [str(error), error.code.value]} if error else {})
-    else:
-        shared = broadcast_json(group)
-        if "error" in shared:
-            error = DeltaError(shared["error"][0], Refusal(shared["error"][1]))
-    return error
 
 
 def _requests(host, store: Optional[ObjectStore], step: dict, skip: int = 0, counts: Optional[dict] = None):

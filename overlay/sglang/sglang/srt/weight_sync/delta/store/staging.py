@@ -144,6 +144,7 @@ def count_read(model: torch.nn.Module, nbytes: int) -> None:
 def _run(stage: StoreStage, held, url: str, key, bound: int, max_bytes: int) -> None:
     from sglang.srt.weight_sync.delta.store import catch_up
     from sglang.srt.weight_sync.delta.store.objects import open_store
+    from sglang.srt.weight_sync.delta.store.reads import read_object
 
     t0 = time.perf_counter()
     try:
@@ -163,7 +164,7 @@ def _run(stage: StoreStage, held, url: str, key, bound: int, max_bytes: int) -> 
                     okey = f"{step['dir']}/{name}"
                     if size + int(nbytes) > bound:  # past the bound: the commit reads the rest
                         raise _Bounded()
-                    objects[(okey, sha)] = catch_up.read_object(store, okey, sha, max_bytes)
+                    objects[(okey, sha)] = read_object(store, okey, sha, max_bytes)
                     size += len(objects[(okey, sha)])
         complete = True
     except _Bounded:

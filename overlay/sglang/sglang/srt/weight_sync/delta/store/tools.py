@@ -21,7 +21,8 @@ import torch
 from sglang.srt.weight_sync.delta import fingerprint
 from sglang.srt.weight_sync.delta.files import maybe_zstd_decompress, read_safetensors
 from sglang.srt.weight_sync.delta.store import anchor as anchors
-from sglang.srt.weight_sync.delta.store.catch_up import _anchor_record, _listed_anchors, _walk, read_object
+from sglang.srt.weight_sync.delta.store.catch_up import _anchor_record, _listed_anchors, _walk
+from sglang.srt.weight_sync.delta.store.reads import read_object
 from sglang.srt.weight_sync.delta.store.manifest import StoreKey, anchor_dir, digest, read_head, seal
 from sglang.srt.weight_sync.delta.store.objects import ObjectStore, StoreUnavailable, open_store
 from sglang.srt.weight_sync.delta.tools import rebuilt, write_flush
