@@ -135,11 +135,14 @@ def test_our_rules_come_after_slimes_and_refuse_what_would_silently_do_nothing(s
             ({"update_weight_mode": "delta", "update_weight_store_key_file": "/k"}, "--update-weight-store-key-file=/k",
              "--update-weight-store", "with --update-weight-delta-encoding deltas over nccl nothing"),
             ({"update_weight_mode": "delta", "update_weight_store_anchor_every": 5},
-             "--update-weight-store-anchor-every=5", "--update-weight-store", "with .* over nccl nothing")):
+             "--update-weight-store-anchor-every=5", "--update-weight-store", "with .* over nccl nothing"),
+            ({"update_weight_mode": "delta", "update_weight_store_head_refresh_s": 5.0},
+             "--update-weight-store-head-refresh-s=5.0", "--update-weight-store", "with .* over nccl nothing")):
         refused(rf"^{flag} is used only with {where}; {what}", **over)
     # where they are used, the same flags pass: over nccl with a store, and a store over disk with no shared directory
     for over in ({"update_weight_mode": "delta", "update_weight_store": "s3://w/run", "update_weight_delta_zstd_level": 3,
                   "update_weight_store_key_file": "/k", "update_weight_store_anchor_every": 5,
+                  "update_weight_store_head_refresh_s": 5.0,
                   "update_weight_delta_fingerprint_interval": 1, "update_weight_pause_mode": "in_place",
                   "update_weight_delta_shard_chunk_bytes": 1 << 20},
                  {**disk, "update_weight_disk_dir": None, "update_weight_delta_encoding": "xor_ctx",
@@ -147,6 +150,8 @@ def test_our_rules_come_after_slimes_and_refuse_what_would_silently_do_nothing(s
         args = helpers.make_slime_validate_args(**over)
         module.slime_validate_args(args)
         assert args.update_weight_delta_sharded is True
+    refused(r"^--update-weight-store-head-refresh-s=-1.0: give seconds", update_weight_mode="delta",
+            update_weight_store="s3://w/run", update_weight_store_head_refresh_s=-1.0)
     # without a store, slime's own check for the shared directory stands, with its message
     refused(r"^--update-weight-transport=disk requires --update-weight-disk-dir",
             **{**disk, "update_weight_disk_dir": None}, update_weight_delta_encoding="xor_ctx")

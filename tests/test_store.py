@@ -800,3 +800,58 @@ def test_an_xor_ctx_chain_is_walked_by_an_engine_that_comes_back(store_url):
     assert ok and "deltas, 4 step(s)" in msg, msg
     assert_params_equal(b.host.model, reference(cfg, state))
     transport.close()
+
+
+def test_an_idle_trainer_signs_head_again_and_stops_when_another_trainer_moved_it(store_url, tmp_path):
+    """``HEAD`` carries the time the trainer wrote it, under its MAC. While the trainer idles, ``head_refresh_s``
+    writes it again (the same version and manifest, a later time) over the tag it holds; once another writer moved
+    ``HEAD``, the refresh writes nothing and the trainer's next sync stops with ``HeadMoved``."""
+    import time
+
+    from sglang.srt.weight_sync.delta.store import manifest
+    from sglang.srt.weight_sync.delta.store.manifest import read_head
+    from sglang.srt.weight_sync.delta.store.objects import HeadMoved, open_store
+
+    key_file = tmp_path / "store.key"
+    key_file.write_bytes(os.urandom(32).hex().encode())
+    key = StoreKey.from_file(str(key_file))
+    cfg = hf_config("qwen2")
+    state = bf16_state(hf_model(cfg))
+    transport = StoreTransport(store_url, [], zstd=3, key=key, head_refresh_s=0.2)
+    sender = DeltaSender(transport, [], encoding="xor_zstd")
+    try:
+        t0 = time.time()
+        sender.update(one_segment(state))
+        store = open_store(store_url)
+        first, _ = read_head(store, key)
+        assert first.version == 1 and t0 <= first.time <= time.time()
+        deadline = time.time() + 30
+        while read_head(store, key)[0].time == first.time and time.time() < deadline:
+            time.sleep(0.05)
+        again, _ = read_head(store, key)  # verified under the key: the same commit, written later
+        assert again[:4] == first[:4] and again.time > first.time
+        raw = raw_store(store_url)
+        other = manifest.seal(manifest.head_record(again._replace(time=again.time + 1)), key)
+        raw.put("HEAD", other)  # another trainer holding the key wrote HEAD
+        deadline = time.time() + 30
+        while transport.fatal is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert isinstance(transport.fatal, HeadMoved), transport.fatal
+        with pytest.raises(HeadMoved):
+            sender.update(one_segment(nudged(state, 2)))
+    finally:
+        transport.close()
+
+
+@pytest.mark.parametrize("max_age, poll_s, skew_s, flag", [(5, 5, 1, "--update-weight-store-max-age=5"),
+                                                           (2, 5, 1, "--update-weight-store-max-age=2"),
+                                                           (60, 5, -1, "--update-weight-store-clock-skew-s=-1")])
+def test_a_freshness_setting_that_cannot_hold_is_refused_at_start_naming_it(tmp_path, max_age, poll_s, skew_s, flag):
+    """A max-age at or below the poll interval (stale between two reads of a live store) or a negative clock-skew
+    allowance: the follower does not start, and the error names the setting."""
+    from sglang.srt.weight_sync.delta.store.watch import StoreWatch
+
+    os.makedirs(tmp_path / "store")
+    with pytest.raises(ValueError, match=flag):
+        StoreWatch(None, str(tmp_path / "store"), StoreKey(None), -1, poll_s, max_age=max_age, skew_s=skew_s)
+    StoreWatch(None, str(tmp_path / "store"), StoreKey(None), -1, poll_s, max_age=-1, skew_s=1)  # no bound: fine

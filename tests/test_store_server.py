@@ -1,15 +1,16 @@
 """A real patched SGLang server following a version store on a real S3 server (SeaweedFS), both pins: it reaches
 HEAD before it serves, catches up whenever HEAD moves, answers 503 on /health and refuses generation while it is
-more versions behind than allowed, and takes pushed deltas whose files it checks against the announced digests."""
+more versions behind than allowed or the newest HEAD it verified is older than allowed (a frozen store) or written
+ahead of its clock, and takes pushed deltas whose files it checks against the announced digests."""
 import os
 import time
 
-import pytest
 import requests
 
 from cpu_harness import Server, bf16_state, engine_mismatch, hf_config, hf_model, write_hf_checkpoint
 from sglang.srt.weight_sync.delta.sender import DeltaSender
-from sglang.srt.weight_sync.delta.store.manifest import StoreKey
+from sglang.srt.weight_sync.delta.store.manifest import StoreKey, head_record, read_head, seal
+from sglang.srt.weight_sync.delta.store.objects import open_store
 from sglang.srt.weight_sync.delta.store.publish import StoreTransport
 from sglang.srt.weight_sync.delta.transport import HttpEngine
 from test_store import nudged, one_segment, raw_store
@@ -45,13 +46,14 @@ def test_a_server_follows_the_store_and_is_unhealthy_while_stale(tmp_path):
         cfg = hf_config("llama", vocab=300)
         state = bf16_state(hf_model(cfg))
         boot = write_hf_checkpoint(str(tmp_path / "boot"), cfg, bf16_state(hf_model(cfg, seed=2)))
-        sender = DeltaSender(StoreTransport(url, [], zstd=3, key=key), [], encoding="xor_zstd")
+        sender = DeltaSender(StoreTransport(url, [], zstd=3, key=key, head_refresh_s=1), [], encoding="xor_zstd")
         for v in (1, 2):
             state = nudged(state, v) if v > 1 else state
             sender.update(one_segment(state))
         server = Server(boot, str(tmp_path / "server.log"), extra=[
             "--update-weight-store", url, "--update-weight-store-key-file", str(key_file),
-            "--update-weight-store-max-lag", "1", "--update-weight-store-poll-s", "0.5"])
+            "--update-weight-store-max-lag", "1", "--update-weight-store-poll-s", "0.5",
+            "--update-weight-store-max-age", "4", "--update-weight-store-clock-skew-s", "1"])
         server.wait_healthy()
         assert weight_version(server) == "2"  # healthy only once it holds HEAD
         assert engine_mismatch(server, state) is None
@@ -105,6 +107,26 @@ def test_a_server_follows_the_store_and_is_unhealthy_while_stale(tmp_path):
         m = sender.pop_metrics()
         assert m["perf/update_weights_full_sync_engines"] == 0 and m["perf/update_weights_catch_ups"] == 0
         assert engine_mismatch(server, state) is None
+
+        def health():
+            r = requests.get(server.url + "/health", timeout=10)
+            return r.status_code, r.json() if r.status_code == 503 else None
+
+        # a frozen store: this trainer writes HEAD only at a sync now (the refreshing one was replaced), and none comes
+        wait_for(lambda: health()[0] == 503, what="a HEAD older than --update-weight-store-max-age went unnoticed")
+        code, report = health()
+        assert report["age_s"] > 4 + 1 and report["version"] == report["head"] == 8 and not report["error"], report
+        r = server.post("/generate", {"text": "the quick", "sampling_params": {"max_new_tokens": 2}})
+        assert r.status_code != 200 and "stale" in r.text
+        sender.transport.refresh_head()  # the trainer is alive: HEAD signed again, nothing else changed
+        wait_for(lambda: health()[0] == 200, what="a HEAD signed again did not make the server fresh")
+        head, _ = read_head(open_store(url), key)  # a trainer whose clock runs 30 s ahead writes HEAD
+        raw.put("HEAD", seal(head_record(head._replace(time=time.time() + 30)), key))
+        wait_for(lambda: health()[0] == 503, what="a HEAD from the future went unnoticed")
+        assert "--update-weight-store-clock-skew-s" in health()[1]["error"]
+        raw.put("HEAD", seal(head_record(head._replace(time=time.time())), key))  # the clocks set right
+        wait_for(lambda: health()[0] == 200, what="the server did not come back once HEAD's time was right")
+        assert weight_version(server) == "8" and engine_mismatch(server, state) is None
     finally:
         if server is not None:
             server.stop()

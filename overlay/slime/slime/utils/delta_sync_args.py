@@ -22,6 +22,7 @@ DELTA_ARG_DEFAULTS = {
     "update_weight_store": None,
     "update_weight_store_key_file": None,
     "update_weight_store_anchor_every": 0,
+    "update_weight_store_head_refresh_s": 60.0,
 }
 
 
@@ -81,6 +82,7 @@ _USED_WITH = (
      "a compressed encoding (deltas_zstd, planes_zstd, xor_zstd, xor_ctx) or --update-weight-store"),
     ("update_weight_store_key_file", store_replaces_disk_dir, "--update-weight-store"),
     ("update_weight_store_anchor_every", store_replaces_disk_dir, "--update-weight-store"),
+    ("update_weight_store_head_refresh_s", store_replaces_disk_dir, "--update-weight-store"),
 )
 
 
@@ -104,6 +106,9 @@ def validate_delta_args(args) -> None:
     if args.update_weight_delta_stage_timeout < 0:
         raise ValueError(f"--update-weight-delta-stage-timeout={args.update_weight_delta_stage_timeout}: give seconds "
                          "(0: announce each publish as it is written, inside the pause)")
+    if args.update_weight_store_head_refresh_s < 0:
+        raise ValueError(f"--update-weight-store-head-refresh-s={args.update_weight_store_head_refresh_s}: give "
+                         "seconds (0: HEAD is written only by a sync's commit)")
     chunk = args.update_weight_delta_shard_chunk_bytes
     if chunk is not None and chunk <= 0:
         raise ValueError(f"--update-weight-delta-shard-chunk-bytes={chunk}: give a positive number of bytes "
@@ -218,6 +223,16 @@ def add_delta_arguments(parser) -> None:
             "also write a full anchor (an HF checkpoint) every K versions from the trainer (0, the default: only "
             "the first; later anchors come from `python -m sglang.srt.weight_sync.delta store compact` off the "
             "trainer, which keeps the trainer's upload O(changed))."
+        ),
+    )
+    parser.add_argument(
+        "--update-weight-store-head-refresh-s",
+        type=float,
+        default=d["update_weight_store_head_refresh_s"],
+        help=(
+            "write the store's HEAD again, with the time of now, whenever no sync wrote it for this many seconds "
+            "(default 60; 0: only syncs write it): engines with --update-weight-store-max-age tell a trainer that "
+            "evaluates or checkpoints from a frozen store. Keep it below their max-age less their poll interval."
         ),
     )
 

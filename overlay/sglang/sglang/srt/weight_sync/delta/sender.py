@@ -131,6 +131,9 @@ class DeltaSender:
         stages = stages if stages is not None else getattr(transport, "stages", None)
         if getattr(transport, "stages", stages) is not stages:
             raise DeltaError("the sender and its disk transport must share one StageGroup")
+        old = getattr(self, "transport", None)
+        if old is not None and old is not transport and hasattr(old, "close"):
+            old.close()  # its threads (a store's HEAD refresh among them) end with it
         self.transport, self.engines, self.stages = transport, list(engines), stages
         # without a snapshot every engine starts with a full sync; with one, each engine's own status decides
         kept = self.state.snapshot or (self.state.elsewhere and self.state.version)

@@ -125,7 +125,8 @@ class UpdateWeightFromDistributedDelta(UpdateWeightFromDistributed):
                                   zstd=zstd_level(self.args.update_weight_delta_encoding if self._disk
                                                   else DeltaEncoding.DELTAS_ZSTD.value, level),
                                   post_write_hook=self._post_write_hook() if self._disk else None,
-                                  hf_dir=self.args.hf_checkpoint)
+                                  hf_dir=self.args.hf_checkpoint,
+                                  head_refresh_s=self.args.update_weight_store_head_refresh_s)
         if self._disk:
             transport = side or DiskTransport(self.args.update_weight_disk_dir, engines, stages=stages,
                                               zstd=zstd_level(self.args.update_weight_delta_encoding, level),

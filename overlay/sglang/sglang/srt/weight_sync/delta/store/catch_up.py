@@ -183,7 +183,7 @@ def plan_catch_up(store: ObjectStore, key: StoreKey, state, weight_version: Opti
     head, _ = read_head(store, key)
     if head is None:
         raise StoreUnavailable(f"store {store.url_root} holds no version yet")
-    top, _, _, chain = head
+    top, chain = head.version, head.chain
     target = top if weight_version in (None, "", "None") else int(weight_version)
     have = None if state.version is None or state.dirty or state.outside_load or state.manifest is None \
         else state.version
@@ -230,7 +230,7 @@ def plan_catch_up(store: ObjectStore, key: StoreKey, state, weight_version: Opti
 def _walk(store: ObjectStore, key: StoreKey, head, floor: int) -> Dict[int, tuple]:
     """Version -> (manifest key, digest, record), from ``HEAD`` down through ``parent`` links to ``floor``, a full
     version, or the first manifest the store no longer holds (collected)."""
-    version, mkey, sha, chain = head
+    version, mkey, sha, chain = head[:4]
     out, child = {}, None
     while True:
         try:

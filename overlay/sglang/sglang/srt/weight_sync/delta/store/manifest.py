@@ -2,7 +2,9 @@
 
 Three records, each canonical JSON (sorted keys, no spaces) with ``format``, ``kind`` and the store's ``chain`` id:
 
-* ``HEAD`` (``kind: head``): the committed version and the digest (sha256) of its manifest's bytes. Written last.
+* ``HEAD`` (``kind: head``): the committed version, the digest (sha256) of its manifest's bytes and ``time``, when
+  the trainer wrote it (seconds since the epoch, its clock): written last, and again while the trainer idles, so a
+  follower tells a live store from a frozen one (``--update-weight-store-max-age``).
 * a version manifest (``weight_v{N:06d}/manifest.json``, ``kind: version``): ``version``, ``base_version`` (the
   wire's: the deltas are right for an engine at any version in ``[base_version, version)``), ``parent`` (the version
   and manifest digest ``HEAD`` named before this one: the manifests chain like commits), ``encoding``, ``requests``
@@ -24,8 +26,9 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import os
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from sglang.srt.weight_sync.delta.wire import DeltaError, Refusal
 
@@ -134,21 +137,36 @@ def open_record(data: bytes, key: StoreKey, what: str, kind: str) -> dict:
     return record
 
 
+class Head(NamedTuple):
+    """A verified ``HEAD``: what it commits, and when the trainer wrote it (None: a trainer that wrote no time)."""
+
+    version: int
+    manifest_key: str
+    manifest: str  # the manifest's digest
+    chain: str
+    time: Optional[float] = None
+
+
 def read_head(store, key: StoreKey):
-    """``HEAD`` verified (MAC, format, kind) as ``(version, manifest key, manifest digest, chain id)``, and the tag
-    a compare-and-swap names; ``(None, None)`` before the first version."""
+    """``HEAD`` verified (MAC, format, kind) as a :class:`Head`, and the tag a compare-and-swap names;
+    ``(None, None)`` before the first version."""
     data, tag = store.read_head()
     if data is None:
         return None, None
     r = open_record(data, key, "store HEAD", "head")
     try:
-        return (int(r["version"]), str(r["manifest_key"]), str(r["manifest"]), str(r["chain"])), tag
+        t = r.get("time")
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t)):
+            raise ValueError(t)
+        return Head(int(r["version"]), str(r["manifest_key"]), str(r["manifest"]), str(r["chain"]),
+                    None if t is None else float(t)), tag
     except (KeyError, TypeError, ValueError):
         raise DeltaError("store HEAD: malformed record", Refusal.UNVERIFIED) from None
 
 
-def head_record(chain: str, version: int, manifest_digest: str) -> dict:
-    return {"kind": "head", "chain": chain, "version": version, "manifest": manifest_digest}
+def head_record(head: Head) -> dict:
+    return {"kind": "head", "chain": head.chain, "version": head.version, "manifest": head.manifest,
+            "manifest_key": head.manifest_key, "time": head.time}
 
 
 def new_chain_id() -> str:

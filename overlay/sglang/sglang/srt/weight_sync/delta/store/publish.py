@@ -13,6 +13,11 @@ files it in the store as one flush file; the store is only read by engines that 
 
 If the store commit fails, every engine's result is a failure (the sender keeps the sync's positions staged and the
 next delta covers them); if ``HEAD`` moved under this trainer, ``fatal`` says so and the sender stops.
+
+``HEAD`` carries the time the trainer wrote it. With ``head_refresh_s`` a thread writes it again, unchanged but for
+that time (compare-and-swap on the tag this trainer holds), whenever no commit wrote it for that long: a trainer that
+evaluates or checkpoints for an hour still tells its followers the store is live, and a frozen or stalled ``HEAD``
+makes them stale (``--update-weight-store-max-age``).
 """
 
 from __future__ import annotations
@@ -20,11 +25,13 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import Dict, List, Optional, Tuple
 
 from sglang.srt.weight_sync.delta.files import flush_file
 from sglang.srt.weight_sync.delta.store import anchor as anchors
 from sglang.srt.weight_sync.delta.store.manifest import (
+    Head,
     StoreKey,
     anchor_dir,
     digest,
@@ -48,7 +55,8 @@ class StoreTransport(DiskTransport):
     versioned = True
 
     def __init__(self, url, engines, *, zstd: Optional[int] = None, key: Optional[StoreKey] = None, stages=None,
-                 post_write_hook=None, hf_dir: Optional[str] = None, stage_timeout: float = 0.0):
+                 post_write_hook=None, hf_dir: Optional[str] = None, stage_timeout: float = 0.0,
+                 head_refresh_s: float = 0.0):
         self.store = open_store(url) if isinstance(url, str) else url
         self.store.check()  # a missing bucket or directory, wrong credentials: an error at start
         self.key = key or StoreKey(None)
@@ -62,6 +70,14 @@ class StoreTransport(DiskTransport):
         self.catch_up: List[int] = []
         self.fatal: Optional[DeltaError] = None
         self.upload_bytes = 0  # bytes this trainer wrote to the store in the last sync
+        self._head_lock = threading.Lock()  # HEAD's tag: a sync's check and commit, and the refresh between syncs
+        self._head_written = time.monotonic()
+        self._stop = threading.Event()
+        self._refresher = None
+        if head_refresh_s > 0 and (stages is None or stages.first):  # stage 0 commits, so it alone writes HEAD
+            self._refresher = threading.Thread(target=self._refresh_loop, args=(head_refresh_s,), daemon=True,
+                                               name="delta-store-head")
+            self._refresher.start()
 
     def begin(self, version: int) -> None:
         super().begin(version)
@@ -77,8 +93,10 @@ class StoreTransport(DiskTransport):
         self.fingerprint: Optional[Dict[str, str]] = None  # the trainer's per-name fingerprint, on fingerprint syncs
         first = self.stages is None or self.stages.first
         if first:  # stage 0 commits: it alone checks that HEAD is still where this trainer left it
-            head, tag = read_head(self.store, self.key)
-            if tag != self._tag:
+            with self._head_lock:
+                head, tag = read_head(self.store, self.key)
+                moved = tag != self._tag
+            if moved:
                 self.fatal = HeadMoved(f"store HEAD moved to version {head and head[0]} under this trainer (it last "
                                        f"saw {self.head_version}): another trainer publishes to {self.store.url_root}")
         pid = os.urandom(4).hex()
@@ -196,11 +214,43 @@ class StoreTransport(DiskTransport):
         data = seal(record, self.key)
         mkey = f"{self.vkey}/manifest.json"
         self.store.put(mkey, data)
-        head = (self.version, mkey, digest(data), chain)
-        hdata = seal(dict(head_record(chain, self.version, head[2]), manifest_key=mkey), self.key)
-        self._tag = self.store.swap_head(hdata, self._tag)
+        head = Head(self.version, mkey, digest(data), chain, time.time())
+        hdata = seal(head_record(head), self.key)
+        with self._head_lock:
+            self._tag = self.store.swap_head(hdata, self._tag)
+            self._head_written = time.monotonic()
         self.upload_bytes += len(data) + len(hdata)
-        self.head, self.head_version = head, head[0]
+        self.head, self.head_version = head, head.version
+
+    def refresh_head(self) -> None:
+        """``HEAD`` written again with the time of now, nothing else changed: only over the tag this trainer wrote (a
+        ``HEAD`` another trainer moved makes this one's next sync stop, as at a commit)."""
+        with self._head_lock:
+            if self.head is None or self.fatal is not None:
+                return
+            head = self.head._replace(time=time.time())
+            try:
+                self._tag = self.store.swap_head(seal(head_record(head), self.key), self._tag)
+            except HeadMoved as e:
+                self.fatal = e
+                logger.error("store HEAD refresh: %s", e)
+                return
+            self.head, self._head_written = head, time.monotonic()
+
+    def _refresh_loop(self, every: float) -> None:
+        retry = None
+        while True:
+            due = retry if retry is not None else self._head_written + every
+            if self._stop.wait(max(0.0, due - time.monotonic())):
+                return
+            if retry is None and time.monotonic() - self._head_written < every:
+                continue  # a commit wrote HEAD meanwhile
+            try:
+                self.refresh_head()
+                retry = None
+            except Exception as e:  # the store unreachable: try again soon, the followers' max-age counts on
+                logger.warning("store HEAD refresh failed: %r", e)
+                retry = time.monotonic() + min(every, 5.0)
 
     def _write_anchor(self, chain: str) -> list:
         """The anchor's index, its config files, then its manifest; returns ``[manifest key, digest]``."""
@@ -220,6 +270,12 @@ class StoreTransport(DiskTransport):
         self.store.put(key, data)
         self.upload_bytes += sum(len(d) for d in extra.values()) + len(data)
         return [key, digest(data)]
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._refresher is not None:
+            self._refresher.join()
+        super().close()
 
 
 class NcclStoreTransport(NcclTransport):

@@ -23,7 +23,7 @@ from sglang.srt.weight_sync.delta.files import maybe_zstd_decompress, read_safet
 from sglang.srt.weight_sync.delta.store import anchor as anchors
 from sglang.srt.weight_sync.delta.store.catch_up import _anchor_record, _listed_anchors, _walk
 from sglang.srt.weight_sync.delta.store.reads import read_object
-from sglang.srt.weight_sync.delta.store.manifest import StoreKey, anchor_dir, digest, read_head, seal
+from sglang.srt.weight_sync.delta.store.manifest import Head, StoreKey, anchor_dir, digest, read_head, seal
 from sglang.srt.weight_sync.delta.store.objects import ObjectStore, StoreUnavailable, open_store
 from sglang.srt.weight_sync.delta.tools import rebuilt, write_flush
 from sglang.srt.weight_sync.delta.validate import validate_payload
@@ -54,7 +54,7 @@ def chain(store: ObjectStore, key: StoreKey):
         parent = low[2].get("parent")
         if not low[2]["full"] or not parent:
             break
-        top = (parent[0], parent[1], parent[2], head[3])
+        top = Head(parent[0], parent[1], parent[2], head.chain)
     found = {}
     for v, (_, sha, r) in records.items():
         if r.get("anchor"):

@@ -10,6 +10,13 @@ catch-up succeeds, and whenever it is more than ``--update-weight-store-max-lag`
 bound), the engine is *stale*: ``/health`` answers 503 with the lag (a router takes it out), and new generation
 requests are refused; so is an engine a failed catch-up left holding a mix of versions (its status: dirty). An RL
 run bounds how off-policy its rollouts get with that flag.
+
+A lag counted against the ``HEAD`` the engine sees cannot tell a live store from a frozen one: a ``HEAD`` held at an
+old, validly signed version (an adversary with write access, a stalled replication, a trainer that stopped). So
+``HEAD`` carries the time the trainer wrote it, under its MAC, and the trainer writes it again while it idles. With
+``--update-weight-store-max-age SECONDS`` the engine is stale too once the newest ``HEAD`` it has verified is older
+than that by its own clock, beyond ``--update-weight-store-clock-skew-s``; a ``HEAD`` written further than that
+allowance in the future (a clock off) makes it stale as well, naming the setting.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import asyncio
 import json
 import logging
 import re
+import time
 from typing import Optional
 
 from sglang.srt.weight_sync.delta.store.manifest import RECORD_CAP, StoreKey, open_record, read_head
@@ -25,14 +33,32 @@ from sglang.srt.weight_sync.delta.store.objects import open_store
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_SKEW_S = 5.0
+
+
+def check_freshness_settings(max_age: float, poll_s: float, skew_s: float) -> None:
+    """Refused at start, naming the setting: a max-age the poll cannot keep (the engine would be stale between two
+    reads of a live store), and a negative skew allowance."""
+    if skew_s < 0:
+        raise ValueError(f"--update-weight-store-clock-skew-s={skew_s:g}: give the seconds the trainer's and the "
+                         "engines' clocks may differ by (>= 0)")
+    if 0 <= max_age <= poll_s:
+        raise ValueError(f"--update-weight-store-max-age={max_age:g} is not above --update-weight-store-poll-s="
+                         f"{poll_s:g}: a follower would be stale between two reads of a live store (-1: no bound)")
+
 
 class StoreWatch:
     """What the server process knows of its engine against the store: ``HEAD``, the engine's version, the lag."""
 
-    def __init__(self, tokenizer_manager, url: str, key: StoreKey, max_lag: int, poll_s: float, stage: bool = True):
+    def __init__(self, tokenizer_manager, url: str, key: StoreKey, max_lag: int, poll_s: float, stage: bool = True,
+                 max_age: float = -1.0, skew_s: float = DEFAULT_SKEW_S):
+        check_freshness_settings(max_age, poll_s, skew_s)
         self.tm, self.url, self.max_lag, self.poll_s, self.stage = tokenizer_manager, url, max_lag, poll_s, stage
+        self.max_age, self.skew_s = max_age, skew_s
         self.store, self.key = open_store(url), key
         self.head: Optional[int] = None
+        self.head_time: Optional[float] = None  # the newest time a verified HEAD carried (the trainer's clock)
+        self.clock: str = ""  # why the HEAD's time cannot be believed against this engine's clock
         self.caught_up = False  # the first catch-up succeeded: the engine holds a version of this store
         self.error = ""
 
@@ -49,15 +75,39 @@ class StoreWatch:
             return None
         return self.head - self.version
 
+    @property
+    def age(self) -> Optional[float]:
+        """Seconds since the trainer wrote the newest ``HEAD`` this engine verified, by this engine's clock."""
+        return None if self.head_time is None else time.time() - self.head_time
+
     def stale(self) -> bool:
         if not self.caught_up:
             return True
         lag = self.lag
-        return self.max_lag >= 0 and (lag is None or lag > self.max_lag)
+        if self.max_lag >= 0 and (lag is None or lag > self.max_lag):
+            return True
+        return self.max_age >= 0 and (bool(self.clock) or self.age is None or self.age > self.max_age + self.skew_s)
 
     def report(self) -> dict:
+        age = self.age
         return {"stale": self.stale(), "version": self.version, "head": self.head, "max_lag": self.max_lag,
-                "store": self.url, "error": self.error}
+                "age_s": None if age is None else round(age, 3), "max_age_s": self.max_age, "store": self.url,
+                "error": self.clock or self.error}
+
+    def _saw(self, head) -> None:
+        """A verified ``HEAD``: its time, checked against this engine's clock (the newest one counts)."""
+        self.head = head.version
+        if head.time is None:
+            self.clock = "the store's HEAD carries no time (a trainer without freshness): --update-weight-store-max-age " \
+                         "cannot hold" if self.max_age >= 0 else ""
+            return
+        ahead = head.time - time.time()
+        if ahead > self.skew_s:
+            self.clock = (f"the store's HEAD was written {ahead:.1f} s ahead of this engine's clock, more than "
+                          f"--update-weight-store-clock-skew-s={self.skew_s:g} allows: set the clocks right (NTP)")
+            return
+        self.clock = ""
+        self.head_time = head.time if self.head_time is None else max(self.head_time, head.time)
 
     async def run(self) -> None:
         while True:
@@ -73,7 +123,7 @@ class StoreWatch:
         if head is None:
             self.error = "the store holds no version yet"
             return
-        self.head = head[0]
+        self._saw(head)
         if self.caught_up and self.version is not None and self.version >= self.head:
             return
         from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
@@ -153,7 +203,9 @@ def start(tokenizer_manager, server_args) -> None:
     _WATCH = StoreWatch(tokenizer_manager, url, key,
                         int(getattr(server_args, "update_weight_store_max_lag", -1)),
                         float(getattr(server_args, "update_weight_store_poll_s", 5.0)),
-                        not getattr(server_args, "update_weight_store_no_stage", False))
+                        not getattr(server_args, "update_weight_store_no_stage", False),
+                        float(getattr(server_args, "update_weight_store_max_age", -1.0)),
+                        float(getattr(server_args, "update_weight_store_clock_skew_s", DEFAULT_SKEW_S)))
     _WATCH.task = asyncio.get_event_loop().create_task(_WATCH.run())
 
 
@@ -171,4 +223,6 @@ def check_serving() -> None:
     if _WATCH is not None and _WATCH.stale():
         r = _WATCH.report()
         raise ValueError(f"this engine is stale (version {r['version']}, the store's HEAD {r['head']}, at most "
-                         f"{r['max_lag']} behind allowed): it serves again once it has caught up")
+                         f"{r['max_lag']} behind allowed; HEAD written {r['age_s']} s ago, at most {r['max_age_s']} "
+                         f"allowed{'; ' + r['error'] if r['error'] else ''}): it serves again once it has caught up "
+                         "with a live store")
