@@ -855,3 +855,36 @@ def test_a_freshness_setting_that_cannot_hold_is_refused_at_start_naming_it(tmp_
     with pytest.raises(ValueError, match=flag):
         StoreWatch(None, str(tmp_path / "store"), StoreKey(None), -1, poll_s, max_age=max_age, skew_s=skew_s)
     StoreWatch(None, str(tmp_path / "store"), StoreKey(None), -1, poll_s, max_age=-1, skew_s=1)  # no bound: fine
+
+
+def test_objects_head_names_before_they_arrive_are_waited_for_not_refused(store_url):
+    """A replica copies objects in no set order: ``HEAD`` may name a manifest, or a flush file, that is not there yet.
+    The catch-up writes nothing and says ``replicating`` (not ``store_unavailable``, not ``unverified``): the engine
+    keeps its version, untouched and not dirty, and takes the version whole once the object arrives."""
+    cfg = hf_config("qwen2")
+    state = bf16_state(hf_model(cfg))
+    sender = DeltaSender(StoreTransport(store_url, [], zstd=3), [], encoding="xor_zstd", buffer_bytes=16 << 10)
+    raw = raw_store(store_url)
+    a = Engine(cfg)
+    try:
+        sender.update(one_segment(state))
+        assert a.catch_up(store_url)[0]
+        for v, late in ((2, ".safetensors"), (3, "manifest.json")):
+            state = nudged(state, v)
+            sender.update(one_segment(state))
+            key = sorted(k for k in raw.keys(sender.transport.vkey) if k.endswith(late))[-1]  # its last flush file
+            held = raw.get(key)
+            raw.delete(key)  # HEAD is here, this object is not yet
+            before = {n: p.detach().clone() for n, p in a.host.model.named_parameters()}
+            ok, msg = a.catch_up(store_url)
+            st = delta_status(a.host.model)
+            assert not ok and st.code == "replicating" and (st.version, st.needs_full) == (v - 1, False), (msg, st)
+            assert all(torch.equal(p.detach().view(torch.uint8), before[n].view(torch.uint8))
+                       for n, p in a.host.model.named_parameters())
+            raw.put(key, held)  # it arrives
+            ok, msg = a.catch_up(store_url)
+            assert ok, msg
+            assert delta_status(a.host.model).version == v
+            assert_params_equal(a.host.model, reference(cfg, state))
+    finally:
+        sender.transport.close()

@@ -1,7 +1,8 @@
-"""A real patched SGLang server following a version store on a real S3 server (SeaweedFS), both pins: it reaches
-HEAD before it serves, catches up whenever HEAD moves, answers 503 on /health and refuses generation while it is
-more versions behind than allowed or the newest HEAD it verified is older than allowed (a frozen store) or written
-ahead of its clock, and takes pushed deltas whose files it checks against the announced digests."""
+"""A real patched SGLang server following a version store on a real S3 server (SeaweedFS), both pins: it reaches HEAD
+before it serves, catches up whenever HEAD moves (waiting, serving, for an object HEAD names that has not arrived
+yet), answers 503 on /health and refuses generation while it is more versions behind than allowed or the newest HEAD
+it verified is older than allowed (a frozen store) or written ahead of its clock, and takes pushed deltas whose files
+it checks against the announced digests."""
 import os
 import time
 
@@ -98,10 +99,29 @@ def test_a_server_follows_the_store_and_is_unhealthy_while_stale(tmp_path):
         wait_for(lambda: requests.get(server.url + "/health", timeout=10).status_code == 200,
                  what="the server did not come back once the store was repaired")
         assert weight_version(server) == "7" and engine_mismatch(server, state) is None
+        at7, held = state, {}
+
+        def hold_back(vdir):  # HEAD ahead of an object, as a replica copies them in no set order
+            k = sorted(k for k in raw.keys(vdir.split("/")[-1]) if k.endswith(".safetensors"))[-1]
+            held[k] = raw.get(k)
+            raw.delete(k)
+
+        sender.transport.hook = hold_back
+        state = nudged(state, 8)
+        sender.update(one_segment(state))
+        sender.transport.hook = None
+        wait_for(lambda: HttpEngine(server.url).status()[0].code == "replicating",
+                 what="the server did not say it waits for an object HEAD names")
+        assert requests.get(server.url + "/health", timeout=10).status_code == 200  # it serves version 7 meanwhile
+        assert weight_version(server) == "7" and engine_mismatch(server, at7) is None
+        for k, data in held.items():
+            raw.put(k, data)
+        wait_for(lambda: weight_version(server) == "8", what="the server did not take the version once it arrived")
+        assert engine_mismatch(server, state) is None
 
         engine = HttpEngine(server.url)  # the trainer pushes to it as well: files checked against their digests
         sender.attach(StoreTransport(url, [engine], zstd=3, key=key), [engine])
-        state = nudged(state, 8)
+        state = nudged(state, 9)
         results = sender.update(one_segment(state))
         assert results[0][0], results
         m = sender.pop_metrics()
@@ -115,7 +135,7 @@ def test_a_server_follows_the_store_and_is_unhealthy_while_stale(tmp_path):
         # a frozen store: this trainer writes HEAD only at a sync now (the refreshing one was replaced), and none comes
         wait_for(lambda: health()[0] == 503, what="a HEAD older than --update-weight-store-max-age went unnoticed")
         code, report = health()
-        assert report["age_s"] > 4 + 1 and report["version"] == report["head"] == 8 and not report["error"], report
+        assert report["age_s"] > 4 + 1 and report["version"] == report["head"] == 9 and not report["error"], report
         r = server.post("/generate", {"text": "the quick", "sampling_params": {"max_new_tokens": 2}})
         assert r.status_code != 200 and "stale" in r.text
         sender.transport.refresh_head()  # the trainer is alive: HEAD signed again, nothing else changed
@@ -126,7 +146,7 @@ def test_a_server_follows_the_store_and_is_unhealthy_while_stale(tmp_path):
         assert "--update-weight-store-clock-skew-s" in health()[1]["error"]
         raw.put("HEAD", seal(head_record(head._replace(time=time.time())), key))  # the clocks set right
         wait_for(lambda: health()[0] == 200, what="the server did not come back once HEAD's time was right")
-        assert weight_version(server) == "8" and engine_mismatch(server, state) is None
+        assert weight_version(server) == "9" and engine_mismatch(server, state) is None
     finally:
         if server is not None:
             server.stop()

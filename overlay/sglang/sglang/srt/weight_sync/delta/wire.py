@@ -106,6 +106,7 @@ class Refusal(str, enum.Enum):
     UNVERIFIED = "unverified"  # a store's object, manifest or HEAD fails its digest or MAC: not what the trainer wrote
     STORE_UNAVAILABLE = "store_unavailable"  # the store cannot give what a catch-up needs (unreachable, deleted)
     STAGE_BOUND = "stage_bound"  # a stage request this engine's --update-weight-delta-stage-bytes cannot hold
+    REPLICATING = "replicating"  # an object the store's verified records name is not there yet (a replica behind)
 
 
 class DeltaError(ValueError):

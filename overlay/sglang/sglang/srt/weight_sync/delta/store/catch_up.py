@@ -60,7 +60,8 @@ def catch_up(host, url: str, weight_version: Optional[str]) -> Tuple[bool, str]:
     staging.remember(host, url)
     ok, msg = _catch_up(host, url, weight_version)
     state = receiver_state(model)
-    if not ok and (state.last[1] == Refusal.STORE_UNAVAILABLE.value or state.dirty):  # dirty: it stopped part-way
+    if not ok and (state.last[1] in (Refusal.STORE_UNAVAILABLE.value, Refusal.REPLICATING.value) or state.dirty):
+        # an object gone (collected under it, or not there yet), or dirty: it stopped part-way
         logger.warning("catch-up from %s: %s; planning again", url, msg)
         ok, msg = _catch_up(host, url, weight_version)
     stage = staging.stage_of(model)

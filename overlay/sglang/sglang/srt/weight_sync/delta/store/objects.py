@@ -30,6 +30,14 @@ class StoreUnavailable(DeltaError):
         super().__init__(message, Refusal.STORE_UNAVAILABLE)
 
 
+class ObjectAbsent(StoreUnavailable):
+    """An object the store does not hold (no such key or file) while a verified record names it: not replicated yet
+    (a replica behind its primary, which copies objects in no set order) or deleted. Nothing is written for it."""
+
+    def __init__(self, message: str):
+        DeltaError.__init__(self, message, Refusal.REPLICATING)
+
+
 class HeadMoved(DeltaError):
     """``HEAD`` is not what this writer last saw: another (or a stale) trainer publishes to this store."""
 
@@ -112,6 +120,8 @@ class PosixStore(ObjectStore):
                 raise DeltaError(f"store object {key!r}: {size} bytes exceeds the {max_bytes}-byte bound")
             with open(path, "rb") as f:
                 return f.read(size + 1)
+        except FileNotFoundError:
+            raise ObjectAbsent(f"store object {key!r} is not in the store (not replicated yet, or deleted)") from None
         except OSError as e:
             raise StoreUnavailable(f"store object {key!r}: cannot read ({e.strerror})") from None
 
@@ -181,7 +191,7 @@ class S3Store(ObjectStore):
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
 
-    def _call(self, what: str, fn, *args, missing_ok: bool = False, **kwargs):
+    def _call(self, what: str, fn, *args, missing_ok: bool = False, absent: bool = False, **kwargs):
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:
@@ -190,6 +200,9 @@ class S3Store(ObjectStore):
             code = e.response.get("Error", {}).get("Code", "")
             if missing_ok and code in ("NoSuchKey", "404"):
                 return None
+            if absent and code == "NoSuchKey":
+                raise ObjectAbsent(f"store {what} on {self.url_root}: no such key (not replicated yet, or deleted)") \
+                    from None
             if code in ("PreconditionFailed", "412"):
                 raise HeadMoved(f"store {what}: a conditional write failed (another writer got there first)") from None
             why = {"403": "access denied (wrong credentials?)", "404": "no such bucket or key"}.get(code, code)
@@ -206,7 +219,8 @@ class S3Store(ObjectStore):
                    IfNoneMatch="*")
 
     def get(self, key: str, max_bytes: int) -> bytes:
-        reply = self._call(f"read of {key!r}", self.client.get_object, Bucket=self.bucket, Key=self._key(key))
+        reply = self._call(f"read of {key!r}", self.client.get_object, Bucket=self.bucket, Key=self._key(key),
+                           absent=True)
         if reply["ContentLength"] > max_bytes:
             reply["Body"].close()
             raise DeltaError(f"store object {key!r}: {reply['ContentLength']} bytes exceeds the {max_bytes}-byte bound")

@@ -17,6 +17,12 @@ old, validly signed version (an adversary with write access, a stalled replicati
 ``--update-weight-store-max-age SECONDS`` the engine is stale too once the newest ``HEAD`` it has verified is older
 than that by its own clock, beyond ``--update-weight-store-clock-skew-s``; a ``HEAD`` written further than that
 allowance in the future (a clock off) makes it stale as well, naming the setting.
+
+A replica copies objects in no set order, so a ``HEAD`` may name a manifest or objects that are not there yet. The
+catch-up writes nothing then (a version is taken whole) and says ``replicating``; the engine serves its version, its
+``/health`` report says how long it has waited, and it tries again every poll. Past
+``--update-weight-store-replication-timeout-s`` the report names the wait as an error; whether the engine still serves
+is what ``max-lag`` and ``max-age`` say.
 """
 
 from __future__ import annotations
@@ -30,10 +36,12 @@ from typing import Optional
 
 from sglang.srt.weight_sync.delta.store.manifest import RECORD_CAP, StoreKey, open_record, read_head
 from sglang.srt.weight_sync.delta.store.objects import open_store
+from sglang.srt.weight_sync.delta.wire import Refusal
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_SKEW_S = 5.0
+DEFAULT_REPLICATION_TIMEOUT_S = 300.0
 
 
 def check_freshness_settings(max_age: float, poll_s: float, skew_s: float) -> None:
@@ -51,7 +59,8 @@ class StoreWatch:
     """What the server process knows of its engine against the store: ``HEAD``, the engine's version, the lag."""
 
     def __init__(self, tokenizer_manager, url: str, key: StoreKey, max_lag: int, poll_s: float, stage: bool = True,
-                 max_age: float = -1.0, skew_s: float = DEFAULT_SKEW_S):
+                 max_age: float = -1.0, skew_s: float = DEFAULT_SKEW_S,
+                 replication_timeout_s: float = DEFAULT_REPLICATION_TIMEOUT_S):
         check_freshness_settings(max_age, poll_s, skew_s)
         self.tm, self.url, self.max_lag, self.poll_s, self.stage = tokenizer_manager, url, max_lag, poll_s, stage
         self.max_age, self.skew_s = max_age, skew_s
@@ -59,6 +68,8 @@ class StoreWatch:
         self.head: Optional[int] = None
         self.head_time: Optional[float] = None  # the newest time a verified HEAD carried (the trainer's clock)
         self.clock: str = ""  # why the HEAD's time cannot be believed against this engine's clock
+        self.replication_timeout_s = replication_timeout_s
+        self.replicating_since: Optional[float] = None  # monotonic: the first catch-up that found an object not there
         self.caught_up = False  # the first catch-up succeeded: the engine holds a version of this store
         self.error = ""
 
@@ -90,9 +101,10 @@ class StoreWatch:
 
     def report(self) -> dict:
         age = self.age
+        waited = None if self.replicating_since is None else round(time.monotonic() - self.replicating_since, 3)
         return {"stale": self.stale(), "version": self.version, "head": self.head, "max_lag": self.max_lag,
-                "age_s": None if age is None else round(age, 3), "max_age_s": self.max_age, "store": self.url,
-                "error": self.clock or self.error}
+                "age_s": None if age is None else round(age, 3), "max_age_s": self.max_age,
+                "replicating_s": waited, "store": self.url, "error": self.clock or self.error}
 
     def _saw(self, head) -> None:
         """A verified ``HEAD``: its time, checked against this engine's clock (the newest one counts)."""
@@ -135,13 +147,26 @@ class StoreWatch:
         out = await self.tm.update_weights_from_disk(req, None)
         ok, msg = out[0], out[1]
         if ok:
-            self.caught_up, self.error = True, ""
+            self.caught_up, self.error, self.replicating_since = True, "", None
             logger.info("version store watch: at version %s (%s)", self.head, msg)
+            return
+        ranks = await self._status()
+        if any(r.needs_full for r in ranks):  # it stopped part-way: a mix of versions is nothing to serve
+            self.caught_up = False
+        if ranks and all(r.code == Refusal.REPLICATING.value for r in ranks):  # not there yet: nothing written
+            self.replicating_since = self.replicating_since or time.monotonic()
+            waited = time.monotonic() - self.replicating_since
+            if waited <= self.replication_timeout_s:
+                self.error = ""
+                logger.info("version store watch: version %s is not all in the store yet (%.0f s): %s", self.head,
+                            waited, msg)
+                return
+            msg = (f"objects of version {self.head} did not reach this store within "
+                   f"--update-weight-store-replication-timeout-s={self.replication_timeout_s:g}: {msg}")
         else:
-            self.error = msg
-            logger.error("version store watch: catch-up to version %s refused: %s", self.head, msg)
-            if await self._needs_full():  # it stopped part-way: a mix of versions is nothing to serve
-                self.caught_up = False
+            self.replicating_since = None
+        self.error = msg
+        logger.error("version store watch: catch-up to version %s refused: %s", self.head, msg)
 
     async def _stage(self) -> None:
         """Have the engine fetch and digest-check ``HEAD``'s version (``store.staging``) and wait until it has,
@@ -160,13 +185,14 @@ class StoreWatch:
             action = "delta_status"
             await asyncio.sleep(min(self.poll_s, 0.05))
 
-    async def _needs_full(self) -> bool:
-        """Whether any rank of the engine holds weights no version explains (dirty, or never synced)."""
+    async def _status(self) -> list:
+        """Every rank's delta status: whether one holds weights no version explains (dirty, never synced), and why
+        the last catch-up was refused."""
         from sglang.srt.managers.io_struct import CheckWeightsReqInput
         from sglang.srt.weight_sync.delta.wire import DeltaStatus
 
         out = await self.tm.check_weights(CheckWeightsReqInput(action="delta_status"), None)
-        return any(r.needs_full for r in DeltaStatus.from_checker(out[2] or []))
+        return DeltaStatus.from_checker(out[2] or [])
 
 
 _WATCH: Optional[StoreWatch] = None
@@ -205,7 +231,9 @@ def start(tokenizer_manager, server_args) -> None:
                         float(getattr(server_args, "update_weight_store_poll_s", 5.0)),
                         not getattr(server_args, "update_weight_store_no_stage", False),
                         float(getattr(server_args, "update_weight_store_max_age", -1.0)),
-                        float(getattr(server_args, "update_weight_store_clock_skew_s", DEFAULT_SKEW_S)))
+                        float(getattr(server_args, "update_weight_store_clock_skew_s", DEFAULT_SKEW_S)),
+                        float(getattr(server_args, "update_weight_store_replication_timeout_s",
+                                      DEFAULT_REPLICATION_TIMEOUT_S)))
     _WATCH.task = asyncio.get_event_loop().create_task(_WATCH.run())
 
 
