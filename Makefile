@@ -27,7 +27,9 @@ venvs:
 # synchronization counts, and the broadcast deadlines (overlay logic: both pins' bindings, loaders and update groups
 # run in test_server, test_receiver_*, test_sharded_engines). Later pins leave the sharded engines' bf16 cases to the
 # first (their FP8 twins run the same ranks' paths there), and the TP=2 receiver's encodings but the richest
-# (tied, xor_ctx in aligned flushes) and the run-length one: the ranks' views are the pin's, the encodings are not.
+# (tied, xor_ctx in aligned flushes) and the run-length one: the ranks' views are the pin's, the encodings are not;
+# and the TP=2 store follower (the catch-up's TP broadcasts are overlay logic; both pins' TP=2 servers take requests
+# over the TP group in the training loop case, and both pins' servers follow a store in test_store_server).
 # slime's updater runs in `make test-slime` (its own venv: Megatron, Ray).
 ONE_PIN_TESTS = tests/test_wire.py tests/test_ctx.py tests/test_checksum.py tests/test_fingerprint.py tests/test_layout.py \
   tests/test_bench.py tests/test_gpu_check.py tests/test_tools.py tests/test_image.py tests/test_soak.py \
@@ -38,7 +40,8 @@ ONE_PIN_TESTS = tests/test_wire.py tests/test_ctx.py tests/test_checksum.py test
 FIRST_PIN_CASES = $(foreach c,qwen3-moe-None-2-1 qwen3-moe-None-2-2 deepseek-v3-None-2-2 qwen3-moe-None-4-2,\
   tests/test_sharded_engines.py::test_every_rank_of_a_sharded_engine_takes_each_delta_bit_identically[$(c)]) \
   $(foreach c,qwen2-deltas-0 qwen2-xor_zstd-0 qwen2-xor_ctx-0 qwen3-tied-xor_zstd-0,\
-  tests/test_receiver_tp2.py::test_tp2_each_rank_narrows_the_global_delta[$(c)])
+  tests/test_receiver_tp2.py::test_tp2_each_rank_narrows_the_global_delta[$(c)]) \
+  tests/test_sharded_engines.py::test_a_tp2_server_follows_a_store_whole_versions_staged_while_it_serves
 test: venvs
 	@rc=0; skip=""; for p in $(PINS); do \
 	  echo "=== tests against patched sglang $$p ==="; \

@@ -902,11 +902,27 @@ def test_a_rank_that_dies_mid_sync_leaves_the_engine_untouched_and_a_restarted_t
     world.pop("version", None)
 
 
+@pytest.fixture(scope="module")
+def moe_server(tmp_path_factory):
+    """A Qwen3-MoE-shaped engine, started once for the sharded sender's MoE layouts (each trainer starts it over with a
+    full sync, as a restarted trainer does)."""
+    import slime_harness as H
+    from cpu_harness import Server, bf16_state, hf_config, hf_model, write_hf_checkpoint
+
+    root = tmp_path_factory.mktemp("moe")
+    cfg = hf_config("qwen3-moe", vocab=H.VOCAB, hidden=H.HIDDEN, layers=H.LAYERS)
+    assert (cfg.num_experts, cfg.moe_intermediate_size) == (H.EXPERTS, H.MOE_FFN)
+    server = Server(write_hf_checkpoint(str(root / "moe"), cfg, bf16_state(hf_model(cfg, seed=2))),
+                    str(root / "moe-server.log")).wait_healthy()
+    yield server
+    server.stop()
+
+
 @pytest.mark.parametrize("layout, transport, encoding", [(dict(tp=2, dp=2, ep=2), "disk", "xor_ctx"),
                                                          (dict(tp=2, pp=2), "nccl", "deltas"),
                                                          (dict(pp=2, dp=2, ep=2), "disk", "xor_zstd")],
                          ids=["moe-tp2-ep2-dp2-disk-xor_ctx", "tp2-pp2-nccl-deltas", "moe-pp2-ep2-dp2-disk-xor_zstd"])
-def test_sharded_sender(world, tmp_path, layout, transport, encoding):
+def test_sharded_sender(world, request, tmp_path, layout, transport, encoding):
     """``--update-weight-delta-sharded`` on real Megatron models (one process per rank, gloo) into a real server: a
     Qwen3-MoE-shaped one at TP=2 x EP=2 (its dense params TP=2 x DP=2) and at PP=2 x EP=2 (each stage's experts
     diffed by its own ranks) over disk, a dense one at TP=2 x PP=2 over NCCL. The first sync gathers (full), later
@@ -926,14 +942,7 @@ def test_sharded_sender(world, tmp_path, layout, transport, encoding):
     from cpu_harness import free_port
     from slime.ray.utils import Lock
 
-    server = world["server"]
-    if "ep" in layout:  # a Qwen3-MoE engine
-        from cpu_harness import Server, bf16_state, hf_config, hf_model, write_hf_checkpoint
-
-        cfg = hf_config("qwen3-moe", vocab=H.VOCAB, hidden=H.HIDDEN, layers=H.LAYERS)
-        assert (cfg.num_experts, cfg.moe_intermediate_size) == (H.EXPERTS, H.MOE_FFN)
-        server = Server(write_hf_checkpoint(str(tmp_path / "moe"), cfg, bf16_state(hf_model(cfg, seed=2))),
-                        str(tmp_path / "moe-server.log")).wait_healthy()
+    server = request.getfixturevalue("moe_server") if "ep" in layout else world["server"]  # a Qwen3-MoE engine
     actors = [H.engine_actor_cls().options(name="sharded-engine", namespace="sharded-test").remote(server.url),
               Lock.options(num_cpus=0, name="sharded-lock", namespace="sharded-test").remote()]
     xor, ctx = encoding in ("xor_zstd", "xor_ctx"), encoding == "xor_ctx"
@@ -950,8 +959,6 @@ def test_sharded_sender(world, tmp_path, layout, transport, encoding):
     finally:
         for actor in actors:
             ray.kill(actor)
-        if server is not world["server"]:
-            server.stop()
     sources = {r: rows for r, rows in got.items() if rows}
     assert len(sources) == layout.get("pp", 1), sorted(sources)
     for r, rows in sources.items():

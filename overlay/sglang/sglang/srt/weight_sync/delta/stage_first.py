@@ -57,7 +57,7 @@ class Pauses:
 
 
 class StagedPublishes:
-    """One sync's publishes, fetched by the engines first and announced under the gate."""
+    """One sync's publishes, fetched by the engines first and committed whole under the gate."""
 
     def __init__(self, engines, pool: concurrent.futures.Executor, timeout: float, commit: Commit):
         self.engines, self.pool, self.timeout, self._commit = engines, pool, timeout, commit
