@@ -330,8 +330,13 @@ def test_a_pushed_version_broken_in_its_last_publish_is_taken_whole_or_not_at_al
     (tmp_path / "store").mkdir()
     transport = DiskTransport(str(tmp_path), [e], zstd=1, stage_timeout=60, keep_files=True) \
         if where == "directory" else StoreTransport(str(tmp_path / "store"), [e], zstd=1, stage_timeout=60)
-    sender = DeltaSender(transport, [e], encoding="xor_zstd", buffer_bytes=16 << 10)  # several publishes
+    sender = DeltaSender(transport, [e], encoding="xor_zstd")
     held = {}
+
+    def two_publishes(state):  # two segments: the version is two requests, the second one broken
+        names = list(state)
+        return [lambda part=part: [[(n, state[n]) for n in part]] for part in (names[:len(names) // 2],
+                                                                              names[len(names) // 2:])]
 
     def corrupt_the_last_publish():
         held["before"] = params(e.host.model)
@@ -346,16 +351,17 @@ def test_a_pushed_version_broken_in_its_last_publish_is_taken_whole_or_not_at_al
             last.write_bytes(bytes(data))
 
     try:
-        assert sender.update(segments(STATES[0]))[0][0]
+        assert sender.update(two_publishes(STATES[0]))[0][0]
         transport.gate = corrupt_the_last_publish
-        (ok, msg), = sender.update(segments(STATES[1])).values()
+        (ok, msg), = sender.update(two_publishes(STATES[1])).values()
         assert not ok, msg
+        assert len(transport.staged.publishes[0]) == 2
         assert unchanged(e.host.model, held["before"])
         (st,) = e.status()
         assert (st.version, st.needs_full, st.pending) == (1, False, None), st
         assert st.code == ("checksum" if where == "directory" else "unverified"), st
         transport.gate = lambda: None
-        assert sender.update(segments(STATES[2]))[0][0]
+        assert sender.update(two_publishes(STATES[2]))[0][0]
         assert_params_equal(e.host.model, reference(STATES[2]))
         (st,) = e.status()
         assert st.version == 3 and not st.needs_full, st
