@@ -357,7 +357,7 @@ def test_a_follower_stages_the_next_version_while_it_serves_and_its_commit_reads
         reply = checker_action("delta_stage", engine.host.model)
         asked = DeltaStatus.from_checker([reply])[0]
         ended = staging.stage_of(engine.host.model).error is not None  # a broken version's stage may end at once
-        assert asked.staging == at + 1 or (asked.staged or 0) > at or ended, asked  # under way once asked, or done
+        assert (asked.staging or 0) > at or (asked.staged or 0) > at or ended, asked  # under way once asked, or done
         staging.stage_of(engine.host.model).thread.join(60)
         return delta_status(engine.host.model)
 
