@@ -128,11 +128,11 @@ class StagedPublishes:
         self.figures["stage_s"] = t1 - (self.t0 or t1)
         self.figures["stage_ready_engines"] = float(len(ready))
         gate()
-        out = dict(zip(engines, self.pool.map(self._announce, engines)))
+        out = dict(zip(engines, self.pool.map(self._commit_engine, engines)))
         self.figures["commit_s"] = time.perf_counter() - t1
         return out
 
-    def _announce(self, i: int) -> Tuple[bool, str, float]:
+    def _commit_engine(self, i: int) -> Tuple[bool, str, float]:
         return self._commit(i, self.publishes[i]) if self.publishes[i] else (True, "", 0.0)
 
     def _wait(self, engines: List[int]) -> List[int]:
